@@ -1,0 +1,1 @@
+"""Proxy process: OpenAI-compatible HTTP/SSE front end."""

@@ -1,0 +1,1 @@
+"""Scheduler process: consumes reports, runs the planner, publishes decisions."""

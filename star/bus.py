@@ -1,0 +1,485 @@
+"""The event bus: Redis streams through redis-py's asyncio client (DESIGN §4).
+
+* :func:`connect_redis` is the one connection factory (URL, ACL user/password,
+  timeouts, redis-py ``Retry`` with exponential backoff per command).
+* :class:`Bus` publishes messages (``XADD ... MAXLEN ~``), each entry carrying
+  the msgpack ``body`` next to a few plain-text fields so ``redis-cli XRANGE``
+  is readable, and moves undecodable entries to ``<prefix>:dead``.
+* :class:`GroupReader` consumes through a consumer group: its own pending
+  entries first (after a crash), stale entries of dead consumers reclaimed with
+  ``XAUTOCLAIM``, then new ones; the caller acknowledges what it processed.
+* :class:`Subscriber` reads a stream in order with plain ``XREAD`` and never
+  skips an entry, even across reconnects (proxies follow decisions this way).
+
+Readers survive a Redis restart: every call goes through :meth:`Bus.retrying`,
+which retries with bounded, logged exponential backoff and gives up with
+:class:`BusUnavailable` after ``redis.reconnect_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import redis.asyncio as aioredis
+import structlog
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
+
+from star.settings import BusSettings, RedisSettings
+from star.wire import LoadEntry, Message, WireError, decode, decode_as, encode
+
+log = structlog.get_logger(__name__)
+
+T = TypeVar("T")
+M = TypeVar("M", bound=Message)
+
+# What "Redis is not there right now" looks like (BusyLoadingError, raised
+# while a restarted server loads its AOF, is a ConnectionError).
+TRANSIENT: tuple[type[BaseException], ...] = (RedisConnectionError, RedisTimeoutError, OSError)
+
+
+class BusError(Exception):
+    """Base of the bus adapter's errors."""
+
+
+class BusUnavailable(BusError):
+    """Redis stayed unreachable for longer than ``reconnect_timeout_s``."""
+
+
+def connect_redis(settings: RedisSettings) -> aioredis.Redis:
+    """The one Redis client factory: ``redis://``, ``rediss://`` or ``unix://``.
+
+    ``username``/``password`` from the settings override those in the URL.
+    Responses are bytes (stream bodies are msgpack).
+    """
+    kwargs: dict[str, Any] = {
+        "socket_connect_timeout": settings.connect_timeout_s,
+        "socket_timeout": settings.socket_timeout_s,
+        "retry": Retry(
+            ExponentialBackoff(cap=settings.backoff_max_s, base=settings.backoff_base_s),
+            settings.retry_attempts,
+        ),
+        "retry_on_error": [RedisConnectionError, RedisTimeoutError],
+        "health_check_interval": 30,
+        "decode_responses": False,
+    }
+    if settings.username:
+        kwargs["username"] = settings.username
+    if settings.password:
+        kwargs["password"] = settings.password
+    return aioredis.Redis.from_url(settings.url, **kwargs)
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """Redis keys of one cluster, all under ``prefix``."""
+
+    prefix: str
+
+    @property
+    def reports(self) -> str:
+        return f"{self.prefix}:reports"
+
+    @property
+    def decisions(self) -> str:
+        return f"{self.prefix}:decisions"
+
+    @property
+    def events(self) -> str:
+        return f"{self.prefix}:events"
+
+    @property
+    def dead(self) -> str:
+        return f"{self.prefix}:dead"
+
+    @property
+    def load(self) -> str:
+        return f"{self.prefix}:load"
+
+    @property
+    def leader(self) -> str:
+        return f"{self.prefix}:leader"
+
+    @property
+    def fence(self) -> str:
+        return f"{self.prefix}:fence"
+
+    def stream(self, name: str) -> str:
+        """A stream key from its short name (``reports``) or its full key."""
+        if name in STREAMS:
+            return f"{self.prefix}:{name}"
+        if name.startswith(f"{self.prefix}:") and name.split(":", 1)[1] in STREAMS:
+            return name
+        raise BusError(f"unknown stream {name!r}; STAR streams are {', '.join(STREAMS)}")
+
+
+STREAMS = ("reports", "decisions", "events", "dead")
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One decoded stream entry."""
+
+    id: str
+    msg: Message
+    fields: Mapping[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class DeadEntry:
+    """An entry of the dead-letter stream: where it came from and why."""
+
+    id: str
+    stream: str
+    original_id: str
+    reason: str
+    body: bytes
+
+
+def _s(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+class Bus:
+    """Publishing, dead-lettering and retrying over one Redis client."""
+
+    def __init__(self, redis: aioredis.Redis, settings: BusSettings, redis_settings: RedisSettings) -> None:
+        self.redis = redis
+        self.settings = settings
+        self.redis_settings = redis_settings
+        self.keys = Keys(settings.prefix)
+        self._maxlen = {
+            self.keys.reports: settings.maxlen_reports,
+            self.keys.decisions: settings.maxlen_decisions,
+            self.keys.events: settings.maxlen_events,
+            self.keys.dead: settings.maxlen_dead,
+        }
+
+    @classmethod
+    def from_settings(cls, redis_settings: RedisSettings, bus_settings: BusSettings) -> Bus:
+        return cls(connect_redis(redis_settings), bus_settings, redis_settings)
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    async def retrying(self, what: str, op: Callable[[], Awaitable[T]]) -> T:
+        """Run ``op`` until it succeeds, backing off while Redis is unreachable.
+
+        Delays double from ``backoff_base_s`` up to ``backoff_max_s``; each
+        failure is logged once; after ``reconnect_timeout_s`` without success
+        :class:`BusUnavailable` is raised.
+        """
+        cfg = self.redis_settings
+        delay = cfg.backoff_base_s
+        started = time.monotonic()
+        attempt = 0
+        while True:
+            try:
+                result = await op()
+            except TRANSIENT as exc:
+                attempt += 1
+                waited = time.monotonic() - started
+                if waited >= cfg.reconnect_timeout_s:
+                    raise BusUnavailable(
+                        f"Redis at {cfg.url} unreachable for {waited:.1f}s during {what}: {exc}"
+                    ) from exc
+                log.warning("redis unreachable, retrying", op=what, attempt=attempt, delay_s=round(delay, 3), error=str(exc))
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, cfg.backoff_max_s)
+                continue
+            if attempt:
+                log.info("redis reachable again", op=what, attempts=attempt, down_s=round(time.monotonic() - started, 3))
+            return result
+
+    # -- writing ------------------------------------------------------------
+
+    async def publish(self, stream: str, msg: Message, retry: bool = True) -> str:
+        """XADD ``msg`` to ``stream`` (short name or key) with approximate trimming."""
+        key = self.keys.stream(stream)
+        fields: dict[str, bytes | str] = {**msg.summary(), "body": encode(msg)}
+
+        async def op() -> Any:
+            return await self.redis.xadd(key, fields, maxlen=self._maxlen[key], approximate=True)  # type: ignore[arg-type]
+
+        entry_id = await self.retrying(f"XADD {key}", op) if retry else await op()
+        return _s(entry_id)
+
+    async def dead_letter(self, stream_key: str, entry_id: str, reason: str, body: bytes) -> None:
+        """Move an undecodable entry to ``<prefix>:dead`` (once per original entry)."""
+        mark = f"{self.keys.dead}:seen:{stream_key}:{entry_id}"
+
+        async def op() -> None:
+            # Several ordered subscribers may hit the same bad entry; only the
+            # first copies it.
+            if await self.redis.set(mark, b"1", nx=True, ex=24 * 3600):
+                await self.redis.xadd(
+                    self.keys.dead,
+                    {"stream": stream_key, "id": entry_id, "reason": reason, "body": body},
+                    maxlen=self.settings.maxlen_dead,
+                    approximate=True,
+                )
+
+        await self.retrying(f"XADD {self.keys.dead}", op)
+        log.warning("undecodable entry moved to dead-letter stream", stream=stream_key, entry_id=entry_id, reason=reason)
+
+    # -- reading --------------------------------------------------------------
+
+    def decode_fields(
+        self, key: str, entry_id: str, raw: Mapping[bytes, bytes], expect: type[M] | tuple[type[M], ...] | None
+    ) -> Entry:
+        """Decode one entry's fields; raises :class:`WireError` (caller dead-letters)."""
+        body = raw.get(b"body")
+        if body is None:
+            raise WireError("entry has no 'body' field")
+        msg = decode(body, expect)
+        text = {_s(k): _s(v) for k, v in raw.items() if k != b"body"}
+        return Entry(entry_id, msg, text)
+
+    async def decode_or_bury(
+        self, key: str, entries: list[tuple[bytes, dict[bytes, bytes] | None]], expect: Any
+    ) -> list[Entry]:
+        """Decode a batch; undecodable entries go to the dead-letter stream."""
+        out: list[Entry] = []
+        for raw_id, raw in entries:
+            entry_id = _s(raw_id)
+            if raw is None:  # deleted (trimmed) while pending
+                continue
+            try:
+                out.append(self.decode_fields(key, entry_id, raw, expect))
+            except WireError as exc:
+                await self.dead_letter(key, entry_id, str(exc), raw.get(b"body", b""))
+        return out
+
+    async def last_id(self, stream: str) -> str:
+        """The id of the newest entry of ``stream`` (``0-0`` if empty or absent)."""
+        key = self.keys.stream(stream)
+
+        async def op() -> Any:
+            return await self.redis.xrevrange(key, count=1)
+
+        rows = await self.retrying(f"XREVRANGE {key}", op)
+        return _s(rows[0][0]) if rows else "0-0"
+
+    async def tail(self, stream: str, count: int) -> list[tuple[str, dict[bytes, bytes]]]:
+        """The last ``count`` raw entries of a stream, oldest first."""
+        key = self.keys.stream(stream)
+        rows = await self.retrying(f"XREVRANGE {key}", lambda: self.redis.xrevrange(key, count=count))
+        return [(_s(i), f) for i, f in reversed(rows)]
+
+    # -- dispatch view (hash) ------------------------------------------------------
+
+    async def publish_load(self, entries: list[LoadEntry], ttl_s: float) -> None:
+        """Replace the ``<prefix>:load`` hash with the current dispatch view."""
+        key = self.keys.load
+
+        async def op() -> None:
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.delete(key)
+                if entries:
+                    pipe.hset(key, mapping={e.instance: encode(e) for e in entries})
+                    pipe.pexpire(key, max(1, int(ttl_s * 1000)))
+                await pipe.execute()
+
+        await self.retrying(f"HSET {key}", op)
+
+    async def read_load(self) -> dict[str, LoadEntry]:
+        """The dispatch view; bad values are skipped with a warning."""
+        raw = await self.retrying(f"HGETALL {self.keys.load}", lambda: self.redis.hgetall(self.keys.load))
+        out: dict[str, LoadEntry] = {}
+        for name, body in raw.items():
+            try:
+                out[_s(name)] = decode_as(body, LoadEntry)
+            except WireError as exc:
+                log.warning("bad load entry skipped", instance=_s(name), reason=str(exc))
+        return out
+
+
+def parse_dead(entry_id: str, raw: Mapping[bytes, bytes]) -> DeadEntry:
+    """Read a dead-letter entry (plain fields, never fails)."""
+    return DeadEntry(
+        id=entry_id,
+        stream=_s(raw.get(b"stream", b"?")),
+        original_id=_s(raw.get(b"id", b"?")),
+        reason=_s(raw.get(b"reason", b"?")),
+        body=raw.get(b"body", b""),
+    )
+
+
+class GroupReader:
+    """Consume a stream through a consumer group (at-least-once, explicit ack).
+
+    Order of reads: this consumer's own pending entries (delivered before a
+    crash or restart and never acknowledged), then entries idle longer than
+    ``claim_idle_ms`` in other consumers' pending lists (``XAUTOCLAIM``), then
+    new entries. Undecodable entries are dead-lettered and acknowledged so
+    they are never delivered again. If the group vanished (a Redis restarted
+    without persistence) it is created again.
+    """
+
+    def __init__(
+        self,
+        bus: Bus,
+        stream: str,
+        group: str,
+        consumer: str,
+        expect: type[M] | tuple[type[M], ...] | None = None,
+        start: str = "0",
+    ) -> None:
+        self.bus = bus
+        self.key = bus.keys.stream(stream)
+        self.group = group
+        self.consumer = consumer
+        self.expect = expect
+        self.start = start
+        self._backlog = True  # read our own pending entries first
+        self._claim_cursor = "0-0"
+        self._last_claim = 0.0
+        self._group_ready = False
+
+    async def _ensure_group(self) -> None:
+        try:
+            await self.bus.redis.xgroup_create(self.key, self.group, id=self.start, mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+        self._group_ready = True
+
+    async def read(self, block_ms: int | None = None) -> list[Entry]:
+        """Next batch of entries (may be empty after ``block_ms``)."""
+        return await self.bus.retrying(f"XREADGROUP {self.key}", lambda: self._read_once(block_ms))
+
+    async def _read_once(self, block_ms: int | None) -> list[Entry]:
+        if not self._group_ready:
+            await self._ensure_group()
+        cfg = self.bus.settings
+        try:
+            if self._backlog:
+                rows = await self.bus.redis.xreadgroup(
+                    self.group, self.consumer, {self.key: "0"}, count=cfg.read_count
+                )
+                batch = rows[0][1] if rows else []
+                if batch:
+                    return await self._accept(batch)
+                self._backlog = False
+            now = time.monotonic()
+            if now - self._last_claim >= cfg.claim_idle_ms / 4000:
+                self._last_claim = now
+                cursor, claimed, *_ = await self.bus.redis.xautoclaim(
+                    self.key, self.group, self.consumer, cfg.claim_idle_ms, self._claim_cursor, count=cfg.read_count
+                )
+                self._claim_cursor = _s(cursor)
+                if claimed:
+                    log.info("reclaimed stale entries", stream=self.key, count=len(claimed))
+                    return await self._accept(claimed)
+            rows = await self.bus.redis.xreadgroup(
+                self.group,
+                self.consumer,
+                {self.key: ">"},
+                count=cfg.read_count,
+                block=cfg.block_ms if block_ms is None else block_ms,
+            )
+        except ResponseError as exc:
+            if "NOGROUP" in str(exc):
+                log.warning("consumer group missing, recreating", stream=self.key, group=self.group)
+                self._group_ready = False
+                self._backlog = True
+                return []
+            raise
+        except TRANSIENT:
+            # After a reconnect our own pending entries come first again.
+            self._backlog = True
+            raise
+        batch = rows[0][1] if rows else []
+        return await self._accept(batch)
+
+    async def _accept(self, batch: list[Any]) -> list[Entry]:
+        """Decode a batch; bad entries are dead-lettered and acknowledged at once."""
+        good = await self.bus.decode_or_bury(self.key, batch, self.expect)
+        good_ids = {e.id for e in good}
+        bad = [_s(i) for i, _ in batch if _s(i) not in good_ids]
+        if bad:
+            await self.bus.redis.xack(self.key, self.group, *bad)
+        return good
+
+    async def ack(self, *entry_ids: str) -> None:
+        """Acknowledge processed entries (they are never delivered again)."""
+        if entry_ids:
+            await self.bus.retrying(
+                f"XACK {self.key}", lambda: self.bus.redis.xack(self.key, self.group, *entry_ids)
+            )
+
+    async def pending(self) -> int:
+        """How many entries of the group are delivered but not acknowledged."""
+        info = await self.bus.retrying(f"XPENDING {self.key}", lambda: self.bus.redis.xpending(self.key, self.group))
+        return int(info["pending"])
+
+
+class Subscriber:
+    """Read one stream in order with plain ``XREAD``; never skips an entry.
+
+    ``start`` is ``"$"`` (entries after the current last one — resolved to a
+    concrete id on the first read, so entries published during a reconnect
+    are not missed), ``"0"`` (from the beginning) or an entry id. If Redis
+    comes back with a stream whose newest id is older than the last one seen
+    (restarted without persistence), reading starts over from the beginning.
+    """
+
+    def __init__(
+        self,
+        bus: Bus,
+        stream: str,
+        expect: type[M] | tuple[type[M], ...] | None = None,
+        start: str = "$",
+    ) -> None:
+        self.bus = bus
+        self.key = bus.keys.stream(stream)
+        self.expect = expect
+        self.last_id = start
+        self._check_reset = False
+
+    async def read(self, block_ms: int | None = None) -> list[Entry]:
+        """The next entries in stream order (may be empty after ``block_ms``)."""
+        return await self.bus.retrying(f"XREAD {self.key}", lambda: self._read_once(block_ms))
+
+    async def _read_once(self, block_ms: int | None) -> list[Entry]:
+        redis = self.bus.redis
+        try:
+            if self.last_id == "$":
+                rows = await redis.xrevrange(self.key, count=1)
+                self.last_id = _s(rows[0][0]) if rows else "0-0"
+            if self._check_reset:
+                rows = await redis.xrevrange(self.key, count=1)
+                newest = _s(rows[0][0]) if rows else "0-0"
+                if _id_tuple(newest) < _id_tuple(self.last_id):
+                    log.warning("stream went back in time; reading from its start", stream=self.key, last_seen=self.last_id, newest=newest)
+                    self.last_id = "0-0"
+                self._check_reset = False
+            rows = await redis.xread(
+                {self.key: self.last_id},
+                count=self.bus.settings.read_count,
+                block=self.bus.settings.block_ms if block_ms is None else block_ms,
+            )
+        except TRANSIENT:
+            self._check_reset = True
+            raise
+        batch = rows[0][1] if rows else []
+        if batch:
+            self.last_id = _s(batch[-1][0])
+        return await self.bus.decode_or_bury(self.key, batch, self.expect)
+
+    async def __aiter__(self) -> AsyncIterator[Entry]:
+        while True:
+            for entry in await self.read():
+                yield entry
+
+
+def _id_tuple(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)

@@ -1,0 +1,1 @@
+"""The `star` command line."""

@@ -1,0 +1,61 @@
+"""structlog, configured once per process (structlog's production recipe).
+
+JSON lines when stderr is not a TTY (systemd/journald, CI), a readable
+console renderer on a TTY. Context is bound per unit of work with
+``structlog.contextvars.bound_contextvars(instance=..., request_id=...,
+migration_id=...)`` so every line of that unit carries it.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any, TextIO
+
+import structlog
+
+from star.settings import LogSettings
+
+_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
+
+
+def configure_logging(settings: LogSettings | None = None, stream: TextIO | None = None, **context: Any) -> None:
+    """Configure structlog (and route stdlib logging through it).
+
+    ``context`` is bound for the life of the process, e.g. ``role="scheduler"``.
+    Calling it again reconfigures (tests do that); processes call it once.
+    """
+    settings = settings or LogSettings()
+    stream = stream or sys.stderr
+    level = _LEVELS[settings.level]
+    as_json = settings.format == "json" or (settings.format == "auto" and not stream.isatty())
+
+    shared: list[structlog.typing.Processor] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        structlog.processors.StackInfoRenderer(),
+    ]
+    renderer: structlog.typing.Processor
+    if as_json:
+        shared.append(structlog.processors.dict_tracebacks)
+        renderer = structlog.processors.JSONRenderer()
+    else:
+        renderer = structlog.dev.ConsoleRenderer(colors=stream.isatty())
+
+    structlog.configure(
+        processors=[*shared, renderer],
+        wrapper_class=structlog.make_filtering_bound_logger(level),
+        logger_factory=structlog.PrintLoggerFactory(stream),
+        cache_logger_on_first_use=False,
+    )
+    structlog.contextvars.clear_contextvars()
+    if context:
+        structlog.contextvars.bind_contextvars(**context)
+
+    # Libraries (redis, vllm) log through the stdlib; keep their warnings visible.
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(max(level, logging.WARNING))

@@ -1,0 +1,160 @@
+"""Plain data the planner takes and returns (paper §5.2, DESIGN §3).
+
+These types are the contract between the live scheduler, ``star plan`` and
+the simulator: all three build :class:`Instance` values and call
+:func:`star.planner.plan` with the same :class:`PlannerParams`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class ModeKind(enum.StrEnum):
+    """How the planner sees a request's future (paper §6.1 "Baselines")."""
+
+    NO_MIGRATION = "no-migration"  # vLLM baseline: P->D dispatch only
+    CURRENT = "current"  # STAR w/o prediction: H = 0, c_r = N(r)
+    PREDICTED = "predicted"  # STAR: R-hat from the length predictor
+    ORACLE = "oracle"  # true remaining lengths (simulator, tests)
+    BINS = "bins"  # R-hat quantised to the paper's Table 4 bins
+
+
+@dataclass(frozen=True, slots=True)
+class Mode:
+    """A planner mode; ``bins`` carries its bin count (2, 4 or 6)."""
+
+    kind: ModeKind
+    bins: int = 0
+
+    @classmethod
+    def parse(cls, text: str) -> Mode:
+        """Parse ``no-migration``, ``current``, ``predicted``, ``oracle`` or ``bins:K``."""
+        name, _, arg = text.strip().partition(":")
+        try:
+            kind = ModeKind(name)
+        except ValueError:
+            choices = ", ".join(k.value for k in ModeKind if k is not ModeKind.BINS)
+            raise ValueError(f"unknown mode {text!r}; expected one of {choices}, bins:K") from None
+        if kind is ModeKind.BINS:
+            if arg not in {"2", "4", "6"}:
+                raise ValueError(f"mode {text!r}: bins takes 2, 4 or 6 (paper Table 4)")
+            return cls(kind, int(arg))
+        if arg:
+            raise ValueError(f"mode {text!r}: only bins takes an argument")
+        return cls(kind)
+
+    def __str__(self) -> str:
+        return f"bins:{self.bins}" if self.kind is ModeKind.BINS else self.kind.value
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One running request on a decode instance.
+
+    ``tokens`` is N(r), the tokens in its KV (prompt + generated);
+    ``predicted_remaining`` is R-hat(r) from the length predictor (None when no
+    prediction was made yet); ``true_remaining`` is only known to the
+    simulator and tests (``oracle`` mode).
+    """
+
+    id: str
+    tokens: int
+    predicted_remaining: float | None = None
+    true_remaining: int | None = None
+    generated: int = 0
+    migratable: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Instance:
+    """A decode instance as the scheduler sees it at one tick.
+
+    ``trace`` is the worker's own pre-simulated load L(tau_0..tau_H) (paper
+    Algorithm 1, "pre-simulated state reports"); the planner uses it when its
+    length matches the horizon and falls back to computing it from
+    ``requests`` otherwise. ``in_flight`` marks an instance already taking
+    part in a migration; ``busy`` lists requests that are being migrated.
+    """
+
+    id: str
+    requests: tuple[Request, ...]
+    capacity_tokens: int
+    bytes_per_token: int = 0
+    step_time_s: float = 0.0
+    in_flight: bool = False
+    busy: frozenset[str] = field(default_factory=frozenset)
+    trace: tuple[float, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PlannerParams:
+    """Knobs of Algorithm 1; defaults documented in the README.
+
+    ``horizon`` is H (grid points tau_j = j * ``delta`` decode steps, j = 0..H),
+    ``beta_decay`` makes beta_j proportional to ``beta_decay ** j`` before
+    normalisation, ``theta`` is the classification threshold, ``min_gain`` is
+    epsilon (do nothing unless Delta-V < -epsilon), ``max_migrations`` is M.
+    C_mig(r) = KV bytes of r / ``bandwidth_bytes_per_s`` + ``handoff_latency_s``.
+    """
+
+    mode: Mode = Mode(ModeKind.PREDICTED)
+    horizon: int = 64
+    delta: int = 32
+    beta_decay: float = 0.95
+    theta: float = 0.1
+    min_gain: float = 0.0
+    max_migrations: int = 1
+    bandwidth_bytes_per_s: float = 25e9 / 8
+    handoff_latency_s: float = 0.025
+    default_step_time_s: float = 0.02
+
+
+class Verdict(enum.StrEnum):
+    """Why a candidate (r, s, t) was or was not chosen (for ``star plan``)."""
+
+    CHOSEN = "chosen"
+    NOT_BEST = "not-best"
+    NO_GAIN = "no-gain"  # Delta-V >= -epsilon
+    TOO_SHORT = "too-short"  # R-hat <= C_mig / T_exec
+    OVER_CAPACITY = "over-capacity"  # target would exceed C_mem within the horizon
+    NOT_MIGRATABLE = "not-migratable"  # sampling state cannot be carried
+    IN_FLIGHT = "in-flight"  # request already migrating
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One (r, s, t) the planner looked at, with its Delta-V where computed."""
+
+    request: str
+    source: str
+    target: str
+    delta_v: float | None
+    verdict: Verdict
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """A migration the planner decided: move ``request`` from ``source`` to ``target``."""
+
+    request: str
+    source: str
+    target: str
+    delta_v: float
+    tokens: int
+    remaining: float
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """The outcome of one tick."""
+
+    moves: tuple[Move, ...]
+    workloads: dict[str, float]
+    mean_workload: float
+    overloaded: tuple[str, ...]
+    underloaded: tuple[str, ...]
+    variance_before: float
+    variance_after: float
+    candidates: tuple[Candidate, ...] = ()

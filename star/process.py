@@ -1,0 +1,218 @@
+"""The base of every long-running STAR process (uvicorn's ``Server`` shape).
+
+A :class:`Service` subclass implements :meth:`Service.startup`,
+:meth:`Service.main` (runs until asked to stop), :meth:`Service.drain`
+(stop intake, finish in-flight work) and :meth:`Service.cleanup` (close
+connections). :meth:`Service.run` is what a CLI command calls: it installs
+uvloop, runs :meth:`Service.serve`, and returns the exit status.
+
+Signals only set flags: the first SIGINT/SIGTERM asks for a graceful stop
+(drain with ``drain_timeout_s``), a second one forces it (remaining work is
+cancelled with a message). systemd is told ``READY=1`` after startup,
+``STOPPING=1`` when the stop begins, and ``WATCHDOG=1`` at half the
+watchdog interval when ``WATCHDOG_USEC`` is set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import time
+from collections.abc import Coroutine, Mapping
+from typing import Any
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+
+def sd_notify(state: str, env: Mapping[str, str] | None = None) -> bool:
+    """Send ``state`` (e.g. ``READY=1``) to systemd's ``$NOTIFY_SOCKET``.
+
+    Returns False when not running under a notify-type unit. An abstract
+    socket address starts with ``@``.
+    """
+    env = os.environ if env is None else env
+    path = env.get("NOTIFY_SOCKET")
+    if not path:
+        return False
+    address = "\0" + path[1:] if path.startswith("@") else path
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+            sock.connect(address)
+            sock.sendall(state.encode())
+    except OSError as exc:
+        log.warning("sd_notify failed", state=state, error=str(exc))
+        return False
+    return True
+
+
+def watchdog_interval(env: Mapping[str, str] | None = None) -> float | None:
+    """Half the systemd watchdog interval in seconds, if one is configured for us."""
+    env = os.environ if env is None else env
+    usec = env.get("WATCHDOG_USEC")
+    pid = env.get("WATCHDOG_PID")
+    if not usec or (pid and pid != str(os.getpid())):
+        return None
+    try:
+        return max(int(usec) / 2e6, 0.01)
+    except ValueError:
+        return None
+
+
+class Service:
+    """A long-running process: override the four hooks, call :meth:`run`."""
+
+    name = "service"
+
+    def __init__(self, drain_timeout_s: float = 30.0) -> None:
+        self.drain_timeout_s = drain_timeout_s
+        self.force_exit = False
+        self.started = False
+        self._exit: asyncio.Event | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._signals = 0
+        self._phase: asyncio.Task[Any] | None = None  # main() or drain(), whichever runs
+        self.failed: BaseException | None = None
+
+    # -- hooks -------------------------------------------------------------------
+
+    async def startup(self) -> None:
+        """Open connections, bind sockets. Raise to abort the start."""
+
+    async def main(self) -> None:
+        """The work; the default waits until a stop is requested."""
+        await self.wait_exit()
+
+    async def drain(self) -> None:
+        """Stop intake and let in-flight work finish (bounded by ``drain_timeout_s``)."""
+
+    async def cleanup(self) -> None:
+        """Close what :meth:`startup` opened; runs even after a failed start."""
+
+    # -- plumbing -------------------------------------------------------------------
+
+    @property
+    def exiting(self) -> bool:
+        return self._exit is not None and self._exit.is_set()
+
+    def request_exit(self) -> None:
+        """Ask for a graceful stop (safe to call from signal handlers and tests)."""
+        if self._exit is not None:
+            self._exit.set()
+
+    async def wait_exit(self) -> None:
+        assert self._exit is not None, "serve() not running"
+        await self._exit.wait()
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+        """Start an owned background task; its failure stops the service."""
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            log.error("background task failed; stopping", task=task.get_name(), error=repr(exc), exc_info=exc)
+            self.failed = exc
+            self.request_exit()
+
+    def _on_signal(self, signum: int) -> None:
+        self._signals += 1
+        if self._signals == 1:
+            log.info("stop requested; draining", signal=signal.Signals(signum).name, timeout_s=self.drain_timeout_s)
+            self.request_exit()
+        else:
+            log.warning("second signal; forcing exit", signal=signal.Signals(signum).name)
+            self.force_exit = True
+            self.request_exit()
+            if self._phase is not None:
+                self._phase.cancel("forced exit")
+
+    def install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, self._on_signal, sig)
+
+    def remove_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.remove_signal_handler(sig)
+
+    async def _watchdog(self, interval: float) -> None:
+        while True:
+            sd_notify("WATCHDOG=1")
+            await asyncio.sleep(interval)
+
+    async def serve(self, install_signals: bool = True) -> int:
+        """Start, run until stopped, drain, clean up; returns the exit status."""
+        self._exit = asyncio.Event()
+        if install_signals:
+            self.install_signal_handlers()
+        status = 0
+        try:
+            try:
+                await self.startup()
+            except Exception as exc:
+                log.error("startup failed", service=self.name, error=str(exc), exc_info=exc)
+                return 1
+            self.started = True
+            sd_notify("READY=1")
+            interval = watchdog_interval()
+            if interval:
+                self.spawn(self._watchdog(interval), "watchdog")
+            log.info("started", service=self.name)
+            self._phase = asyncio.create_task(self.main(), name=f"{self.name}.main")
+            try:
+                await self._phase
+            except asyncio.CancelledError:
+                if not self.force_exit:
+                    raise
+            except Exception as exc:
+                log.error("service failed", service=self.name, error=str(exc), exc_info=exc)
+                status = 1
+            if self.failed is not None:
+                status = 1
+            sd_notify("STOPPING=1")
+            started = time.monotonic()
+            if not self.force_exit:
+                self._phase = asyncio.create_task(
+                    asyncio.wait_for(self.drain(), self.drain_timeout_s), name=f"{self.name}.drain"
+                )
+                try:
+                    await self._phase
+                except TimeoutError:
+                    log.warning("drain timed out; cancelling the rest", timeout_s=self.drain_timeout_s)
+                except asyncio.CancelledError:
+                    if not self.force_exit:
+                        raise
+            for task in list(self._tasks):
+                task.cancel(f"{self.name} shutting down")
+            if self._tasks:
+                await asyncio.gather(*self._tasks, return_exceptions=True)
+            log.info("stopped", service=self.name, drain_s=round(time.monotonic() - started, 3), status=status)
+            return status
+        finally:
+            with contextlib.suppress(Exception):
+                await self.cleanup()
+            if install_signals:
+                self.remove_signal_handlers()
+
+    def run(self) -> int:
+        """Entry point for a CLI command: uvloop, serve, exit status."""
+        try:
+            import uvloop
+
+            return uvloop.run(self.serve())
+        except ImportError:  # pragma: no cover - uvloop is a core dependency
+            return asyncio.run(self.serve())

@@ -1,0 +1,432 @@
+"""One settings root for every STAR process.
+
+A frozen dataclass per area (redis, bus, scheduler, worker, proxy, predictor,
+simulator, log), loaded once at start-up from, in increasing precedence:
+
+1. the defaults below,
+2. a TOML file (``--config PATH`` or ``$STAR_CONFIG``), one table per area,
+3. ``STAR_<AREA>_<KEY>`` environment variables (``STAR_SCHEDULER_INTERVAL_S=0.5``),
+4. command-line flags (``--set scheduler.interval_s=0.5`` or a command's own flags).
+
+Everything is validated here, with errors that name the key, quote the bad value
+and say where it came from; nothing deeper in the code reads the environment.
+``Settings.sources`` remembers where each value came from (``star config show``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tomllib
+import types
+import typing
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+ENV_PREFIX = "STAR_"
+CONFIG_ENV = "STAR_CONFIG"
+
+Check = Callable[[Any], str | None]
+
+
+class SettingsError(ValueError):
+    """A configuration value is missing, unknown or invalid."""
+
+
+# -- validators: each returns an error message or None ---------------------
+
+
+def positive(value: Any) -> str | None:
+    return None if value > 0 else "must be > 0"
+
+
+def non_negative(value: Any) -> str | None:
+    return None if value >= 0 else "must be >= 0"
+
+
+def fraction(value: Any) -> str | None:
+    return None if 0 < value <= 1 else "must be in (0, 1]"
+
+
+def port(value: Any) -> str | None:
+    return None if 0 <= value <= 65535 else "must be a TCP port in 0..65535 (0 = pick a free one)"
+
+
+def one_of(*choices: str) -> Check:
+    def check(value: Any) -> str | None:
+        return None if value in choices else f"must be one of {', '.join(choices)}"
+
+    return check
+
+
+def redis_url(value: Any) -> str | None:
+    scheme = urlsplit(value).scheme
+    if scheme not in {"redis", "rediss", "unix"}:
+        return "must be a redis://, rediss:// or unix:// URL"
+    return None
+
+
+def planner_mode(value: Any) -> str | None:
+    from star.planner.types import Mode
+
+    try:
+        Mode.parse(value)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _opt(default: Any, help: str, check: Check | None = None, secret: bool = False) -> Any:
+    return field(default=default, metadata={"help": help, "check": check, "secret": secret})
+
+
+DISPATCH_POLICIES = ("round-robin", "current-load", "predicted")
+
+
+# -- the areas ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RedisSettings:
+    """Connection to the Redis server that carries the event bus."""
+
+    url: str = _opt(
+        "redis://127.0.0.1:6379/0",
+        "redis://, rediss:// (TLS) or unix:// URL; may carry user:password",
+        redis_url,
+    )
+    username: str = _opt("", "ACL user (overrides the URL's)")
+    password: str = _opt("", "password (overrides the URL's)", secret=True)
+    connect_timeout_s: float = _opt(2.0, "TCP connect timeout", positive)
+    socket_timeout_s: float = _opt(5.0, "timeout of one command (blocking reads add their block time)", positive)
+    retry_attempts: int = _opt(3, "retries of one command on a connection error", non_negative)
+    backoff_base_s: float = _opt(0.05, "first reconnect delay; doubles per attempt", positive)
+    backoff_max_s: float = _opt(2.0, "cap on one reconnect delay", positive)
+    reconnect_timeout_s: float = _opt(
+        60.0, "a reader gives up (and its process exits non-zero) after Redis is gone this long", positive
+    )
+
+
+@dataclass(frozen=True)
+class BusSettings:
+    """Streams of the event bus (DESIGN §4)."""
+
+    prefix: str = _opt("star", "key prefix, so several clusters can share one Redis")
+    maxlen_reports: int = _opt(50_000, "approximate MAXLEN of <prefix>:reports", positive)
+    maxlen_decisions: int = _opt(100_000, "approximate MAXLEN of <prefix>:decisions", positive)
+    maxlen_events: int = _opt(100_000, "approximate MAXLEN of <prefix>:events", positive)
+    maxlen_dead: int = _opt(10_000, "approximate MAXLEN of the dead-letter stream <prefix>:dead", positive)
+    block_ms: int = _opt(1000, "how long one blocking read waits for new entries", positive)
+    read_count: int = _opt(256, "entries fetched per read", positive)
+    claim_idle_ms: int = _opt(
+        30_000, "a pending entry idle this long is reclaimed by another consumer (XAUTOCLAIM)", positive
+    )
+
+
+@dataclass(frozen=True)
+class SchedulerSettings:
+    """The rescheduler (paper §5, DESIGN §3)."""
+
+    interval_s: float = _opt(0.25, "planner tick interval", positive)
+    mode: str = _opt("predicted", "no-migration, current, predicted, oracle or bins:K", planner_mode)
+    dispatch: str = _opt("current-load", "P->D dispatch policy published to the proxies", one_of(*DISPATCH_POLICIES))
+    theta: float = _opt(0.1, "classification threshold: overloaded if w_i > (1+theta) * mean", non_negative)
+    horizon: int = _opt(64, "H: future grid points tau_1..tau_H", non_negative)
+    delta: int = _opt(32, "decode steps between grid points", positive)
+    beta_decay: float = _opt(0.95, "beta_j proportional to beta_decay**j (then normalised)", fraction)
+    min_gain: float = _opt(0.0, "epsilon: migrate only if the variance drops by more", non_negative)
+    max_migrations: int = _opt(1, "M: migrations decided per tick (the paper uses 1)", positive)
+    bandwidth_gbps: float = _opt(25.0, "KV transfer bandwidth assumed in C_mig", positive)
+    handoff_latency_s: float = _opt(0.025, "fixed handoff cost added to C_mig", non_negative)
+    staleness_s: float = _opt(3.0, "an instance whose reports stop this long is excluded", positive)
+    decision_timeout_s: float = _opt(15.0, "a decision with no outcome by then is expired", positive)
+    lock_ttl_s: float = _opt(1.5, "leader lock TTL; a standby takes over within about this", positive)
+    group: str = _opt("scheduler", "consumer group on <prefix>:reports")
+    metrics_host: str = _opt("127.0.0.1", "address of the Prometheus /metrics endpoint")
+    metrics_port: int = _opt(9464, "port of /metrics (0 = disabled)", port)
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """One worker process wrapping one vLLM engine."""
+
+    role: str = _opt("decode", "prefill or decode", one_of("prefill", "decode"))
+    model: str = _opt("", "model path or name (empty = the bundled tiny demo model)")
+    instance: str = _opt("", "instance id on the bus (empty = <role>-<host>-<port>)")
+    host: str = _opt("127.0.0.1", "address of the internal token protocol")
+    port: int = _opt(0, "port of the internal token protocol (0 = pick a free one)", port)
+    report_every_steps: int = _opt(20, "k: report (and predict) every k decode steps", positive)
+    report_interval_s: float = _opt(1.0, "report at least this often", positive)
+    kv_cache_space_gib: float = _opt(1.0, "VLLM_CPU_KVCACHE_SPACE on CPU machines", positive)
+    gpu_memory_utilization: float = _opt(0.3, "vLLM gpu_memory_utilization", fraction)
+    max_model_len: int = _opt(4096, "vLLM max_model_len", positive)
+    engine_args: tuple[str, ...] = _opt((), "extra vLLM engine arguments, KEY=VALUE")
+    drain_timeout_s: float = _opt(30.0, "on SIGTERM, wait this long for running requests", positive)
+
+
+@dataclass(frozen=True)
+class ProxySettings:
+    """The OpenAI-compatible HTTP/SSE front end."""
+
+    host: str = _opt("127.0.0.1", "listen address")
+    port: int = _opt(8000, "listen port", port)
+    api_key: str = _opt("", "bearer token clients must send (empty = no auth)", secret=True)
+    max_header_bytes: int = _opt(16_384, "larger request heads get 431", positive)
+    max_body_bytes: int = _opt(4 * 1024 * 1024, "larger bodies get 413", positive)
+    max_streams: int = _opt(2048, "concurrent requests; more get 429", positive)
+    dispatch: str = _opt("current-load", "fallback P->D policy when the scheduler's view is absent", one_of(*DISPATCH_POLICIES))
+    drain_timeout_s: float = _opt(30.0, "on SIGTERM, wait this long for open streams", positive)
+
+
+@dataclass(frozen=True)
+class PredictorSettings:
+    """The length predictor (paper §4, DESIGN §6)."""
+
+    checkpoint: str = _opt("", "predictor checkpoint (empty = the one shipped with the model, if any)")
+    every_k: int = _opt(20, "predict every k decode steps (paper Table 5)", positive)
+    hidden_sizes: tuple[int, ...] = _opt((2048, 512, 64), "MLP hidden layer widths")
+
+
+@dataclass(frozen=True)
+class SimulatorSettings:
+    """Defaults of ``star simulate``."""
+
+    duration_s: float = _opt(2000.0, "simulated seconds per run", positive)
+    rate_per_8: float = _opt(0.3, "request rate per 8 decode instances (paper §6.3)", positive)
+    bandwidth_gbps: float = _opt(25.0, "D->D KV transfer bandwidth (paper §6.3)", positive)
+    tick_s: float = _opt(1.0, "scheduler tick in simulated time", positive)
+
+
+@dataclass(frozen=True)
+class LogSettings:
+    """structlog output."""
+
+    level: str = _opt("info", "debug, info, warning or error", one_of("debug", "info", "warning", "error"))
+    format: str = _opt("auto", "auto (console on a TTY, JSON otherwise), json or console", one_of("auto", "json", "console"))
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The whole configuration; ``sources`` maps ``area.key`` to where it came from."""
+
+    redis: RedisSettings = field(default_factory=RedisSettings)
+    bus: BusSettings = field(default_factory=BusSettings)
+    scheduler: SchedulerSettings = field(default_factory=SchedulerSettings)
+    worker: WorkerSettings = field(default_factory=WorkerSettings)
+    proxy: ProxySettings = field(default_factory=ProxySettings)
+    predictor: PredictorSettings = field(default_factory=PredictorSettings)
+    simulator: SimulatorSettings = field(default_factory=SimulatorSettings)
+    log: LogSettings = field(default_factory=LogSettings)
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False)
+
+    def items(self) -> Iterator[tuple[str, Any, str, dataclasses.Field[Any]]]:
+        """Yield ``(area.key, value, source, field)`` for every setting."""
+        for area in AREAS:
+            section = getattr(self, area)
+            for f in dataclasses.fields(section):
+                key = f"{area}.{f.name}"
+                yield key, getattr(section, f.name), self.sources.get(key, "default"), f
+
+
+AREAS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Settings) if f.name != "sources")
+_AREA_TYPES: dict[str, type[Any]] = {
+    f.name: typing.get_type_hints(Settings)[f.name] for f in dataclasses.fields(Settings) if f.name != "sources"
+}
+
+
+# -- coercion -------------------------------------------------------------------
+
+
+def _field_types(area: str) -> dict[str, Any]:
+    return typing.get_type_hints(_AREA_TYPES[area])
+
+
+def _parse_bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in {"1", "true", "yes", "on"}:
+        return True
+    if low in {"0", "false", "no", "off"}:
+        return False
+    raise ValueError("expected true/false")
+
+
+def _coerce(tp: Any, value: Any, from_text: bool) -> Any:
+    """Convert ``value`` to ``tp``; strings from env/flags are parsed, TOML values checked."""
+    origin = typing.get_origin(tp)
+    if origin is tuple:
+        (item_tp, _) = typing.get_args(tp)
+        if from_text and isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                value = json.loads(text)
+            else:
+                value = [part.strip() for part in text.split(",") if part.strip()]
+        if not isinstance(value, list | tuple):
+            raise ValueError("expected a list")
+        return tuple(_coerce(item_tp, item, from_text) for item in value)
+    if origin in {types.UnionType, typing.Union}:
+        raise TypeError(f"unsupported settings type {tp}")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if from_text and isinstance(value, str):
+            return _parse_bool(value)
+        raise ValueError("expected true or false")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ValueError("expected an integer")
+        if isinstance(value, int):
+            return value
+        if from_text and isinstance(value, str):
+            return int(value.strip().replace("_", ""))
+        raise ValueError("expected an integer")
+    if tp is float:
+        if isinstance(value, bool):
+            raise ValueError("expected a number")
+        if isinstance(value, int | float):
+            return float(value)
+        if from_text and isinstance(value, str):
+            return float(value.strip())
+        raise ValueError("expected a number")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ValueError("expected a string")
+    raise TypeError(f"unsupported settings type {tp}")
+
+
+def _describe(source: str) -> str:
+    return f" (from {source})" if source != "default" else ""
+
+
+# -- loading -------------------------------------------------------------------
+
+
+def env_key(key: str) -> str:
+    """``scheduler.interval_s`` -> ``STAR_SCHEDULER_INTERVAL_S``."""
+    return ENV_PREFIX + key.replace(".", "_").upper()
+
+
+def _from_env(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
+    out: dict[str, tuple[Any, str]] = {}
+    for name, raw in env.items():
+        if not name.startswith(ENV_PREFIX) or name == CONFIG_ENV:
+            continue
+        rest = name[len(ENV_PREFIX) :].lower()
+        area, _, key = rest.partition("_")
+        if area not in AREAS:
+            continue  # not ours (STAR_ is a short prefix); see `star config show`
+        if key not in _field_types(area):
+            known = ", ".join(env_key(f"{area}.{k}") for k in _field_types(area))
+            raise SettingsError(f"unknown environment variable {name}={raw!r}; {area} takes {known}")
+        out[f"{area}.{key}"] = (raw, f"env {name}")
+    return out
+
+
+def _from_toml(path: Path) -> dict[str, tuple[Any, str]]:
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise SettingsError(f"config file {str(path)!r} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise SettingsError(f"config file {str(path)!r} is not valid TOML: {exc}") from None
+    out: dict[str, tuple[Any, str]] = {}
+    for area, table in data.items():
+        if area not in AREAS:
+            raise SettingsError(f"{path}: unknown section [{area}]; expected one of {', '.join(AREAS)}")
+        if not isinstance(table, dict):
+            raise SettingsError(f"{path}: [{area}] must be a table")
+        for key, value in table.items():
+            if key not in _field_types(area):
+                raise SettingsError(
+                    f"{path}: unknown key {area}.{key}; [{area}] takes {', '.join(_field_types(area))}"
+                )
+            out[f"{area}.{key}"] = (value, f"file {path}")
+    return out
+
+
+def parse_assignment(text: str) -> tuple[str, str]:
+    """Split a ``--set area.key=value`` flag."""
+    key, sep, value = text.partition("=")
+    if not sep or "." not in key:
+        raise SettingsError(f"--set expects AREA.KEY=VALUE, got {text!r}")
+    return key.strip(), value
+
+
+def load_settings(
+    config: str | os.PathLike[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Settings:
+    """Build the settings tree from defaults, TOML file, environment and flags.
+
+    ``overrides`` maps ``area.key`` to a value from the command line (strings
+    are parsed like environment values; ``None`` means "flag not given").
+    """
+    env = os.environ if env is None else env
+    path = config if config is not None else env.get(CONFIG_ENV) or None
+    layered: dict[str, tuple[Any, str]] = {}
+    if path:
+        layered.update(_from_toml(Path(path)))
+    layered.update(_from_env(env))
+    for key, value in (overrides or {}).items():
+        if value is None:
+            continue
+        area, _, name = key.partition(".")
+        if area not in AREAS or name not in _field_types(area):
+            raise SettingsError(f"unknown setting {key!r}; see `star config show` for the keys")
+        layered[key] = (value, "flag")
+
+    sections: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for area in AREAS:
+        cls = _AREA_TYPES[area]
+        hints = _field_types(area)
+        kwargs: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            key = f"{area}.{f.name}"
+            if key in layered:
+                raw, source = layered[key]
+                try:
+                    value = _coerce(hints[f.name], raw, from_text=not source.startswith("file"))
+                except (ValueError, json.JSONDecodeError) as exc:
+                    raise SettingsError(f"{key}: invalid value {raw!r}{_describe(source)}: {exc}") from None
+                kwargs[f.name] = value
+                sources[key] = source
+            check: Check | None = f.metadata.get("check")
+            current = kwargs.get(f.name, f.default)
+            if check is not None and current is not None:
+                problem = check(current)
+                if problem:
+                    src = sources.get(key, "default")
+                    raise SettingsError(f"{key}: {problem}, got {current!r}{_describe(src)}")
+        sections[area] = cls(**kwargs)
+    return Settings(**sections, sources=sources)
+
+
+def render(value: Any, secret: bool) -> str:
+    """A value as `star config show` prints it (secrets masked)."""
+    if secret and value:
+        return '"***"'
+    if isinstance(value, tuple):
+        return json.dumps(list(value))
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return repr(value)
+
+
+def as_dict(settings: Settings, mask_secrets: bool = True) -> dict[str, dict[str, Any]]:
+    """The settings as nested plain data (JSON/TOML friendly)."""
+    out: dict[str, dict[str, Any]] = {area: {} for area in AREAS}
+    for key, value, _source, f in settings.items():
+        area, name = key.split(".", 1)
+        if mask_secrets and f.metadata.get("secret") and value:
+            value = "***"
+        out[area][name] = list(value) if isinstance(value, tuple) else value
+    return out

@@ -1,0 +1,486 @@
+"""Every message STAR puts on a wire, defined once (DESIGN §4).
+
+Two families share one encoding, a msgpack map ``{"v": SCHEMA_VERSION, "k":
+kind, ...fields}``:
+
+* bus messages, the body of Redis stream entries: :class:`Report`,
+  :class:`Decision`, :class:`Event`, and :class:`LoadEntry` (the values of the
+  ``<prefix>:load`` hash);
+* frames of the internal token protocol between proxy and workers (framed
+  msgpack over TCP, multiplexed by ``stream``): :class:`Hello`,
+  :class:`Generate`, :class:`Tokens`, :class:`Abort`, :class:`Release`,
+  :class:`Handoff`, :class:`Error`.
+
+Decoding is strict: a wrong version, an unknown kind, a missing field, an
+unknown field or a value of the wrong type raises a :class:`WireError`
+subclass, never a half-built message. Encoding and decoding happen only at
+the boundary (the bus adapter, the protocol reader); the rest of the code
+passes these dataclasses around.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import struct
+import types
+import typing
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar
+
+import msgpack
+
+SCHEMA_VERSION = 1
+MAX_FRAME_BYTES = 64 * 1024 * 1024
+
+
+# -- errors -------------------------------------------------------------------
+
+
+class WireError(ValueError):
+    """A message could not be decoded; ``str()`` says why."""
+
+
+class BadEncoding(WireError):
+    """Not msgpack, or not a map."""
+
+
+class UnknownVersion(WireError):
+    """The schema version ``v`` is not one this build reads."""
+
+
+class UnknownKind(WireError):
+    """The kind ``k`` is not a known message (or not the one expected)."""
+
+
+class MissingField(WireError):
+    """A required field is absent."""
+
+
+class UnknownField(WireError):
+    """A field this version does not define is present."""
+
+
+class WrongType(WireError):
+    """A field holds a value of the wrong type."""
+
+
+class FrameTooLarge(WireError):
+    """A protocol frame announces more than ``MAX_FRAME_BYTES``."""
+
+
+# -- base ---------------------------------------------------------------------
+
+
+class Message:
+    """Base of every top-level message; subclasses set ``KIND``."""
+
+    KIND: ClassVar[str] = ""
+
+    def summary(self) -> dict[str, str]:
+        """Plain-text fields stored next to the body in a stream entry."""
+        return {"kind": self.KIND}
+
+
+class EventKind(enum.StrEnum):
+    """Lifecycle events on ``<prefix>:events``."""
+
+    DISPATCHED = "dispatched"  # proxy: request placed on a decode instance
+    FINISHED = "finished"  # proxy: request done (ok, aborted by client, error)
+    RELEASED = "released"  # source worker: stopped at a step boundary, KV held
+    KV_PULLED = "kv_pulled"  # target worker: blocks pulled through NIXL
+    RESUMED = "resumed"  # proxy: first token from the target reached the client
+    ABORTED = "aborted"  # migration failed; detail says which side
+    REFUSED = "refused"  # decision rejected (unknown / finished / not migratable)
+    EXPIRED = "expired"  # scheduler: no outcome before the decision timeout
+    WORKER_UP = "worker_up"
+    WORKER_DOWN = "worker_down"
+    INSTANCE_STALE = "instance_stale"  # scheduler: reports stopped
+    LEADER = "leader"  # scheduler: this process became leader
+
+
+# -- bus messages ---------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLoad:
+    """One running request inside a :class:`Report`."""
+
+    id: str
+    tokens: int  # N(r): prompt + generated tokens in the KV cache
+    generated: int
+    predicted_remaining: float | None = None  # R-hat(r); None before the first prediction
+    migratable: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Report(Message):
+    """A worker's periodic state report (``<prefix>:reports``)."""
+
+    KIND: ClassVar[str] = "report"
+    instance: str
+    role: str
+    seq: int
+    ts: float
+    address: str  # host:port of its internal token protocol
+    capacity_tokens: int
+    used_tokens: int
+    bytes_per_token: int
+    step_time_s: float  # mean decode step time since the last report
+    delta: int  # decode steps between trace points
+    trace: list[float]  # L(tau_0..tau_H), the worker's pre-simulated load
+    requests: list[RequestLoad]
+    in_flight: list[str] = field(default_factory=list)
+    waiting: int = 0
+    preemptions: int = 0
+
+    def summary(self) -> dict[str, str]:
+        return {"kind": self.KIND, "instance": self.instance, "load": str(self.used_tokens)}
+
+
+@dataclass(frozen=True, slots=True)
+class Decision(Message):
+    """Migrate ``request`` from ``source`` to ``target`` (``<prefix>:decisions``)."""
+
+    KIND: ClassVar[str] = "decision"
+    id: str
+    request: str
+    source: str
+    target: str
+    tick: int
+    delta_v: float
+    mode: str
+    ts: float
+    fence: int = 0  # leader's fencing token; 0 for manual decisions
+    origin: str = "scheduler"  # or "manual" (star migrate)
+
+    def summary(self) -> dict[str, str]:
+        return {"kind": self.KIND, "request": self.request, "source": self.source, "target": self.target}
+
+
+@dataclass(frozen=True, slots=True)
+class Event(Message):
+    """A lifecycle event (``<prefix>:events``)."""
+
+    KIND: ClassVar[str] = "event"
+    event: EventKind
+    ts: float
+    origin: str  # who says it: an instance id, "proxy:<id>" or "scheduler:<id>"
+    request: str = ""
+    migration: str = ""
+    instance: str = ""
+    detail: str = ""
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, str]:
+        out = {"kind": self.event.value, "origin": self.origin}
+        if self.request:
+            out["request"] = self.request
+        if self.instance:
+            out["instance"] = self.instance
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class LoadEntry(Message):
+    """One decode instance in the dispatch view (``<prefix>:load`` hash)."""
+
+    KIND: ClassVar[str] = "load"
+    instance: str
+    role: str
+    address: str
+    tokens: int
+    capacity_tokens: int
+    workload: float
+    running: int
+    ts: float
+
+
+# -- internal token protocol frames ----------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Hello(Message):
+    """First frame a worker sends on a new connection."""
+
+    KIND: ClassVar[str] = "hello"
+    instance: str
+    role: str
+    model: str
+
+
+@dataclass(frozen=True, slots=True)
+class Generate(Message):
+    """Start (or continue, after a handoff) a request on a worker."""
+
+    KIND: ClassVar[str] = "generate"
+    stream: int
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: dict[str, Any]  # vLLM SamplingParams keyword arguments
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Tokens(Message):
+    """New output tokens of a stream; ``finish_reason`` set on the last frame."""
+
+    KIND: ClassVar[str] = "tokens"
+    stream: int
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    num_prompt_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Abort(Message):
+    """The client went away: stop the stream and free its KV."""
+
+    KIND: ClassVar[str] = "abort"
+    stream: int
+
+
+@dataclass(frozen=True, slots=True)
+class Release(Message):
+    """Migration step 1: stop the stream at a step boundary, hold its KV blocks."""
+
+    KIND: ClassVar[str] = "release"
+    stream: int
+    migration: str
+
+
+@dataclass(frozen=True, slots=True)
+class Handoff(Message):
+    """Answer to :class:`Release`: where the held KV is and how many tokens it covers."""
+
+    KIND: ClassVar[str] = "handoff"
+    stream: int
+    migration: str
+    kv_transfer_params: dict[str, Any]
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Error(Message):
+    """A stream failed on the worker; ``code`` is machine-readable."""
+
+    KIND: ClassVar[str] = "error"
+    stream: int
+    code: str
+    message: str
+
+
+BUS_MESSAGES: tuple[type[Message], ...] = (Report, Decision, Event, LoadEntry)
+FRAMES: tuple[type[Message], ...] = (Hello, Generate, Tokens, Abort, Release, Handoff, Error)
+_BY_KIND: dict[str, type[Message]] = {cls.KIND: cls for cls in (*BUS_MESSAGES, *FRAMES)}
+
+M = TypeVar("M", bound=Message)
+
+
+# -- strict codec -----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Field:
+    name: str
+    tp: Any
+    required: bool
+
+
+_SCHEMAS: dict[type[Any], tuple[_Field, ...]] = {}
+
+
+def _schema(cls: type[Any]) -> tuple[_Field, ...]:
+    cached = _SCHEMAS.get(cls)
+    if cached is None:
+        hints = typing.get_type_hints(cls)
+        cached = tuple(
+            _Field(
+                f.name,
+                hints[f.name],
+                f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
+            )
+            for f in dataclasses.fields(cls)
+        )
+        _SCHEMAS[cls] = cached
+    return cached
+
+
+def _to_plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _to_plain(getattr(value, f.name)) for f in _schema(type(value))}
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, list | tuple):
+        return [_to_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _to_plain(v) for k, v in value.items()}
+    return value
+
+
+def encode(msg: Message) -> bytes:
+    """Encode a message as a versioned msgpack map."""
+    body = _to_plain(msg)
+    body["v"] = SCHEMA_VERSION
+    body["k"] = msg.KIND
+    return msgpack.packb(body, use_bin_type=True)  # type: ignore[no-any-return]
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _check(tp: Any, value: Any, path: str) -> Any:
+    """Validate ``value`` against ``tp`` and build nested dataclasses/enums."""
+    if tp is Any:
+        return value
+    origin = typing.get_origin(tp)
+    if origin in {types.UnionType, typing.Union}:
+        args = typing.get_args(tp)
+        if value is None:
+            if type(None) in args:
+                return None
+            raise WrongType(f"{path}: expected {_type_name(tp)}, got None")
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _check(arg, value, path)
+            except WrongType:
+                continue
+        raise WrongType(f"{path}: expected {_type_name(tp)}, got {type(value).__name__} {value!r:.60}")
+    if origin is list:
+        if not isinstance(value, list):
+            raise WrongType(f"{path}: expected a list, got {type(value).__name__}")
+        (item,) = typing.get_args(tp)
+        return [_check(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise WrongType(f"{path}: expected a map, got {type(value).__name__}")
+        key_tp, val_tp = typing.get_args(tp)
+        return {_check(key_tp, k, f"{path} key"): _check(val_tp, v, f"{path}[{k!r}]") for k, v in value.items()}
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        try:
+            return tp(value)
+        except ValueError:
+            raise WrongType(f"{path}: {value!r} is not a {tp.__name__}") from None
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise WrongType(f"{path}: expected a map, got {type(value).__name__}")
+        return _build(tp, value, path)  # type: ignore[arg-type]
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise WrongType(f"{path}: expected a number, got {type(value).__name__} {value!r:.60}")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise WrongType(f"{path}: expected an integer, got {type(value).__name__} {value!r:.60}")
+        return value
+    if tp in {str, bool, bytes}:
+        if not isinstance(value, tp):
+            raise WrongType(f"{path}: expected {tp.__name__}, got {type(value).__name__} {value!r:.60}")
+        return value
+    raise TypeError(f"wire schema uses unsupported type {tp!r} at {path}")
+
+
+def _build(cls: type[Any], data: dict[Any, Any], path: str, skip: frozenset[str] = frozenset()) -> Any:
+    kwargs: dict[str, Any] = {}
+    schema = _schema(cls)
+    for f in schema:
+        if f.name not in data:
+            if f.required:
+                raise MissingField(f"{path}: missing field {f.name!r}")
+            continue
+        kwargs[f.name] = _check(f.tp, data[f.name], f"{path}.{f.name}")
+    known = {f.name for f in schema} | skip
+    extra = [k for k in data if k not in known]
+    if extra:
+        raise UnknownField(f"{path}: unknown field(s) {', '.join(map(repr, extra))}")
+    return cls(**kwargs)
+
+
+def decode_plain(data: Any, expect: type[M] | tuple[type[M], ...] | None = None) -> Message:
+    """Decode an already-unpacked msgpack map (strict)."""
+    if not isinstance(data, dict):
+        raise BadEncoding(f"expected a msgpack map, got {type(data).__name__}")
+    if "v" not in data:
+        raise MissingField("missing schema version 'v'")
+    if data["v"] != SCHEMA_VERSION:
+        raise UnknownVersion(f"schema version {data['v']!r}, this build reads {SCHEMA_VERSION}")
+    kind = data.get("k")
+    cls = _BY_KIND.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise UnknownKind(f"unknown message kind {kind!r}")
+    if expect is not None:
+        allowed = expect if isinstance(expect, tuple) else (expect,)
+        if cls not in allowed:
+            names = ", ".join(c.KIND for c in allowed)
+            raise UnknownKind(f"expected {names}, got {kind!r}")
+    return _build(cls, data, cls.KIND, skip=frozenset({"v", "k"}))  # type: ignore[no-any-return]
+
+
+def decode(raw: bytes, expect: type[M] | tuple[type[M], ...] | None = None) -> Message:
+    """Decode one message from msgpack bytes (strict; raises :class:`WireError`)."""
+    try:
+        data = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise BadEncoding(f"not msgpack ({type(exc).__name__}: {exc})") from None
+    return decode_plain(data, expect)
+
+
+def decode_as(raw: bytes, cls: type[M]) -> M:
+    """Decode and narrow the type: ``decode_as(raw, Report)``."""
+    msg = decode(raw, cls)
+    assert isinstance(msg, cls)
+    return msg
+
+
+# -- framing for the internal token protocol ---------------------------------------
+
+_LEN = struct.Struct(">I")
+
+
+def frame(msg: Message) -> bytes:
+    """Length-prefixed frame: 4-byte big-endian length, then the msgpack body."""
+    body = encode(msg)
+    return _LEN.pack(len(body)) + body
+
+
+class FrameDecoder:
+    """Sans-IO frame splitter: ``feed(bytes)`` returns complete messages.
+
+    A frame that fails to decode raises :class:`WireError` after the frame is
+    consumed, so the caller can answer with an :class:`Error` and go on; a
+    frame over ``max_frame`` raises :class:`FrameTooLarge` and the connection
+    must be closed (the stream position is lost).
+    """
+
+    def __init__(self, max_frame: int = MAX_FRAME_BYTES) -> None:
+        self._buf = bytearray()
+        self._max = max_frame
+
+    def feed(self, data: bytes) -> None:
+        self._buf += data
+
+    def __iter__(self) -> Iterator[Message]:
+        return self
+
+    def __next__(self) -> Message:
+        if len(self._buf) < _LEN.size:
+            raise StopIteration
+        (size,) = _LEN.unpack_from(self._buf)
+        if size > self._max:
+            raise FrameTooLarge(f"frame of {size} bytes exceeds the {self._max}-byte limit")
+        end = _LEN.size + size
+        if len(self._buf) < end:
+            raise StopIteration
+        body = bytes(self._buf[_LEN.size : end])
+        del self._buf[:end]
+        return decode(body, FRAMES)
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buf)

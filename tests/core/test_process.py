@@ -1,0 +1,134 @@
+"""The process base: signals set flags, drain with timeout, sd_notify."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from star.process import Service, sd_notify, watchdog_interval
+
+
+def start(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.core.svc_main", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, **(env or {})},
+        cwd=Path(__file__).parents[2],
+    )
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if '"started"' in line:
+            return proc
+    proc.kill()
+    raise AssertionError("service did not start")
+
+
+def test_sigterm_drains_then_cleans_up_and_exits_zero() -> None:
+    proc = start(["0.2", "5"])
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=20)
+    assert proc.returncode == 0
+    assert out.index("drain-begin") < out.index("drain-end") < out.index("cleanup")
+
+
+def test_drain_timeout_bounds_the_stop() -> None:
+    proc = start(["30", "0.3"])
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=20)
+    assert time.monotonic() - t0 < 5
+    assert "drain timed out" in out and "drain-end" not in out and "cleanup" in out
+
+
+def test_second_signal_forces_exit() -> None:
+    proc = start(["30", "60"])
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=20)
+    assert time.monotonic() - t0 < 5
+    assert "forcing exit" in out and "cleanup" in out
+
+
+def test_sd_notify_ready_watchdog_stopping(tmp_path: Path) -> None:
+    path = str(tmp_path / "notify.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(path)
+        sock.settimeout(10)
+        proc = start(["0", "5"], env={"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "100000"})
+        got = [sock.recv(64).decode() for _ in range(3)]
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=20)
+        rest = []
+        sock.settimeout(0.5)
+        try:
+            while True:
+                rest.append(sock.recv(64).decode())
+        except TimeoutError:
+            pass
+    assert got[0] == "READY=1"
+    assert "WATCHDOG=1" in got[1:]
+    assert "STOPPING=1" in rest
+
+
+def test_sd_notify_without_socket_is_a_no_op() -> None:
+    assert sd_notify("READY=1", env={}) is False
+
+
+def test_watchdog_interval() -> None:
+    assert watchdog_interval({"WATCHDOG_USEC": "2000000"}) == 1.0
+    assert watchdog_interval({"WATCHDOG_USEC": "2000000", "WATCHDOG_PID": "1"}) is None
+    assert watchdog_interval({}) is None
+
+
+class Failing(Service):
+    async def startup(self) -> None:
+        raise RuntimeError("port in use")
+
+
+class Crashing(Service):
+    async def main(self) -> None:
+        async def boom() -> None:
+            raise ValueError("background failure")
+
+        self.spawn(boom(), "boom")
+        await self.wait_exit()
+
+
+async def test_failed_startup_returns_nonzero() -> None:
+    assert await Failing().serve(install_signals=False) == 1
+
+
+async def test_failing_owned_task_stops_the_service() -> None:
+    svc = Crashing(drain_timeout_s=1)
+    assert await asyncio.wait_for(svc.serve(install_signals=False), 5) == 1
+    assert isinstance(svc.failed, ValueError)
+
+
+async def test_request_exit_stops_main() -> None:
+    svc = Service(drain_timeout_s=1)
+    task = asyncio.create_task(svc.serve(install_signals=False))
+    await asyncio.sleep(0.05)
+    svc.request_exit()
+    assert await asyncio.wait_for(task, 5) == 0
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_both_signals_are_graceful(sig: signal.Signals) -> None:
+    proc = start(["0", "5"])
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=20)
+    assert proc.returncode == 0 and "drain-end" in out

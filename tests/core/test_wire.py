@@ -1,0 +1,175 @@
+"""Wire schema: round trips (hypothesis) and strict rejection."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from star import wire
+from star.wire import (
+    FRAMES,
+    BadEncoding,
+    Decision,
+    Event,
+    EventKind,
+    FrameDecoder,
+    FrameTooLarge,
+    Generate,
+    MissingField,
+    Report,
+    RequestLoad,
+    Tokens,
+    UnknownField,
+    UnknownKind,
+    UnknownVersion,
+    WrongType,
+    decode,
+    decode_as,
+    encode,
+    frame,
+)
+
+text = st.text(max_size=20)
+ints = st.integers(min_value=-(2**62), max_value=2**62)
+floats = st.floats(allow_nan=False, allow_infinity=False)
+plain = st.recursive(
+    st.none() | st.booleans() | ints | floats | text,
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(text, children, max_size=4),
+    max_leaves=10,
+)
+
+
+def strategy_for(tp: typing.Any) -> st.SearchStrategy[typing.Any]:
+    if tp is typing.Any:
+        return plain
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin is list:
+        return st.lists(strategy_for(args[0]), max_size=5)
+    if origin is dict:
+        return st.dictionaries(strategy_for(args[0]), strategy_for(args[1]), max_size=4)
+    if args and type(None) in args:  # Optional / unions
+        return st.one_of(*(st.none() if a is type(None) else strategy_for(a) for a in args))
+    if origin is not None:  # str | int
+        return st.one_of(*(strategy_for(a) for a in args))
+    if isinstance(tp, type) and issubclass(tp, EventKind):
+        return st.sampled_from(EventKind)
+    if dataclasses.is_dataclass(tp):
+        return message_strategy(tp)  # type: ignore[arg-type]
+    return {int: ints, float: floats, str: text, bool: st.booleans(), bytes: st.binary(max_size=8)}[tp]
+
+
+def message_strategy(cls: type[typing.Any]) -> st.SearchStrategy[typing.Any]:
+    hints = typing.get_type_hints(cls)
+    return st.builds(cls, **{f.name: strategy_for(hints[f.name]) for f in dataclasses.fields(cls)})
+
+
+ALL = (*wire.BUS_MESSAGES, *FRAMES)
+
+
+@pytest.mark.parametrize("cls", ALL, ids=lambda c: c.KIND)
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_every_message_round_trips(cls: type[wire.Message], data: st.DataObject) -> None:
+    msg = data.draw(message_strategy(cls))
+    assert decode(encode(msg)) == msg
+    assert decode_as(encode(msg), cls) == msg
+
+
+@settings(max_examples=30, deadline=None)
+@given(msgs=st.lists(st.one_of(*(message_strategy(c) for c in FRAMES)), max_size=6), cut=st.integers(1, 64))
+def test_frames_survive_arbitrary_chunking(msgs: list[wire.Message], cut: int) -> None:
+    blob = b"".join(frame(m) for m in msgs)
+    dec = FrameDecoder()
+    out: list[wire.Message] = []
+    for i in range(0, len(blob), cut):
+        dec.feed(blob[i : i + cut])
+        out.extend(dec)
+    assert out == msgs
+    assert dec.buffered == 0
+
+
+def _decision_map() -> dict[str, typing.Any]:
+    return msgpack.unpackb(encode(Decision("d", "r", "a", "b", 1, -2.0, "current", 1.0)))
+
+
+@pytest.mark.parametrize(
+    ("mutate", "error", "message"),
+    [
+        (lambda m: m.update(v=2), UnknownVersion, "schema version 2"),
+        (lambda m: m.pop("v"), MissingField, "'v'"),
+        (lambda m: m.update(k="nope"), UnknownKind, "'nope'"),
+        (lambda m: m.pop("target"), MissingField, "'target'"),
+        (lambda m: m.update(extra=1), UnknownField, "'extra'"),
+        (lambda m: m.update(tick="1"), WrongType, "decision.tick: expected an integer"),
+        (lambda m: m.update(tick=True), WrongType, "decision.tick"),
+        (lambda m: m.update(delta_v="x"), WrongType, "decision.delta_v: expected a number"),
+        (lambda m: m.update(request=None), WrongType, "decision.request"),
+    ],
+)
+def test_decoding_is_strict(mutate: typing.Any, error: type[Exception], message: str) -> None:
+    m = _decision_map()
+    mutate(m)
+    with pytest.raises(error, match=message.replace("(", r"\(")):
+        decode(msgpack.packb(m))
+
+
+def test_int_is_accepted_where_a_float_is_declared() -> None:
+    m = _decision_map()
+    m["delta_v"] = -3
+    msg = decode(msgpack.packb(m))
+    assert isinstance(msg, Decision) and msg.delta_v == -3.0 and isinstance(msg.delta_v, float)
+
+
+@pytest.mark.parametrize("raw", [b"", b"\xc1", msgpack.packb([1, 2]), msgpack.packb("x")])
+def test_garbage_is_bad_encoding(raw: bytes) -> None:
+    with pytest.raises(BadEncoding):
+        decode(raw)
+
+
+def test_nested_values_are_checked() -> None:
+    r = Report("i", "decode", 1, 0.0, "a:1", 10, 1, 2, 0.1, 32, [1.0], [RequestLoad("r", 1, 0)])
+    m = msgpack.unpackb(encode(r))
+    m["requests"][0]["tokens"] = "many"
+    with pytest.raises(WrongType, match=r"report.requests\[0\].tokens"):
+        decode(msgpack.packb(m))
+    m = msgpack.unpackb(encode(Event(EventKind.FINISHED, 1.0, "p")))
+    m["event"] = "exploded"
+    with pytest.raises(WrongType, match="not a EventKind"):
+        decode(msgpack.packb(m))
+
+
+def test_expect_restricts_kind() -> None:
+    raw = encode(Decision("d", "r", "a", "b", 1, -2.0, "current", 1.0))
+    with pytest.raises(UnknownKind, match="expected report"):
+        decode(raw, Report)
+
+
+def test_frame_decoder_rejects_oversized_frames_and_bad_bodies() -> None:
+    dec = FrameDecoder(max_frame=16)
+    dec.feed((1000).to_bytes(4, "big"))
+    with pytest.raises(FrameTooLarge):
+        list(dec)
+    dec = FrameDecoder()
+    bad = msgpack.packb({"v": 1, "k": "generate", "stream": "x"})
+    dec.feed(len(bad).to_bytes(4, "big") + bad + frame(Tokens(1, [5])))
+    with pytest.raises(WrongType):
+        next(dec)
+    assert list(dec) == [Tokens(1, [5])]  # the bad frame was consumed; the next one decodes
+
+
+def test_bus_messages_are_not_frames() -> None:
+    dec = FrameDecoder()
+    dec.feed(frame(Decision("d", "r", "a", "b", 1, -2.0, "current", 1.0)))
+    with pytest.raises(UnknownKind):
+        next(dec)
+
+
+def test_generate_carries_opaque_kv_params() -> None:
+    g = Generate(3, "cmpl-1", [1, 2, 3], {"max_tokens": 8, "temperature": 0.0}, {"remote_block_ids": [1, 2], "x": None})
+    assert decode(frame(g)[4:]) == g

@@ -1,0 +1,1 @@
+"""Worker process: one per vLLM engine (prefill or decode)."""
