@@ -1,7 +1,7 @@
 """The event bus: Redis streams through redis-py's asyncio client (DESIGN §4).
 
 * :func:`connect_redis` is the one connection factory (URL, ACL user/password,
-  timeouts, redis-py ``Retry`` with exponential backoff per command).
+  timeouts).
 * :class:`Bus` publishes messages (``XADD ... MAXLEN ~``), each entry carrying
   the msgpack ``body`` next to a few plain-text fields so ``redis-cli XRANGE``
   is readable, and moves undecodable entries to ``<prefix>:dead``.
@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 import structlog
-from redis.backoff import ExponentialBackoff
+from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -62,11 +62,10 @@ def connect_redis(settings: RedisSettings) -> aioredis.Redis:
     kwargs: dict[str, Any] = {
         "socket_connect_timeout": settings.connect_timeout_s,
         "socket_timeout": settings.socket_timeout_s,
-        "retry": Retry(
-            ExponentialBackoff(cap=settings.backoff_max_s, base=settings.backoff_base_s),
-            settings.retry_attempts,
-        ),
-        "retry_on_error": [RedisConnectionError, RedisTimeoutError],
+        # No blind re-sends inside redis-py: a command whose connection broke
+        # after Redis executed it would run twice (a duplicate XADD). Callers
+        # retry through Bus.retrying, where publish() checks what landed.
+        "retry": Retry(NoBackoff(), 0),
         "health_check_interval": 30,
         "decode_responses": False,
     }
@@ -201,11 +200,25 @@ class Bus:
     # -- writing ------------------------------------------------------------
 
     async def publish(self, stream: str, msg: Message, retry: bool = True) -> str:
-        """XADD ``msg`` to ``stream`` (short name or key) with approximate trimming."""
+        """XADD ``msg`` to ``stream`` (short name or key) with approximate trimming.
+
+        Retried across reconnects without duplicates: before re-sending, the
+        newest entries are checked for this exact body.
+        """
         key = self.keys.stream(stream)
-        fields: dict[str, bytes | str] = {**msg.summary(), "body": encode(msg)}
+        body = encode(msg)
+        fields: dict[str, bytes | str] = {**msg.summary(), "body": body}
+        attempted = False
 
         async def op() -> Any:
+            nonlocal attempted
+            if attempted:
+                # The failed attempt may have reached Redis before the connection
+                # broke; publishing again would duplicate the entry.
+                for rid, raw in await self.redis.xrevrange(key, count=64):
+                    if raw.get(b"body") == body:
+                        return rid
+            attempted = True
             return await self.redis.xadd(key, fields, maxlen=self._maxlen[key], approximate=True)  # type: ignore[arg-type]
 
         entry_id = await self.retrying(f"XADD {key}", op) if retry else await op()

@@ -36,7 +36,6 @@ def redis_settings(server: RedisServer, **kw: object) -> RedisSettings:
         "url": server.url,
         "connect_timeout_s": 0.5,
         "socket_timeout_s": 2.0,
-        "retry_attempts": 1,
         "backoff_base_s": 0.02,
         "backoff_max_s": 0.2,
         "reconnect_timeout_s": 15.0,

@@ -220,3 +220,25 @@ async def test_report_roundtrip_over_the_bus(bus: Bus) -> None:
     got = await GroupReader(bus, "reports", "g", "c", Report).read()
     assert got[0].msg == report
     assert got[0].fields["instance"] == "decode-0"
+
+
+async def test_publish_retry_after_lost_reply_does_not_duplicate(bus: Bus) -> None:
+    """The XADD reaches Redis but the connection breaks before the reply."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    real_xadd = bus.redis.xadd
+    calls = 0
+
+    async def flaky_xadd(*args: object, **kwargs: object) -> object:
+        nonlocal calls
+        calls += 1
+        result = await real_xadd(*args, **kwargs)  # type: ignore[arg-type]
+        if calls == 1:
+            raise RedisConnectionError("connection reset after write")
+        return result
+
+    bus.redis.xadd = flaky_xadd  # type: ignore[method-assign]
+    entry = await bus.publish("decisions", decision(1))
+    assert calls == 1  # the retry found the entry instead of re-sending
+    rows = await bus.redis.xrange(bus.keys.decisions)
+    assert [r[0].decode() for r in rows] == [entry]
