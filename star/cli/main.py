@@ -18,6 +18,9 @@ from star import __version__
 COMMAND_MODULES: tuple[str, ...] = (
     "star.cli.config",
     "star.cli.inspect",
+    "star.cli.scheduler",
+    "star.cli.bench",
+    "star.cli.plan",
 )
 
 

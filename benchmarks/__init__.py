@@ -1,0 +1,1 @@
+"""Benchmarks behind `star bench`: each module exposes configure(parser) and run(args)."""

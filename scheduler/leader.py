@@ -1,0 +1,127 @@
+"""One leader publishes: a Redis lock with a TTL and a fencing token.
+
+Acquiring the lock (``SET NX PX``) and taking the next fencing token
+(``INCR <prefix>:fence``) happen in one Lua script; the lock's value is
+``<node>|<token>``. The leader renews the TTL every ``ttl/3``; a standby
+tries to acquire every ``ttl/5``, so after a leader is killed a standby
+takes over within about ``ttl + ttl/5``.
+
+Every decision is published by a script that XADDs only if the lock still
+holds this node's value — a leader that was paused past its TTL (GC, a
+stopped VM) and lost the lock cannot publish stale decisions afterwards.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import structlog
+
+from star.bus import Bus
+from star.wire import Decision, encode
+
+log = structlog.get_logger(__name__)
+
+_ACQUIRE = """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  local fence = redis.call('INCR', KEYS[2])
+  redis.call('SET', KEYS[1], ARGV[1] .. '|' .. fence, 'PX', ARGV[2])
+  return fence
+end
+return 0
+"""
+
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"""
+
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+_PUBLISH = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+  return false
+end
+return redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', unpack(ARGV, 3))
+"""
+
+
+class Leadership:
+    """Leader state of one scheduler node."""
+
+    def __init__(self, bus: Bus, node: str, ttl_s: float) -> None:
+        self.bus = bus
+        self.node = node
+        self.ttl_ms = max(1, int(ttl_s * 1000))
+        self.fence = 0
+        self._value = ""
+        redis = bus.redis
+        self._acquire = redis.register_script(_ACQUIRE)
+        self._renew = redis.register_script(_RENEW)
+        self._release = redis.register_script(_RELEASE)
+        self._publish = redis.register_script(_PUBLISH)
+
+    @property
+    def is_leader(self) -> bool:
+        return self.fence > 0
+
+    async def step(self) -> bool:
+        """Renew (leader) or try to acquire (standby); returns whether we lead now."""
+        keys = self.bus.keys
+        if self.is_leader:
+            ok = await self._renew(keys=[keys.leader], args=[self._value, self.ttl_ms])
+            if not ok:
+                log.warning("lost leadership", node=self.node, fence=self.fence)
+                self.fence = 0
+                self._value = ""
+            return self.is_leader
+        fence = int(await self._acquire(keys=[keys.leader, keys.fence], args=[self.node, self.ttl_ms]))
+        if fence:
+            self.fence = fence
+            self._value = f"{self.node}|{fence}"
+            log.info("became leader", node=self.node, fence=fence)
+        return self.is_leader
+
+    def demote(self) -> None:
+        """Forget leadership locally (e.g. after Redis was unreachable past the TTL)."""
+        self.fence = 0
+        self._value = ""
+
+    async def resign(self) -> None:
+        """Give the lock up at shutdown so a standby takes over at once."""
+        if self.is_leader:
+            await self._release(keys=[self.bus.keys.leader], args=[self._value])
+            self.demote()
+
+    async def publish(self, decision: Decision) -> str | None:
+        """XADD the decision iff we still hold the lock; returns the entry id or None."""
+        if not self.is_leader:
+            return None
+        keys = self.bus.keys
+        fields: list[Any] = []
+        for k, v in {**decision.summary(), "body": encode(decision)}.items():
+            fields += [k, v]
+        entry = await self._publish(
+            keys=[keys.leader, keys.decisions],
+            args=[self._value, self.bus.settings.maxlen_decisions, *fields],
+        )
+        if entry is None:
+            log.warning("publish refused: lock no longer ours", node=self.node, decision=decision.id)
+            self.demote()
+            return None
+        return entry.decode() if isinstance(entry, bytes) else str(entry)
+
+    async def current(self) -> tuple[str, int] | None:
+        """Who leads now: ``(node, fence)`` or None."""
+        raw = await self.bus.redis.get(self.bus.keys.leader)
+        if not raw:
+            return None
+        node, _, fence = raw.decode().rpartition("|")
+        return node, int(fence or 0)

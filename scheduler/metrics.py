@@ -1,0 +1,33 @@
+"""Prometheus metrics of the scheduler (its own registry, served on /metrics)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+
+class SchedulerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.tick_seconds = Histogram(
+            "star_scheduler_tick_seconds",
+            "Time of one scheduler tick (planner + publishing)",
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
+            registry=self.registry,
+        )
+        self.decisions = Counter(
+            "star_scheduler_decisions",
+            "Migration decisions by mode and outcome (decided, completed, aborted, refused, expired, finished)",
+            ["mode", "outcome"],
+            registry=self.registry,
+        )
+        self.live_instances = Gauge(
+            "star_scheduler_live_instances", "Instances whose reports are fresh", registry=self.registry
+        )
+        self.leader = Gauge("star_scheduler_leader", "1 if this node is the leader", registry=self.registry)
+
+    def serve(self, host: str, port: int) -> Any:
+        """Start the /metrics HTTP server (a daemon thread); returns the server."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        return server

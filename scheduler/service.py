@@ -1,0 +1,226 @@
+"""``star scheduler``: reports in, planner on a timer, decisions out (paper Alg. 1).
+
+Tasks, all owned by the :class:`~star.process.Service`:
+
+* ``reports`` — reads ``<prefix>:reports`` through this node's consumer group
+  (``<group>:<node>``: every scheduler, standby included, needs every report
+  to keep a hot view), applies them to the :class:`ClusterView`, acks;
+* ``events`` — follows ``<prefix>:events`` in order to resolve in-flight
+  migrations (resumed / aborted / refused / finished);
+* ``leader`` — renews or acquires the leader lock (:mod:`scheduler.leader`);
+* ``ticks`` — every ``interval_s`` on a drift-free schedule (a slow tick
+  skips the missed slots instead of bunching up): mark stale instances,
+  expire decisions, run the planner, and — if leader — publish decisions
+  and the dispatch view ``<prefix>:load``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+import uuid
+from typing import Any
+
+import structlog
+
+from scheduler.leader import Leadership
+from scheduler.metrics import SchedulerMetrics
+from scheduler.view import ClusterView, decision_for
+from star.bus import Bus, GroupReader, Subscriber
+from star.planner import plan
+from star.planner.types import Mode, PlannerParams
+from star.process import Service
+from star.settings import Settings
+from star.wire import Decision, Event, EventKind, Report
+
+log = structlog.get_logger(__name__)
+
+
+def planner_params(settings: Settings) -> PlannerParams:
+    """The planner's knobs from ``[scheduler]`` settings."""
+    s = settings.scheduler
+    return PlannerParams(
+        mode=Mode.parse(s.mode),
+        horizon=s.horizon,
+        delta=s.delta,
+        beta_decay=s.beta_decay,
+        theta=s.theta,
+        min_gain=s.min_gain,
+        max_migrations=s.max_migrations,
+        bandwidth_bytes_per_s=s.bandwidth_gbps * 1e9 / 8,
+        handoff_latency_s=s.handoff_latency_s,
+    )
+
+
+def default_node_name() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class SchedulerService(Service):
+    name = "scheduler"
+
+    def __init__(self, settings: Settings, node: str | None = None) -> None:
+        super().__init__(drain_timeout_s=2.0)
+        self.settings = settings
+        self.node = node or default_node_name()
+        self.params = planner_params(settings)
+        self.view = ClusterView(settings.scheduler.staleness_s, settings.scheduler.decision_timeout_s)
+        self.metrics = SchedulerMetrics()
+        self.tick = 0
+        self.bus: Bus | None = None
+        self.leadership: Leadership | None = None
+        self._metrics_server: Any = None
+
+    @property
+    def origin(self) -> str:
+        return f"scheduler:{self.node}"
+
+    async def startup(self) -> None:
+        self.bus = Bus.from_settings(self.settings.redis, self.settings.bus)
+        await self.bus.retrying("PING", self.bus.redis.ping)
+        self.leadership = Leadership(self.bus, self.node, self.settings.scheduler.lock_ttl_s)
+        cfg = self.settings.scheduler
+        if cfg.metrics_port:
+            self._metrics_server = self.metrics.serve(cfg.metrics_host, cfg.metrics_port)
+        log.info("scheduler ready", node=self.node, mode=cfg.mode, interval_s=cfg.interval_s)
+
+    async def main(self) -> None:
+        self.spawn(self._reports(), "reports")
+        self.spawn(self._events(), "events")
+        self.spawn(self._decisions(), "decisions")
+        self.spawn(self._leader(), "leader")
+        self.spawn(self._ticks(), "ticks")
+        await self.wait_exit()
+
+    async def cleanup(self) -> None:
+        if self.leadership is not None:
+            try:
+                await self.leadership.resign()
+            except Exception as exc:  # Redis gone at shutdown: the TTL frees the lock
+                log.warning("could not resign leadership", error=str(exc))
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+        if self.bus is not None:
+            await self.bus.close()
+
+    # -- tasks ---------------------------------------------------------------------
+
+    async def _reports(self) -> None:
+        assert self.bus is not None
+        cfg = self.settings.scheduler
+        # Start the group a staleness window back: a restarted node warms its view.
+        start = f"{int((time.time() - cfg.staleness_s) * 1000)}-0"
+        reader = GroupReader(self.bus, "reports", f"{cfg.group}:{self.node}", self.node, Report, start=start)
+        while True:
+            entries = await reader.read()
+            now = time.monotonic()
+            for entry in entries:
+                assert isinstance(entry.msg, Report)
+                if self.view.apply_report(entry.msg, now):
+                    log.info("instance live", instance=entry.msg.instance, role=entry.msg.role)
+            await reader.ack(*(e.id for e in entries))
+
+    async def _events(self) -> None:
+        assert self.bus is not None
+        sub = Subscriber(self.bus, "events", Event, start="$")
+        while True:
+            for entry in await sub.read():
+                assert isinstance(entry.msg, Event)
+                resolved = self.view.apply_event(entry.msg)
+                if resolved is not None:
+                    decision, outcome = resolved
+                    self.metrics.decisions.labels(decision.mode, outcome).inc()
+                    log.info("migration resolved", migration_id=decision.id, request_id=decision.request, outcome=outcome)
+
+    async def _decisions(self) -> None:
+        """Book every decision on the stream: a standby's view (and manual
+        `star migrate` decisions) must count in-flight moves like the leader's."""
+        assert self.bus is not None
+        sub = Subscriber(self.bus, "decisions", Decision, start="$")
+        while True:
+            for entry in await sub.read():
+                assert isinstance(entry.msg, Decision)
+                if entry.msg.id not in self.view.in_flight:
+                    self.view.book(entry.msg, time.monotonic())
+
+    async def _leader(self) -> None:
+        assert self.leadership is not None and self.bus is not None
+        ttl = self.settings.scheduler.lock_ttl_s
+        while True:
+            was = self.leadership.is_leader
+            try:
+                leader = await self.leadership.step()
+            except Exception as exc:  # Redis unreachable: we cannot know; stop publishing
+                if was:
+                    log.warning("leadership unknown, stepping down", error=str(exc))
+                self.leadership.demote()
+                leader = False
+            self.metrics.leader.set(1 if leader else 0)
+            if leader and not was:
+                await self.bus.publish(
+                    "events",
+                    Event(EventKind.LEADER, time.time(), self.origin, data={"fence": self.leadership.fence}),
+                )
+            await asyncio.sleep(ttl / 3 if leader else ttl / 5)
+
+    async def _ticks(self) -> None:
+        interval = self.settings.scheduler.interval_s
+        loop = asyncio.get_running_loop()
+        next_at = loop.time()
+        while True:
+            started = time.perf_counter()
+            await self.run_tick()
+            self.metrics.tick_seconds.observe(time.perf_counter() - started)
+            next_at += interval
+            now = loop.time()
+            if next_at < now:  # overran: skip the missed slots, keep the phase
+                skipped = int((now - next_at) // interval) + 1
+                next_at += skipped * interval
+            await asyncio.sleep(next_at - now)
+
+    async def run_tick(self) -> None:
+        """One pass of Algorithm 1's scheduler loop."""
+        assert self.bus is not None and self.leadership is not None
+        self.tick += 1
+        now = time.monotonic()
+        leader = self.leadership.is_leader
+        for name in self.view.mark_stale(now):
+            log.warning("instance stale; excluded", instance=name, staleness_s=self.view.staleness_s)
+            if leader:
+                await self.bus.publish("events", Event(EventKind.INSTANCE_STALE, time.time(), self.origin, instance=name))
+        for decision in self.view.expire(now):
+            self.metrics.decisions.labels(decision.mode, "expired").inc()
+            log.warning("decision expired", migration_id=decision.id, request_id=decision.request)
+            if leader:
+                await self.bus.publish(
+                    "events",
+                    Event(EventKind.EXPIRED, time.time(), self.origin, request=decision.request, migration=decision.id),
+                )
+        instances = self.view.instances(self.params)
+        self.metrics.live_instances.set(len(self.view.live()))
+        result = plan(instances, self.params)
+        if not leader:
+            return
+        mode = str(self.params.mode)
+        for move in result.moves:
+            decision = decision_for(
+                move, f"m-{uuid.uuid4().hex[:12]}", self.tick, mode, self.leadership.fence, time.time()
+            )
+            entry = await self.leadership.publish(decision)
+            if entry is None:
+                return  # lost the lock: the new leader publishes from now on
+            self.view.book(decision, now)
+            self.metrics.decisions.labels(mode, "decided").inc()
+            log.info(
+                "migration decided",
+                migration_id=decision.id,
+                request_id=move.request,
+                source=move.source,
+                target=move.target,
+                delta_v=round(move.delta_v, 3),
+                tick=self.tick,
+            )
+        # After booking, so proxies dispatch against the post-move view.
+        await self.bus.publish_load(self.view.load_entries(result.workloads, time.time()), ttl_s=self.view.staleness_s)

@@ -1,0 +1,188 @@
+"""The scheduler's view of the cluster (sans-IO): latest reports, in-flight moves.
+
+Paper §5.2, Algorithm 1 line 4 ("Collect worker states and update the average
+workload"): the scheduler keeps the newest report of every instance, drops an
+instance whose reports stop for longer than ``staleness_s`` and, per DESIGN
+§3, books each decided move on the target at once — until the migration's
+outcome arrives on ``<prefix>:events`` the request counts on the target, not
+on the source, and both instances are "in flight" (no second migration).
+A decision with no outcome after ``decision_timeout_s`` expires.
+
+Time is passed in (``now``, monotonic seconds); nothing here does IO.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from star.planner.types import Instance, Move, PlannerParams, Request
+from star.wire import Decision, Event, EventKind, LoadEntry, Report, RequestLoad
+
+# Events that end a migration, and whether it moved the request.
+TERMINAL: dict[EventKind, str] = {
+    EventKind.RESUMED: "completed",
+    EventKind.ABORTED: "aborted",
+    EventKind.REFUSED: "refused",
+    EventKind.EXPIRED: "expired",
+}
+
+
+@dataclass(slots=True)
+class Seen:
+    report: Report
+    received: float  # local monotonic time (worker clocks may be skewed)
+    stale: bool = False
+
+
+@dataclass(slots=True)
+class InFlight:
+    decision: Decision
+    load: RequestLoad | None  # the request as last reported by the source
+    deadline: float
+
+
+@dataclass
+class ClusterView:
+    """Latest report per instance plus the migrations in flight."""
+
+    staleness_s: float
+    decision_timeout_s: float
+    seen: dict[str, Seen] = field(default_factory=dict)
+    in_flight: dict[str, InFlight] = field(default_factory=dict)  # by decision id
+
+    # -- inputs ------------------------------------------------------------------
+
+    def apply_report(self, report: Report, now: float) -> bool:
+        """Record a report; True if the instance was stale (or unknown) before."""
+        prev = self.seen.get(report.instance)
+        if prev is not None and report.seq < prev.report.seq and report.ts <= prev.report.ts:
+            return False  # an old report delivered late (reclaimed entry)
+        revived = prev is None or prev.stale
+        self.seen[report.instance] = Seen(report, now)
+        return revived
+
+    def mark_stale(self, now: float) -> list[str]:
+        """Flag instances whose reports stopped; returns the newly stale ones."""
+        newly = []
+        for name, seen in self.seen.items():
+            if not seen.stale and now - seen.received > self.staleness_s:
+                seen.stale = True
+                newly.append(name)
+        return newly
+
+    def book(self, decision: Decision, now: float) -> None:
+        """Count the moved request on the target from now on."""
+        load = None
+        src = self.seen.get(decision.source)
+        if src is not None:
+            load = next((r for r in src.report.requests if r.id == decision.request), None)
+        self.in_flight[decision.id] = InFlight(decision, load, now + self.decision_timeout_s)
+
+    def apply_event(self, event: Event) -> tuple[Decision, str] | None:
+        """Resolve an in-flight migration from a lifecycle event.
+
+        Returns ``(decision, outcome)`` when the event ends one. A request that
+        finishes while migrating also ends its migration ("finished").
+        """
+        if event.event in TERMINAL and event.migration in self.in_flight:
+            return self.in_flight.pop(event.migration).decision, TERMINAL[event.event]
+        if event.event is EventKind.FINISHED and event.request:
+            for mid, flight in list(self.in_flight.items()):
+                if flight.decision.request == event.request:
+                    del self.in_flight[mid]
+                    return flight.decision, "finished"
+        return None
+
+    def expire(self, now: float) -> list[Decision]:
+        """Drop decisions past their deadline (the caller publishes EXPIRED)."""
+        gone = [mid for mid, f in self.in_flight.items() if now >= f.deadline]
+        return [self.in_flight.pop(mid).decision for mid in gone]
+
+    # -- outputs -------------------------------------------------------------------
+
+    def live(self, role: str | None = None) -> list[Report]:
+        return [s.report for s in self.seen.values() if not s.stale and (role is None or s.report.role == role)]
+
+    def instances(self, params: PlannerParams) -> list[Instance]:
+        """Live decode instances as the planner sees them, in-flight moves booked."""
+        moving_out: dict[str, set[str]] = {}
+        moving_in: dict[str, list[RequestLoad]] = {}
+        busy_instances: set[str] = set()
+        for flight in self.in_flight.values():
+            d = flight.decision
+            busy_instances.update((d.source, d.target))
+            moving_out.setdefault(d.source, set()).add(d.request)
+            if flight.load is not None:
+                moving_in.setdefault(d.target, []).append(flight.load)
+        out = []
+        for report in self.live("decode"):
+            name = report.instance
+            out_ids = moving_out.get(name, set())
+            incoming = [r for r in moving_in.get(name, []) if all(r.id != x.id for x in report.requests)]
+            requests = tuple(
+                to_request(r, busy=True) for r in incoming
+            ) + tuple(to_request(r, busy=r.id in report.in_flight) for r in report.requests if r.id not in out_ids)
+            # The worker's pre-simulated trace is only valid when nothing was booked
+            # on or off it and it uses the planner's grid.
+            trace = None
+            if not out_ids and not incoming and report.delta == params.delta and len(report.trace) == params.horizon + 1:
+                trace = tuple(report.trace)
+            out.append(
+                Instance(
+                    id=name,
+                    requests=requests,
+                    capacity_tokens=report.capacity_tokens,
+                    bytes_per_token=report.bytes_per_token,
+                    step_time_s=report.step_time_s,
+                    in_flight=name in busy_instances,
+                    busy=frozenset(report.in_flight) | frozenset(r.id for r in incoming),
+                    trace=trace,
+                )
+            )
+        return out
+
+    def load_entries(self, workloads: dict[str, float], now_wall: float) -> list[LoadEntry]:
+        """The dispatch view for proxies (every live instance, both roles)."""
+        booked: dict[str, int] = {}
+        for flight in self.in_flight.values():
+            if flight.load is not None:
+                booked[flight.decision.target] = booked.get(flight.decision.target, 0) + flight.load.tokens
+                booked[flight.decision.source] = booked.get(flight.decision.source, 0) - flight.load.tokens
+        return [
+            LoadEntry(
+                instance=r.instance,
+                role=r.role,
+                address=r.address,
+                tokens=max(0, r.used_tokens + booked.get(r.instance, 0)),
+                capacity_tokens=r.capacity_tokens,
+                workload=workloads.get(r.instance, float(r.used_tokens)),
+                running=len(r.requests),
+                ts=now_wall,
+            )
+            for r in self.live()
+        ]
+
+
+def to_request(r: RequestLoad, busy: bool = False) -> Request:
+    """A reported request as the planner's :class:`Request`."""
+    return Request(
+        id=r.id,
+        tokens=r.tokens,
+        predicted_remaining=r.predicted_remaining,
+        generated=r.generated,
+        migratable=r.migratable and not busy,
+    )
+
+
+def decision_for(move: Move, decision_id: str, tick: int, mode: str, fence: int, ts: float) -> Decision:
+    return Decision(
+        id=decision_id,
+        request=move.request,
+        source=move.source,
+        target=move.target,
+        tick=tick,
+        delta_v=move.delta_v,
+        mode=mode,
+        ts=ts,
+        fence=fence,
+    )

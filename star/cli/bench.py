@@ -1,0 +1,36 @@
+"""``star bench NAME``: the benchmarks in ``benchmarks/``, each printing a table.
+
+Each benchmark module exposes ``configure(parser)`` and ``run(args) -> int``
+and also runs as ``python -m benchmarks.NAME``. Speed targets are checked
+here, in benchmarks, never in timed unit tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from collections.abc import Callable
+
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "planner": ("benchmarks.planner", "scheduler tick time vs cluster size, next to the naive O(|O||U|RH) rule"),
+}
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = sub.add_parser(
+        "bench",
+        help="run a benchmark and print its table",
+        description="Benchmarks measure STAR's speed targets (DESIGN §7) and print a table (or --json rows).",
+    )
+    inner = parser.add_subparsers(dest="bench", metavar="NAME", required=True)
+    for name, (module, help_text) in BENCHMARKS.items():
+        bench = inner.add_parser(name, help=help_text, description=help_text)
+        bench.set_defaults(func=_runner(module))
+        importlib.import_module(module).configure(bench)
+
+
+def _runner(module: str) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        return int(importlib.import_module(module).run(args))
+
+    return run

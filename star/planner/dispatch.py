@@ -1,0 +1,104 @@
+"""P->D dispatch: which decode instance a request goes to after prefill.
+
+Paper §2 and §6.1 compare three ways to place a freshly prefilled request;
+rescheduling (Algorithm 1) then corrects what dispatch got wrong:
+
+- ``round-robin`` (vLLM's PD proxy): "assigns requests to decode instances in a
+  round-robin manner, ensuring an even distribution of requests";
+- ``current-load`` (FlowKV): "allocates requests based on the current load of
+  each decode instance, i.e., size of KV cache" -- the least token load L_i(0),
+  "the common foundation of every compared strategy" (DESIGN §3);
+- ``predicted``: the least weighted future workload w_i = sum_j beta_j L_i(tau_j)
+  after adding the new request with its predicted length.
+
+The two load-aware policies pass over instances that could not hold the
+request (``current-load``: L_i(0) + new_tokens > capacity; ``predicted``:
+max_j L_i(tau_j) + c_new(tau_j) > capacity over the horizon) unless none can;
+adding the request raises every instance's w_i by the same amount, so this
+capacity look-ahead is what "after adding" changes in the choice. Ties go to
+the first instance in the given order.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from star.planner.trace import (
+    BoolArray,
+    FloatArray,
+    contribution,
+    grid,
+    instance_traces,
+    weights,
+)
+from star.planner.types import Instance, Mode, ModeKind, PlannerParams
+
+POLICIES: tuple[str, ...] = ("round-robin", "current-load", "predicted")
+
+
+def _future_params(params: PlannerParams) -> PlannerParams:
+    """The planner's view of the future, even when rescheduling itself is off.
+
+    ``predicted`` dispatch needs R-hat: in ``current``/``no-migration`` modes it
+    uses the predictor's output (``predicted`` mode) over ``params.horizon``.
+    """
+    if params.mode.kind in (ModeKind.CURRENT, ModeKind.NO_MIGRATION):
+        return PlannerParams(
+            mode=Mode(ModeKind.PREDICTED),
+            horizon=params.horizon,
+            delta=params.delta,
+            beta_decay=params.beta_decay,
+        )
+    return params
+
+
+def choose_decode(
+    policy: str,
+    instances: Sequence[Instance],
+    new_tokens: int,
+    predicted_len: float | None,
+    params: PlannerParams,
+    rr_counter: int,
+) -> str:
+    """Pick the decode instance id for a request with ``new_tokens`` in its KV.
+
+    ``predicted_len`` is its predicted remaining length (``None``: unknown,
+    treated as running past the horizon, as in :func:`remaining_for`);
+    ``rr_counter`` is the caller's round-robin position (it owns the counter
+    so that this function stays pure).
+    """
+    if policy not in POLICIES:
+        raise ValueError(
+            f"unknown dispatch policy {policy!r}; expected one of {', '.join(POLICIES)}"
+        )
+    if not instances:
+        raise ValueError("no decode instances to dispatch to")
+    if policy == "round-robin":
+        return instances[rr_counter % len(instances)].id
+
+    cap = np.array([inst.capacity_tokens for inst in instances], dtype=np.float64)
+    if policy == "current-load":
+        load = np.array(
+            [sum(r.tokens for r in inst.requests) for inst in instances], dtype=np.float64
+        )
+        fits = load + new_tokens <= cap
+        return instances[_least(load, fits)].id
+
+    future = _future_params(params)
+    traces = instance_traces(instances, future)
+    beta = weights(future)
+    remaining = math.inf if predicted_len is None else max(float(predicted_len), 1.0)
+    added = contribution(float(new_tokens), remaining, grid(future))
+    after = traces + added
+    fits = after.max(axis=1) <= cap
+    return instances[_least(after @ beta, fits)].id
+
+
+def _least(score: FloatArray, fits: BoolArray) -> int:
+    """Index of the least score among instances that fit, or among all if none fit."""
+    if fits.any():
+        score = np.where(fits, score, np.inf)
+    return int(np.argmin(score))

@@ -1,0 +1,216 @@
+"""The scheduler as real processes against a real redis-server."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+
+from star.bus import Bus, Subscriber
+from star.wire import Decision, Event, EventKind
+from tests.conftest import bus_settings, redis_settings
+from tests.redis_server import RedisServer, free_port
+from tests.scheduler.reports import report
+
+HEAVY = [4000, 3000, 2500, 2000]
+LIGHT = [300]
+
+
+class Cluster:
+    """Processes and a fake-worker reporter sharing one bus prefix."""
+
+    def __init__(self, server: RedisServer) -> None:
+        self.server = server
+        self.settings = bus_settings()
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.reporting = {"a": HEAVY, "b": LIGHT, "c": LIGHT}
+
+    def env(self, **extra: str) -> dict[str, str]:
+        return {
+            **os.environ,
+            "STAR_REDIS_URL": self.server.url,
+            "STAR_BUS_PREFIX": self.settings.prefix,
+            "STAR_SCHEDULER_INTERVAL_S": "0.1",
+            "STAR_SCHEDULER_MODE": "current",
+            "STAR_SCHEDULER_STALENESS_S": "1.0",
+            "STAR_SCHEDULER_DECISION_TIMEOUT_S": "1.5",
+            "STAR_SCHEDULER_LOCK_TTL_S": "1.5",
+            "STAR_SCHEDULER_METRICS_PORT": "0",
+            "STAR_LOG_FORMAT": "json",
+            **extra,
+        }
+
+    def start(self, node: str, **env: str) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen(
+            ["star", "scheduler", "--node", node], env=self.env(**env),
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        self.procs.append(proc)
+        return proc
+
+    async def report_forever(self, bus: Bus) -> None:
+        seq = 0
+        while True:
+            seq += 1
+            for name, loads in list(self.reporting.items()):
+                await bus.publish("reports", report(name, loads, seq=seq))
+            await asyncio.sleep(0.2)
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+@pytest.fixture
+def cluster(redis_server: RedisServer) -> Iterator[Cluster]:
+    c = Cluster(redis_server)
+    yield c
+    c.stop()
+
+
+@pytest.fixture
+async def bus(cluster: Cluster) -> AsyncIterator[Bus]:
+    b = Bus.from_settings(redis_settings(cluster.server), cluster.settings)
+    yield b
+    await b.close()
+
+
+async def wait_for(sub: Subscriber, pred: object, timeout: float) -> list[object]:
+    deadline = time.monotonic() + timeout
+    seen: list[object] = []
+    while time.monotonic() < deadline:
+        for e in await sub.read(block_ms=100):
+            seen.append(e.msg)
+            if pred(e.msg):  # type: ignore[operator]
+                return seen
+    raise AssertionError(f"timed out; saw {seen!r:.2000}")
+
+
+async def test_imbalance_yields_decision_load_view_and_expiry(cluster: Cluster, bus: Bus) -> None:
+    port = free_port()
+    decisions = Subscriber(bus, "decisions", Decision, start="0")
+    events = Subscriber(bus, "events", Event, start="0")
+    reporter = asyncio.create_task(cluster.report_forever(bus))
+    cluster.start("solo", STAR_SCHEDULER_METRICS_PORT=str(port))
+    try:
+        got = await wait_for(decisions, lambda m: isinstance(m, Decision), timeout=20)
+        d = got[-1]
+        assert isinstance(d, Decision)
+        assert d.source == "a" and d.target in {"b", "c"} and d.request.startswith("a-r")
+        assert d.delta_v < 0 and d.mode == "current" and d.fence >= 1
+
+        deadline = time.monotonic() + 5
+        view = await bus.read_load()
+        while set(view) != {"a", "b", "c"} and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)  # the view is written right after the decision
+            view = await bus.read_load()
+        assert set(view) == {"a", "b", "c"}
+        assert view["a"].tokens < sum(HEAVY)  # the booked move is already counted on the target
+        assert view[d.target].tokens > sum(LIGHT)
+
+        # Nobody executes it: the decision expires after decision_timeout_s.
+        await wait_for(events, lambda m: isinstance(m, Event) and m.event is EventKind.EXPIRED and m.migration == d.id, timeout=10)
+
+        body = await asyncio.to_thread(lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode())
+        assert "star_scheduler_tick_seconds_count" in body
+        assert "star_scheduler_leader 1.0" in body
+        assert 'star_scheduler_decisions_total{mode="current",outcome="decided"}' in body
+        assert 'outcome="expired"' in body
+        assert "star_scheduler_live_instances 3.0" in body
+    finally:
+        reporter.cancel()
+
+
+async def test_instance_whose_reports_stop_goes_stale(cluster: Cluster, bus: Bus) -> None:
+    cluster.reporting = {"a": LIGHT, "b": LIGHT, "c": LIGHT}
+    events = Subscriber(bus, "events", Event, start="0")
+    reporter = asyncio.create_task(cluster.report_forever(bus))
+    cluster.start("solo")
+    try:
+        await wait_for(events, lambda m: isinstance(m, Event) and m.event is EventKind.LEADER, timeout=15)
+        await asyncio.sleep(0.5)
+        del cluster.reporting["c"]
+        await wait_for(events, lambda m: isinstance(m, Event) and m.event is EventKind.INSTANCE_STALE and m.instance == "c", timeout=10)
+        await asyncio.sleep(0.5)
+        assert set(await bus.read_load()) == {"a", "b"}
+    finally:
+        reporter.cancel()
+
+
+async def test_standby_takes_over_within_2s_of_sigkill(cluster: Cluster, bus: Bus) -> None:
+    events = Subscriber(bus, "events", Event, start="0")
+    decisions = Subscriber(bus, "decisions", Decision, start="0")
+    reporter = asyncio.create_task(cluster.report_forever(bus))
+    procs = {"n1": cluster.start("n1"), "n2": cluster.start("n2")}
+    try:
+        first = await wait_for(events, lambda m: isinstance(m, Event) and m.event is EventKind.LEADER, timeout=20)
+        leader_event = first[-1]
+        assert isinstance(leader_event, Event)
+        leader = leader_event.origin.split(":", 1)[1]
+        standby = "n2" if leader == "n1" else "n1"
+        first_fence = int(leader_event.data["fence"])
+        await wait_for(decisions, lambda m: isinstance(m, Decision), timeout=20)
+        await asyncio.sleep(1.0)  # let the standby's view warm up
+
+        procs[leader].send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        got = await wait_for(events, lambda m: isinstance(m, Event) and m.event is EventKind.LEADER and m.origin == f"scheduler:{standby}", timeout=10)
+        takeover = time.monotonic() - killed_at
+        new = got[-1]
+        assert isinstance(new, Event)
+        assert takeover <= 2.0, f"takeover took {takeover:.2f}s"
+        assert int(new.data["fence"]) > first_fence
+        # Only the standby remains; its decisions carry the new fence.
+        later = await wait_for(decisions, lambda m: isinstance(m, Decision) and m.fence > first_fence, timeout=20)
+        assert all(isinstance(m, Decision) for m in later)
+    finally:
+        reporter.cancel()
+
+
+async def test_fencing_rejects_publish_after_losing_the_lock(cluster: Cluster, bus: Bus) -> None:
+    from scheduler.leader import Leadership
+
+    a = Leadership(bus, "a", ttl_s=5)
+    b = Leadership(bus, "b", ttl_s=5)
+    assert await a.step() is True
+    assert await b.step() is False
+    await bus.redis.delete(bus.keys.leader)  # a's lock lapses (e.g. a long pause)
+    assert await b.step() is True and b.fence > a.fence
+    d = Decision("m", "r", "s", "t", 1, -1.0, "current", time.time())
+    assert await a.publish(d) is None and not a.is_leader
+    assert await b.publish(d) is not None
+    assert await bus.redis.xlen(bus.keys.decisions) == 1
+
+
+async def test_plan_from_redis_explains_the_live_state(cluster: Cluster, bus: Bus) -> None:
+    for name, loads in cluster.reporting.items():
+        await bus.publish("reports", report(name, loads))
+    env = cluster.env(STAR_SCHEDULER_STALENESS_S="60")  # process start-up is slow under load
+    out = await asyncio.to_thread(
+        subprocess.run, ["star", "plan", "--from-redis", "--json"], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    import json
+
+    doc = json.loads(out.stdout)
+    moves = doc["moves"]
+    assert len(moves) == 1 and moves[0]["source"] == "a" and moves[0]["target"] in {"b", "c"}
+    assert doc["mode"] == "current"  # from STAR_SCHEDULER_MODE, like the scheduler
+
+    empty = {**env, "STAR_BUS_PREFIX": "nothing-here"}
+    out = await asyncio.to_thread(
+        subprocess.run, ["star", "plan", "--from-redis"], capture_output=True, text=True, env=empty, timeout=60
+    )
+    assert out.returncode == 2 and "no fresh decode reports" in out.stderr

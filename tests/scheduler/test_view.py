@@ -1,0 +1,113 @@
+"""ClusterView: staleness, booking, outcomes, expiry (sans-IO, table style)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from scheduler.view import ClusterView
+from star.planner.types import PlannerParams
+from star.wire import Decision, Event, EventKind
+from tests.scheduler.reports import report
+
+P = PlannerParams()
+
+
+def view() -> ClusterView:
+    return ClusterView(staleness_s=3.0, decision_timeout_s=10.0)
+
+
+def decision(mid: str = "m1", request: str = "a-r0", source: str = "a", target: str = "b") -> Decision:
+    return Decision(mid, request, source, target, 1, -5.0, "current", time.time())
+
+
+def test_stale_instances_are_excluded_until_they_report_again() -> None:
+    v = view()
+    assert v.apply_report(report("a", [10]), now=0.0) is True
+    assert v.apply_report(report("b", [10]), now=0.0) is True
+    assert v.mark_stale(now=2.0) == []
+    v.apply_report(report("b", [10], seq=2), now=2.5)
+    assert v.mark_stale(now=3.5) == ["a"]
+    assert v.mark_stale(now=3.6) == []  # reported once
+    assert [i.id for i in v.instances(P)] == ["b"]
+    assert v.apply_report(report("a", [10], seq=2), now=4.0) is True  # revived
+    assert sorted(i.id for i in v.instances(P)) == ["a", "b"]
+
+
+def test_late_old_report_is_ignored() -> None:
+    v = view()
+    v.apply_report(report("a", [10, 20], seq=5), now=0.0)
+    late = dataclasses.replace(report("a", [1], seq=4), ts=0.0)  # a reclaimed, older entry
+    v.apply_report(late, now=1.0)
+    assert v.seen["a"].report.seq == 5
+
+
+def test_prefill_reports_are_not_planner_instances() -> None:
+    v = view()
+    v.apply_report(report("p", [5], role="prefill"), 0.0)
+    v.apply_report(report("d", [5]), 0.0)
+    assert [i.id for i in v.instances(P)] == ["d"]
+    assert sorted(e.instance for e in v.load_entries({}, 0.0)) == ["d", "p"]
+
+
+def test_booked_move_counts_on_target_and_marks_both_in_flight() -> None:
+    v = view()
+    v.apply_report(report("a", [1000, 200]), 0.0)
+    v.apply_report(report("b", [50]), 0.0)
+    v.apply_report(report("c", [60]), 0.0)
+    v.book(decision(), now=0.0)
+    by = {i.id: i for i in v.instances(P)}
+    assert [r.id for r in by["a"].requests] == ["a-r1"]
+    assert {r.id for r in by["b"].requests} == {"a-r0", "b-r0"}
+    moved = next(r for r in by["b"].requests if r.id == "a-r0")
+    assert moved.tokens == 1000 and moved.migratable is False
+    assert by["a"].in_flight and by["b"].in_flight and not by["c"].in_flight
+    loads = {e.instance: e.tokens for e in v.load_entries({}, 0.0)}
+    assert loads == {"a": 200, "b": 1050, "c": 60}
+
+
+def test_target_report_that_already_has_the_request_is_not_double_counted() -> None:
+    v = view()
+    v.apply_report(report("a", [1000]), 0.0)
+    v.apply_report(report("b", [50]), 0.0)
+    v.book(decision(), now=0.0)
+    b2 = report("b", [50], seq=2)
+    b2.requests.append(type(b2.requests[0])("a-r0", 1001, 501, 10.0))
+    v.apply_report(b2, 0.5)
+    by = {i.id: i for i in v.instances(P)}
+    assert sorted(r.id for r in by["b"].requests) == ["a-r0", "b-r0"]
+
+
+def test_outcome_events_resolve_and_unknown_ones_are_ignored() -> None:
+    v = view()
+    v.apply_report(report("a", [100]), 0.0)
+    v.book(decision("m1"), 0.0)
+    v.book(decision("m2", request="a-r9"), 0.0)
+    assert v.apply_event(Event(EventKind.RELEASED, 0.0, "a", migration="m1")) is None
+    assert v.apply_event(Event(EventKind.RESUMED, 0.0, "proxy", migration="nope")) is None
+    got = v.apply_event(Event(EventKind.RESUMED, 0.0, "proxy", migration="m1"))
+    assert got is not None and got[0].id == "m1" and got[1] == "completed"
+    got = v.apply_event(Event(EventKind.FINISHED, 0.0, "proxy", request="a-r9"))
+    assert got is not None and got[1] == "finished"
+    assert v.in_flight == {}
+
+
+def test_decisions_without_outcome_expire() -> None:
+    v = view()
+    v.book(decision("m1"), now=0.0)
+    assert v.expire(now=9.9) == []
+    assert [d.id for d in v.expire(now=10.0)] == ["m1"]
+    assert v.in_flight == {}
+
+
+def test_worker_trace_used_only_when_on_the_planner_grid_and_nothing_booked() -> None:
+    v = view()
+    r = report("a", [100])
+    r.trace.extend([100.0 + 32 * j for j in range(P.horizon + 1)])
+    v.apply_report(r, 0.0)
+    v.apply_report(report("b", [10]), 0.0)
+    by = {i.id: i for i in v.instances(P)}
+    assert by["a"].trace is not None and len(by["a"].trace) == P.horizon + 1
+    assert by["b"].trace is None  # empty trace: the planner computes it
+    v.book(decision(), 0.0)
+    assert {i.id: i for i in v.instances(P)}["a"].trace is None
