@@ -1,0 +1,372 @@
+"""The proxy's HTTP application: routes, auth, metrics, OpenAI <-> Backend.
+
+``ProxyApp`` is the :data:`proxy.http.Handler`; :func:`create_server` puts it
+behind an :class:`~proxy.http.HttpServer`::
+
+    app = ProxyApp(backend, [ModelCard.load(path, name)], settings.proxy)
+    server = create_server(app, settings.proxy)
+    await server.start()          # or: await server.serve()
+    ...
+    await server.shutdown()       # stop intake, drain, cancel stragglers
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``,
+``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics``.
+With ``settings.api_key`` set, ``/v1/*`` needs ``Authorization: Bearer <key>``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from bisect import bisect_left
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from typing import Any
+
+import structlog
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+
+from proxy.backend import Backend, BackendError, TokenBatch
+from proxy.http import HttpError, HttpServer, Request, Response, StreamingResponse
+from proxy.openai import (
+    ParsedRequest,
+    Relay,
+    find_model,
+    model_payload,
+    models_payload,
+    parse_chat,
+    parse_completion,
+)
+from proxy.tokenizer import ModelCard
+from star.settings import ProxySettings
+
+log = structlog.get_logger()
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+MODELS = "/v1/models"
+_KNOWN_PATHS = frozenset({COMPLETIONS, CHAT, MODELS, "/health", "/metrics"})
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
+_ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+Parser = Callable[[bytes, dict[str, ModelCard]], ParsedRequest]
+
+
+class FastHistogram:
+    """A histogram for the per-token path: plain counts, exported at scrape time.
+
+    prometheus-client's Histogram takes a lock and walks its buckets in Python
+    on every observation; the event loop is single-threaded, so a bisect and
+    two additions are enough.
+    """
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)  # the last one is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        """Count one observation (a value equal to a bound falls in that bucket)."""
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def family(self, name: str, documentation: str) -> HistogramMetricFamily:
+        """The Prometheus metric family, with cumulative buckets as the format wants."""
+        buckets, total = [], 0
+        for bound, count in zip((*map(str, self.bounds), "+Inf"), self.counts, strict=True):
+            total += count
+            buckets.append((bound, total))
+        return HistogramMetricFamily(name, documentation, buckets=buckets, sum_value=self.sum)
+
+
+class ProxyMetrics:
+    """Prometheus metrics of one proxy (own registry, so tests can make several).
+
+    Per-request metrics use prometheus-client directly; the per-token ones
+    (tokens relayed, TTFT, inter-token time) are plain numbers collected at
+    scrape time, to keep the relay loop cheap.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "star_proxy_requests",
+            "HTTP responses by route and status",
+            ["route", "status"],
+            registry=r,
+        )
+        self.active = Gauge(
+            "star_proxy_active_streams", "generation requests in flight", registry=r
+        )
+        self.tokens = 0
+        self.ttft = FastHistogram(_TTFT_BUCKETS)
+        self.itl = FastHistogram(_ITL_BUCKETS)
+        r.register(self)
+
+    def collect(self) -> Iterator[Metric]:
+        """Custom-collector hook: the per-token metrics."""
+        yield CounterMetricFamily(
+            "star_proxy_tokens_relayed", "generated tokens relayed to clients", value=self.tokens
+        )
+        yield self.ttft.family("star_proxy_ttft_seconds", "request complete to first token relayed")
+        yield self.itl.family(
+            "star_proxy_inter_token_seconds", "time between successive token batches"
+        )
+
+    def observe_response(self, path: str, status: int) -> None:
+        """:data:`proxy.http.Observer` hook: count every response by route and status."""
+        route = path if path in _KNOWN_PATHS else MODELS if path.startswith(MODELS) else "other"
+        self.requests.labels(route, str(status)).inc()
+
+
+class _Timing:
+    """Per-request token timing feeding the TTFT and inter-token histograms."""
+
+    __slots__ = ("arrival", "first", "last", "metrics")
+
+    def __init__(self, metrics: ProxyMetrics, arrival: float) -> None:
+        self.metrics = metrics
+        self.arrival = arrival
+        self.first = 0.0
+        self.last = 0.0
+
+    def batch(self, batch: TokenBatch) -> None:
+        if not batch.token_ids:
+            return
+        now = time.monotonic()
+        m = self.metrics
+        if self.first == 0.0:
+            self.first = now
+            m.ttft.observe(now - self.arrival)
+        else:
+            m.itl.observe(now - self.last)
+        self.last = now
+        m.tokens += len(batch.token_ids)
+
+
+class ProxyApp:
+    """Routes requests; generation requests go through :class:`Relay` to the backend."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        models: Sequence[ModelCard],
+        settings: ProxySettings,
+        *,
+        metrics: ProxyMetrics | None = None,
+    ) -> None:
+        if not models:
+            raise ValueError("ProxyApp needs at least one model")
+        self.backend = backend
+        self.models = {card.name: card for card in models}
+        self.settings = settings
+        self.metrics = metrics or ProxyMetrics()
+        self.active = 0  # generation requests in flight (the gauge, readable)
+        self._key = settings.api_key.encode()
+
+    async def __call__(self, request: Request) -> Response | StreamingResponse:
+        """Handle one request (the :data:`proxy.http.Handler`)."""
+        path = request.path
+        if path.startswith("/v1/"):
+            self._authorize(request)
+        if path == COMPLETIONS:
+            _method(request, "POST")
+            return await self._generate(request, parse_completion)
+        if path == CHAT:
+            _method(request, "POST")
+            return await self._generate(request, parse_chat)
+        if path == MODELS:
+            _method(request, "GET")
+            return Response.json(models_payload(list(self.models.values())))
+        if path.startswith(MODELS + "/"):
+            _method(request, "GET")
+            return Response.json(model_payload(find_model(self.models, path[len(MODELS) + 1 :])))
+        if path == "/health":
+            _method(request, "GET")
+            return self._health()
+        if path == "/metrics":
+            _method(request, "GET")
+            return Response(200, generate_latest(self.metrics.registry), CONTENT_TYPE_LATEST)
+        raise HttpError(404, f"no route for {request.method} {path}", code="not_found")
+
+    def _authorize(self, request: Request) -> None:
+        if not self._key:
+            return
+        header = request.header("authorization") or ""
+        scheme, _, token = header.partition(" ")
+        challenge = [("www-authenticate", "Bearer")]
+        if scheme.lower() != "bearer" or not token.strip():
+            raise HttpError(
+                401,
+                "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.",
+                headers=challenge,
+            )
+        if not hmac.compare_digest(token.strip().encode(), self._key):
+            raise HttpError(
+                401, "Incorrect API key provided.", code="invalid_api_key", headers=challenge
+            )
+
+    def _health(self) -> Response:
+        try:
+            status = dict(self.backend.health())
+        except Exception as exc:  # a health probe must answer, not crash
+            log.warning("health_failed", error=str(exc))
+            status = {"ok": False, "error": str(exc)}
+        ok = bool(status.get("ok", True))
+        status["ok"] = ok
+        status["active_streams"] = self.active
+        return Response.json(status, 200 if ok else 503)
+
+    # -- generation -------------------------------------------------------------
+
+    async def _generate(self, request: Request, parse: Parser) -> Response | StreamingResponse:
+        parsed = parse(request.body, self.models)
+        gen = parsed.gen
+        relay = Relay(parsed)
+        timing = _Timing(self.metrics, gen.arrival_s)
+        self.active += 1
+        self.metrics.active.inc()
+        stream: AsyncIterator[TokenBatch] | None = None
+        handed_over = False
+        try:
+            stream = self.backend.generate(gen)
+            if not gen.stream:
+                await self._collect(relay, stream, timing)
+                self._done(relay, timing, "finished")
+                return Response.json(relay.response())
+            # Wait for the first batch before sending 200, so that a request the
+            # backend refuses outright gets a real HTTP error status.
+            try:
+                first = await anext(stream)
+            except StopAsyncIteration:
+                raise HttpError(
+                    502, "upstream ended the stream before any token", code="upstream_error"
+                ) from None
+            body = self._relay(relay, stream, first, timing)
+            # Run the body to its first (empty) yield: only a started generator
+            # runs its cleanup when the server closes it, whatever happens next.
+            await anext(body)
+            handed_over = True
+            return StreamingResponse(body)
+        except BackendError as exc:
+            self._done(relay, timing, "failed", error=exc.message)
+            raise _http_error(exc) from None
+        except (RuntimeError, ValueError) as exc:  # the backend broke the stream contract
+            self._done(relay, timing, "failed", error=str(exc))
+            raise HttpError(502, f"upstream error: {exc}", code="upstream_error") from None
+        except HttpError as exc:
+            self._done(relay, timing, "failed", error=exc.message)
+            raise
+        except Exception as exc:  # the server logs it and answers 500
+            self._done(relay, timing, "failed", error=repr(exc))
+            raise
+        except BaseException:
+            self._done(relay, timing, "cancelled")
+            raise
+        finally:
+            if not handed_over and stream is not None:
+                await _aclose(stream)
+
+    async def _collect(
+        self, relay: Relay, stream: AsyncIterator[TokenBatch], timing: _Timing
+    ) -> None:
+        async for batch in stream:
+            timing.batch(batch)
+            relay.feed(batch)
+            if relay.cut:
+                break  # a stop string matched: closing the stream aborts upstream
+
+    async def _relay(
+        self, relay: Relay, stream: AsyncIterator[TokenBatch], first: TokenBatch, timing: _Timing
+    ) -> AsyncIterator[bytes]:
+        """The SSE body: one chunk per batch, then usage and [DONE]."""
+        outcome, error = "cancelled", None
+        try:
+            yield b""
+            batch: TokenBatch | None = first
+            while batch is not None:
+                timing.batch(batch)
+                out = relay.feed(batch)
+                if out:
+                    yield out
+                if relay.cut:
+                    break  # a stop string matched: closing the stream aborts upstream
+                batch = await anext(stream, None)
+            outcome = "finished"
+            yield relay.end()
+        except BackendError as exc:
+            outcome, error = "failed", exc.message
+            yield relay.error_event(_http_error(exc))
+        except (RuntimeError, ValueError) as exc:
+            outcome, error = "failed", str(exc)
+            yield relay.error_event(HttpError(502, f"upstream error: {exc}", code="upstream_error"))
+        except Exception as exc:
+            # Headers are out: tell the client in-band, log the bug here, once.
+            log.exception("relay_failed", request_id=relay.req.request_id)
+            outcome, error = "failed", repr(exc)
+            yield relay.error_event(HttpError(500, "internal server error"))
+        finally:
+            await _aclose(stream)
+            self._done(relay, timing, outcome, error=error)
+
+    def _done(self, relay: Relay, timing: _Timing, outcome: str, error: str | None = None) -> None:
+        """The canonical line for one generation request (and the gauge)."""
+        self.active -= 1
+        self.metrics.active.dec()
+        gen = relay.req
+        fields: dict[str, Any] = {
+            "request_id": gen.request_id,
+            "kind": gen.kind,
+            "stream": gen.stream,
+            "prompt_tokens": len(gen.prompt_token_ids),
+            "completion_tokens": relay.completion_tokens,
+            "finish_reason": [c.finish_reason for c in relay.choices],
+            "migratable": gen.migratable,
+            "duration_ms": round((time.monotonic() - gen.arrival_s) * 1000, 2),
+        }
+        if timing.first:
+            fields["ttft_ms"] = round((timing.first - gen.arrival_s) * 1000, 2)
+        if error is not None:
+            log.warning("request_" + outcome, error=error, **fields)
+        else:
+            log.info("request_" + outcome, **fields)
+
+
+def _method(request: Request, allowed: str) -> None:
+    if request.method != allowed:
+        raise HttpError(
+            405,
+            f"method {request.method} not allowed on {request.path}",
+            code="method_not_allowed",
+            headers=[("allow", allowed)],
+        )
+
+
+def _http_error(exc: BackendError) -> HttpError:
+    return HttpError(exc.status, exc.message, type=exc.error_type, code=exc.code)
+
+
+async def _aclose(stream: AsyncIterator[Any]) -> None:
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+def create_server(app: ProxyApp, settings: ProxySettings, **kwargs: Any) -> HttpServer:
+    """An :class:`HttpServer` running ``app``; health and metrics skip the stream limit."""
+    return HttpServer(
+        app,
+        settings,
+        exempt_paths=("/health", "/metrics"),
+        observer=app.metrics.observe_response,
+        **kwargs,
+    )

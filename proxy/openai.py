@@ -1,0 +1,540 @@
+"""OpenAI API semantics, sans-IO: request validation in, response shapes out.
+
+:func:`parse_completion` and :func:`parse_chat` turn a request body into a
+:class:`ParsedRequest` (a backend :class:`~proxy.backend.GenerationRequest`
+plus the text options the proxy applies itself) or raise
+:class:`~proxy.http.HttpError` naming the bad parameter. :class:`Relay`
+turns the backend's token batches into OpenAI's streamed chunks (SSE bytes)
+or the final response object. Shapes follow the OpenAI API reference for
+``/v1/completions``, ``/v1/chat/completions`` and ``/v1/models``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from json.encoder import encode_basestring
+from typing import Any
+
+from proxy import sse
+from proxy.backend import GenerationRequest, RequestKind, TokenBatch, is_migratable
+from proxy.detok import TextStream
+from proxy.http import HttpError
+from proxy.tokenizer import ChatTemplateError, ModelCard
+from proxy.validate import Fields, parse_object
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_N = 128
+MAX_STOP = 16
+_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+
+
+@dataclass(frozen=True, slots=True)
+class TextOptions:
+    """Output options the proxy applies itself (vLLM extensions to the OpenAI API)."""
+
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    min_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    """A validated request: what the backend gets and what the proxy keeps."""
+
+    gen: GenerationRequest
+    text: TextOptions
+    card: ModelCard
+
+
+# -- request parsing ----------------------------------------------------------------
+
+
+def find_model(models: Mapping[str, ModelCard], name: Any) -> ModelCard:
+    """The card for ``name``, or the OpenAI 404 ``model_not_found``."""
+    if name is None:
+        raise HttpError(
+            400,
+            "you must provide a model parameter",
+            param="model",
+            code="missing_required_parameter",
+        )
+    if not isinstance(name, str):
+        raise HttpError(
+            400, "Invalid type for 'model': expected a string", param="model", code="invalid_type"
+        )
+    card = models.get(name)
+    if card is None:
+        raise HttpError(
+            404, f"The model `{name}` does not exist.", param="model", code="model_not_found"
+        )
+    return card
+
+
+def parse_completion(body: bytes, models: Mapping[str, ModelCard]) -> ParsedRequest:
+    """Validate a ``/v1/completions`` body."""
+    f = Fields(parse_object(body))
+    card = find_model(models, f.raw("model"))
+    prompt = _completion_prompt(f, card)
+    f.reject_truthy("echo", "'echo' is not supported")
+    f.reject_truthy("suffix", "'suffix' is not supported")
+    f.reject_present("logprobs", "'logprobs' are not supported by this server")
+    return _finish_parse(f, card, prompt, "completion", "cmpl-", COMPLETION_DEFAULT_MAX_TOKENS)
+
+
+def parse_chat(body: bytes, models: Mapping[str, ModelCard]) -> ParsedRequest:
+    """Validate a ``/v1/chat/completions`` body and render its messages."""
+    f = Fields(parse_object(body))
+    card = find_model(models, f.raw("model"))
+    messages = _messages(f)
+    if f.raw("tools"):
+        raise HttpError(
+            400,
+            "'tools' (function calling) is not supported",
+            param="tools",
+            code="unsupported_parameter",
+        )
+    f.reject_truthy("logprobs", "'logprobs' are not supported by this server")
+    f.reject_present("top_logprobs", "'top_logprobs' is not supported by this server")
+    f.reject_truthy("echo", "'echo' is not supported")
+    f.reject_truthy("continue_final_message", "'continue_final_message' is not supported")
+    add_generation_prompt = f.bool_("add_generation_prompt", True)
+    template_kwargs = f.dict_("chat_template_kwargs") or {}
+    reserved = sorted(set(template_kwargs) & {"messages", "add_generation_prompt"})
+    if reserved:
+        f.fail("chat_template_kwargs", f"'{{param}}' may not set {', '.join(reserved)}")
+    try:
+        prompt = card.encode_chat(messages, add_generation_prompt, **template_kwargs)
+    except ChatTemplateError as exc:
+        raise HttpError(400, str(exc), param="messages") from exc
+    if "max_completion_tokens" in f.data and f.raw("max_completion_tokens") is not None:
+        f.data["max_tokens"] = f.data["max_completion_tokens"]
+        f.param_alias["max_tokens"] = "max_completion_tokens"
+    return _finish_parse(f, card, prompt, "chat", "chatcmpl-", None)
+
+
+def _completion_prompt(f: Fields, card: ModelCard) -> list[int]:
+    prompt = f.raw("prompt")
+    if prompt is None:
+        raise HttpError(
+            400,
+            "you must provide a prompt parameter",
+            param="prompt",
+            code="missing_required_parameter",
+        )
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        ids = card.encode(prompt)
+    elif isinstance(prompt, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt
+    ):
+        ids = list(prompt)
+        vocab = card.tokenizer.get_vocab_size(with_added_tokens=True)
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise HttpError(
+                400,
+                f"token id {bad} in 'prompt' is outside the vocabulary (0..{vocab - 1})",
+                param="prompt",
+                code="invalid_value",
+            )
+    elif isinstance(prompt, list) and all(isinstance(p, str | list) for p in prompt):
+        raise HttpError(
+            400,
+            "batched prompts are not supported; send one prompt per request",
+            param="prompt",
+            code="invalid_value",
+        )
+    else:
+        raise HttpError(
+            400,
+            "'prompt' must be a string or a list of token ids",
+            param="prompt",
+            code="invalid_type",
+        )
+    if not ids:
+        raise HttpError(400, "'prompt' is empty", param="prompt", code="invalid_value")
+    return ids
+
+
+def _messages(f: Fields) -> list[dict[str, Any]]:
+    raw = f.raw("messages")
+    if raw is None:
+        raise HttpError(
+            400,
+            "you must provide a messages parameter",
+            param="messages",
+            code="missing_required_parameter",
+        )
+    if not isinstance(raw, list) or not raw:
+        raise HttpError(
+            400, "'messages' must be a non-empty array", param="messages", code="invalid_type"
+        )
+    out = []
+    for i, msg in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(msg, dict):
+            raise HttpError(400, f"'{where}' must be an object", param=where, code="invalid_type")
+        role = msg.get("role")
+        if role not in _ROLES:
+            raise HttpError(
+                400,
+                f"'{where}.role' must be one of {', '.join(sorted(_ROLES))}; got {role!r}",
+                param=f"{where}.role",
+                code="invalid_value",
+            )
+        content = msg.get("content")
+        if isinstance(content, list):
+            content = _text_parts(content, f"{where}.content")
+        elif content is not None and not isinstance(content, str):
+            raise HttpError(
+                400,
+                f"'{where}.content' must be a string or an array of text parts",
+                param=f"{where}.content",
+                code="invalid_type",
+            )
+        out.append({**msg, "content": content})
+    return out
+
+
+def _text_parts(parts: list[Any], where: str) -> str:
+    texts = []
+    for j, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("text", "input_text") or not isinstance(part.get("text"), str):
+            raise HttpError(
+                400,
+                f"'{where}[{j}]': only text content parts are supported",
+                param=f"{where}[{j}]",
+                code="invalid_value",
+            )
+        texts.append(part["text"])
+    return "\n".join(texts)  # how vLLM flattens text parts for string-content templates
+
+
+def _finish_parse(
+    f: Fields,
+    card: ModelCard,
+    prompt: list[int],
+    kind: RequestKind,
+    id_prefix: str,
+    default_max_tokens: int | None,
+) -> ParsedRequest:
+    stream = f.bool_("stream", False)
+    options = f.dict_("stream_options")
+    if options is not None and not stream:
+        raise HttpError(
+            400,
+            "'stream_options' is only allowed when 'stream' is true",
+            param="stream_options",
+            code="invalid_value",
+        )
+    include_usage = bool(options and options.get("include_usage"))
+    room = card.max_model_len - len(prompt)
+    if room <= 0:
+        raise _context_error(card, len(prompt), 0, kind)
+    max_tokens = f.int_("max_tokens", default_max_tokens or room, lo=1)
+    if max_tokens > room:
+        raise _context_error(card, len(prompt), max_tokens, kind)
+    sampling = _sampling(f, card, max_tokens)
+    stop = f.str_list("stop", MAX_STOP)
+    text = TextOptions(
+        include_stop_str_in_output=f.bool_("include_stop_str_in_output", False),
+        skip_special_tokens=f.bool_("skip_special_tokens", True),
+        min_tokens=int(sampling.get("min_tokens", 0)),
+    )
+    gen = GenerationRequest(
+        request_id=id_prefix + uuid.uuid4().hex,
+        model=card.name,
+        prompt_token_ids=prompt,
+        sampling=sampling,
+        kind=kind,
+        stop=tuple(s for s in stop if s),
+        stream=stream,
+        include_usage=include_usage,
+        migratable=is_migratable(sampling),
+        arrival_s=time.monotonic(),
+    )
+    return ParsedRequest(gen, text, card)
+
+
+def _context_error(
+    card: ModelCard, prompt_len: int, max_tokens: int, kind: RequestKind
+) -> HttpError:
+    return HttpError(
+        400,
+        f"This model's maximum context length is {card.max_model_len} tokens. However, you requested "
+        f"{prompt_len + max_tokens} tokens ({prompt_len} in the "
+        f"{'messages' if kind == 'chat' else 'prompt'}, {max_tokens} for the completion). "
+        "Please reduce the length of the prompt or the completion.",
+        param="messages" if kind == "chat" else "prompt",
+        code="context_length_exceeded",
+    )
+
+
+def _sampling(f: Fields, card: ModelCard, max_tokens: int) -> dict[str, Any]:
+    """vLLM SamplingParams kwargs: only what the request (or the model's defaults) set."""
+    vocab = card.tokenizer.get_vocab_size(with_added_tokens=True)
+    s: dict[str, Any] = {"max_tokens": max_tokens}
+    n = f.int_("n", 1, lo=1, hi=MAX_N)
+    best_of = f.int_("best_of", n, lo=1, hi=MAX_N)
+    if best_of != n:
+        raise HttpError(
+            400,
+            "'best_of' different from 'n' is not supported",
+            param="best_of",
+            code="unsupported_parameter",
+        )
+    if n != 1:
+        s["n"] = n
+    floats = (
+        ("temperature", 0.0, 2.0),
+        ("top_p", 0.001, 1.0),
+        ("min_p", 0.0, 1.0),
+        ("presence_penalty", -2.0, 2.0),
+        ("frequency_penalty", -2.0, 2.0),
+        ("repetition_penalty", 0.01, 10.0),
+    )
+    for name, lo, hi in floats:
+        value = f.opt_float(name, lo=lo, hi=hi)
+        if value is None:
+            value = card.generation_defaults.get(name)
+        if value is not None:
+            s[name] = float(value)
+    top_k = f.opt_int("top_k", lo=-1)
+    if top_k is None:
+        top_k = card.generation_defaults.get("top_k")
+    if top_k is not None and top_k not in (0, -1):  # 0 and -1 both mean "off"
+        s["top_k"] = int(top_k)
+    seed = f.opt_int("seed", lo=-(2**63), hi=2**63 - 1)
+    if seed is not None:
+        s["seed"] = seed
+    if f.bool_("ignore_eos", False):
+        s["ignore_eos"] = True
+    min_tokens = f.int_("min_tokens", 0, lo=0, hi=max_tokens)
+    if min_tokens:
+        s["min_tokens"] = min_tokens
+    for name in ("stop_token_ids", "allowed_token_ids"):
+        ids = f.token_ids(name, vocab)
+        if ids:
+            s[name] = ids
+    bias = f.logit_bias("logit_bias", vocab)
+    if bias:
+        s["logit_bias"] = bias
+    structured = _structured_outputs(f)
+    if structured is not None:
+        s["structured_outputs"] = structured
+    return s
+
+
+def _structured_outputs(f: Fields) -> dict[str, Any] | None:
+    """Guided decoding as ``StructuredOutputsParams`` kwargs (vLLM), from either API."""
+    fmt = f.dict_("response_format")
+    out: dict[str, Any] = {}
+    if fmt is not None:
+        kind = fmt.get("type")
+        if kind == "json_object":
+            out["json_object"] = True
+        elif kind == "json_schema":
+            schema = (fmt.get("json_schema") or {}).get("schema")
+            if not isinstance(schema, dict):
+                raise HttpError(
+                    400,
+                    "'response_format.json_schema.schema' must be an object",
+                    param="response_format",
+                    code="invalid_value",
+                )
+            out["json"] = schema
+        elif kind != "text":
+            raise HttpError(
+                400,
+                f"'response_format.type' must be text, json_object or json_schema; got {kind!r}",
+                param="response_format",
+                code="invalid_value",
+            )
+    given = f.dict_("structured_outputs")
+    if given:
+        out.update(given)
+    for key in ("json", "regex", "choice", "grammar"):
+        value = f.raw(f"guided_{key}")  # vLLM's older names
+        if value is not None:
+            out[key] = value
+    return out or None
+
+
+# -- responses ----------------------------------------------------------------------
+
+
+def models_payload(cards: Sequence[ModelCard]) -> dict[str, Any]:
+    """``GET /v1/models``."""
+    return {"object": "list", "data": [model_payload(c) for c in cards]}
+
+
+def model_payload(card: ModelCard) -> dict[str, Any]:
+    """One entry of ``/v1/models`` (also ``GET /v1/models/{id}``)."""
+    return {"id": card.name, "object": "model", "created": card.created, "owned_by": card.owned_by}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """OpenAI's usage object."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def _j(value: Any) -> bytes:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+class Relay:
+    """Turns one request's token batches into OpenAI output (sans-IO).
+
+    Streaming: :meth:`feed` returns the SSE bytes to send now (``b""`` while
+    text is held back), :meth:`end` the closing chunks, usage and ``[DONE]``.
+    Not streaming: feed, then :meth:`response`. Chunks are rendered from
+    per-request byte templates so that only the new text is JSON-encoded per
+    token (this is the proxy's hot path).
+    """
+
+    def __init__(self, parsed: ParsedRequest, created: int | None = None) -> None:
+        gen, text = parsed.gen, parsed.text
+        self.req = gen
+        self.created = int(time.time()) if created is None else created
+        self.choices = [
+            TextStream(
+                parsed.card.tokenizer,
+                gen.prompt_token_ids,
+                gen.stop,
+                text.include_stop_str_in_output,
+                text.skip_special_tokens,
+                text.min_tokens,
+            )
+            for _ in range(gen.n)
+        ]
+        self._texts: list[list[str]] = [[] for _ in range(gen.n)]
+        self._open = gen.n  # choices not yet finished
+        self._started = False
+        self._stream = gen.stream
+        chat = gen.kind == "chat"
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        head = f'{{"id":"{gen.request_id}","object":"{obj}","created":{self.created},"model":'
+        self._head = head.encode() + _j(gen.model) + b',"choices":[{"index":'
+        self._text_key = b',"delta":{"content":' if chat else b',"text":'
+        self._text_end = b"}" if chat else b""
+        self._tail = b',"logprobs":null,"finish_reason":'
+        self._end = b"}]" + (b',"usage":null' if gen.include_usage else b"") + b"}"
+        self._pre = [
+            b"data: " + self._head + str(i).encode() + self._text_key for i in range(gen.n)
+        ]
+        self._post = self._text_end + self._tail + b"null" + self._end + b"\n\n"
+
+    @property
+    def done(self) -> bool:
+        """Every choice has finished (the backend's stream can be closed)."""
+        return self._open == 0
+
+    @property
+    def cut(self) -> bool:
+        """Every choice has finished and one was cut here (stop string): close the backend."""
+        return self._open == 0 and any(c.cut for c in self.choices)
+
+    @property
+    def completion_tokens(self) -> int:
+        """Tokens generated so far, over all choices (as usage counts them)."""
+        return sum(c.num_tokens for c in self.choices)
+
+    def feed(self, batch: TokenBatch) -> bytes:
+        """Consume one batch; return the SSE bytes to send (streaming) or b""."""
+        index = batch.index
+        if not 0 <= index < len(self.choices):
+            raise ValueError(f"backend sent choice index {index} for n={len(self.choices)}")
+        choice = self.choices[index]
+        if choice.finish_reason is not None:
+            return b""
+        text = choice.feed(batch.token_ids)
+        if choice.finish_reason is None and batch.finish_reason is not None:
+            text += choice.finish(batch.finish_reason, batch.stop_reason)
+        finish = choice.finish_reason
+        if finish is not None:
+            self._open -= 1
+        if not self._stream:
+            if text:
+                self._texts[index].append(text)
+            return b""
+        if not text and finish is None:
+            return b"" if self._started else self._start()
+        chunk = self._chunk(index, text, finish)
+        return chunk if self._started else self._start() + chunk
+
+    def end(self) -> bytes:
+        """After the backend's stream ended: finish leftovers, usage chunk, ``[DONE]``."""
+        if self._open:
+            raise RuntimeError("backend stream ended before every choice finished")
+        out = b"" if self._started else self._start()
+        if self.req.include_usage:
+            u = usage(len(self.req.prompt_token_ids), self.completion_tokens)
+            head = self._head[: self._head.rindex(b'"choices"')]
+            out += sse.event(head + b'"choices":[],"usage":' + _j(u) + b"}")
+        return out + sse.DONE
+
+    def response(self) -> dict[str, Any]:
+        """The complete (non-streaming) response object."""
+        if self._open:
+            raise RuntimeError("backend stream ended before every choice finished")
+        chat = self.req.kind == "chat"
+        choices = []
+        for i, choice in enumerate(self.choices):
+            text = "".join(self._texts[i])
+            item: dict[str, Any] = {"index": i}
+            if chat:
+                item["message"] = {"role": "assistant", "content": text}
+            else:
+                item["text"] = text
+            item["logprobs"] = None
+            item["finish_reason"] = choice.finish_reason
+            choices.append(item)
+        return {
+            "id": self.req.request_id,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": self.created,
+            "model": self.req.model,
+            "choices": choices,
+            "usage": usage(len(self.req.prompt_token_ids), self.completion_tokens),
+        }
+
+    def error_event(self, error: HttpError) -> bytes:
+        """An SSE event carrying an error after the stream has begun, then ``[DONE]``."""
+        return sse.event(_j(error.payload())) + sse.DONE
+
+    def _start(self) -> bytes:
+        # Chat streams open with one role delta per choice, as OpenAI's do.
+        self._started = True
+        if self.req.kind != "chat":
+            return b""
+        return b"".join(
+            sse.event(
+                self._head
+                + str(i).encode()
+                + b',"delta":{"role":"assistant","content":""}'
+                + self._tail
+                + b"null"
+                + self._end
+            )
+            for i in range(len(self.choices))
+        )
+
+    def _chunk(self, index: int, text: str, finish: str | None) -> bytes:
+        if finish is None:  # the per-token case: one JSON string encode, three joins
+            return self._pre[index] + encode_basestring(text).encode() + self._post
+        if self.req.kind == "chat" and not text:
+            body = b',"delta":{}'  # the closing chunk of a choice carries an empty delta
+        else:
+            body = self._text_key + encode_basestring(text).encode() + self._text_end
+        head = b"data: " + self._head + str(index).encode()
+        return head + body + self._tail + b'"' + finish.encode() + b'"' + self._end + b"\n\n"

@@ -1,0 +1,362 @@
+"""OpenAI request validation and response shapes, without sockets."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from proxy import sse
+from proxy.backend import TokenBatch
+from proxy.http import HttpError
+from proxy.openai import ParsedRequest, Relay, models_payload, parse_chat, parse_completion
+from proxy.tokenizer import ModelCard, compile_template
+
+MODEL = "tiny"
+
+
+def body(**kw: Any) -> bytes:
+    return json.dumps({"model": MODEL, **kw}).encode()
+
+
+def completion(card: ModelCard, **kw: Any) -> ParsedRequest:
+    return parse_completion(body(prompt=kw.pop("prompt", "hello"), **kw), {MODEL: card})
+
+
+def chat(card: ModelCard, **kw: Any) -> ParsedRequest:
+    messages = kw.pop("messages", [{"role": "user", "content": "hi"}])
+    return parse_chat(body(messages=messages, **kw), {MODEL: card})
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "code"),
+    [
+        ({"max_tokens": "16"}, "max_tokens", "invalid_type"),
+        ({"max_tokens": 0}, "max_tokens", "invalid_value"),
+        ({"max_tokens": True}, "max_tokens", "invalid_type"),
+        ({"temperature": 2.5}, "temperature", "invalid_value"),
+        ({"temperature": "hot"}, "temperature", "invalid_type"),
+        ({"top_p": 0}, "top_p", "invalid_value"),
+        ({"top_k": -2}, "top_k", "invalid_value"),
+        ({"presence_penalty": -3}, "presence_penalty", "invalid_value"),
+        ({"n": 0}, "n", "invalid_value"),
+        ({"best_of": 3}, "best_of", "unsupported_parameter"),
+        ({"stop": 5}, "stop", "invalid_type"),
+        ({"stop": ["a"] * 17}, "stop", "invalid_value"),
+        ({"stream": "yes"}, "stream", "invalid_type"),
+        ({"stream_options": {"include_usage": True}}, "stream_options", "invalid_value"),
+        ({"stop_token_ids": [10**9]}, "stop_token_ids", "invalid_value"),
+        ({"logit_bias": {"x": 1}}, "logit_bias", "invalid_value"),
+        ({"logprobs": 2}, "logprobs", "unsupported_parameter"),
+        ({"echo": True}, "echo", "unsupported_parameter"),
+        ({"prompt": ["a", "b"]}, "prompt", "invalid_value"),
+        ({"prompt": [1, "x"]}, "prompt", "invalid_type"),
+        ({"prompt": [10**9]}, "prompt", "invalid_value"),
+        ({"prompt": None}, "prompt", "missing_required_parameter"),
+        ({"max_tokens": 100_000}, "prompt", "context_length_exceeded"),
+        ({"response_format": {"type": "xml"}}, "response_format", "invalid_value"),
+    ],
+)
+def test_completion_bad_params_name_the_param(
+    card: ModelCard, fields: dict[str, Any], param: str, code: str
+) -> None:
+    with pytest.raises(HttpError) as info:
+        completion(card, **fields)
+    err = info.value
+    assert (err.status, err.param, err.code) == (400, param, code)
+    assert err.type == "invalid_request_error"
+    assert param in err.message or code in ("context_length_exceeded", "missing_required_parameter")
+
+
+@pytest.mark.parametrize(
+    ("raw", "status", "code"),
+    [
+        (b"{not json", 400, "invalid_json"),
+        (b"[1, 2]", 400, "invalid_json"),
+        (b'{"model": "tiny", "prompt": "x", "temperature": NaN}', 400, "invalid_json"),
+        (b'{"prompt": "x"}', 400, "missing_required_parameter"),
+        (b'{"model": "gpt-9", "prompt": "x"}', 404, "model_not_found"),
+    ],
+)
+def test_body_and_model_errors(card: ModelCard, raw: bytes, status: int, code: str) -> None:
+    with pytest.raises(HttpError) as info:
+        parse_completion(raw, {MODEL: card})
+    assert (info.value.status, info.value.code) == (status, code)
+
+
+@pytest.mark.parametrize(
+    ("messages", "param"),
+    [
+        ([], "messages"),
+        ("hi", "messages"),
+        ([{"role": "robot", "content": "x"}], "messages[0].role"),
+        ([{"role": "user", "content": 5}], "messages[0].content"),
+        (
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+            "messages[0].content[0]",
+        ),
+    ],
+)
+def test_chat_bad_messages(card: ModelCard, messages: Any, param: str) -> None:
+    with pytest.raises(HttpError) as info:
+        chat(card, messages=messages)
+    assert (info.value.status, info.value.param) == (400, param)
+
+
+def test_chat_rejects_tools_and_template_errors(card: ModelCard) -> None:
+    with pytest.raises(HttpError) as info:
+        chat(card, tools=[{"type": "function", "function": {"name": "f"}}])
+    assert info.value.param == "tools"
+    strict = ModelCard(
+        name=MODEL,
+        tokenizer=card.tokenizer,
+        chat_template="{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}{% endif %}x",
+    )
+    with pytest.raises(HttpError) as info:
+        parse_chat(body(messages=[{"role": "system", "content": "s"}]), {MODEL: strict})
+    assert (info.value.status, info.value.message) == (400, "user first")
+
+
+def test_chat_template_failures_are_400(card: ModelCard) -> None:
+    with pytest.raises(HttpError) as info:
+        chat(card, messages=[{"role": "assistant", "content": None}])
+    assert (info.value.status, info.value.param) == (400, "messages")
+    with pytest.raises(HttpError) as info:
+        chat(card, chat_template_kwargs={"messages": []})
+    assert (info.value.status, info.value.param) == (400, "chat_template_kwargs")
+
+
+def test_completion_request_becomes_a_generation_request(card: ModelCard) -> None:
+    p = completion(
+        card,
+        prompt="hello world",
+        max_tokens=7,
+        temperature=0.5,
+        top_k=5,
+        stop="STOP",
+        stop_token_ids=[3],
+        ignore_eos=True,
+        min_tokens=2,
+        stream=True,
+        stream_options={"include_usage": True},
+        user="u",
+        store=False,
+    )
+    g = p.gen
+    assert g.request_id.startswith("cmpl-") and len(g.request_id) == 37
+    assert g.prompt_token_ids == card.tokenizer.encode("hello world").ids
+    assert g.sampling == {
+        "max_tokens": 7,
+        "temperature": 0.5,
+        "top_k": 5,
+        "stop_token_ids": [3],
+        "ignore_eos": True,
+        "min_tokens": 2,
+    }
+    assert (g.stop, g.stream, g.include_usage, g.kind, g.migratable) == (
+        ("STOP",),
+        True,
+        True,
+        "completion",
+        True,
+    )
+    assert p.text.min_tokens == 2
+    assert completion(card).gen.max_tokens == 16  # OpenAI's completions default
+    assert completion(card, prompt=[5, 6, 7]).gen.prompt_token_ids == [5, 6, 7]
+    assert completion(card, prompt=[[5, 6]]).gen.prompt_token_ids == [5, 6]
+
+
+@pytest.mark.parametrize(
+    ("fields", "migratable"),
+    [
+        ({}, True),
+        ({"temperature": 0.8, "top_p": 0.9, "logit_bias": {"5": 2}}, True),
+        ({"seed": 1}, False),
+        ({"presence_penalty": 0.5}, False),
+        ({"frequency_penalty": 0.1}, False),
+        ({"repetition_penalty": 1.1}, False),
+        ({"repetition_penalty": 1.0}, True),
+        ({"n": 2}, False),
+        ({"response_format": {"type": "json_object"}}, False),
+        ({"guided_regex": "a+"}, False),
+    ],
+)
+def test_migratable_flag(card: ModelCard, fields: dict[str, Any], migratable: bool) -> None:
+    assert completion(card, **fields).gen.migratable is migratable
+
+
+def test_structured_outputs_are_vllm_kwargs(card: ModelCard) -> None:
+    schema = {"type": "object"}
+    p = chat(
+        card,
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+    )
+    assert p.gen.sampling["structured_outputs"] == {"json": schema}
+
+
+def test_chat_prompt_uses_the_template_and_default_max_tokens(card: ModelCard) -> None:
+    p = chat(
+        card,
+        messages=[
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+        ],
+    )
+    expected = "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert card.tokenizer.decode(p.gen.prompt_token_ids, skip_special_tokens=False) == expected
+    assert p.gen.request_id.startswith("chatcmpl-")
+    assert p.gen.max_tokens == card.max_model_len - len(p.gen.prompt_token_ids)
+    assert chat(card, max_completion_tokens=9, max_tokens=3).gen.max_tokens == 9
+
+
+def test_template_filters_match_transformers() -> None:
+    t = compile_template("{{ x | tojson }}|{{ raise_exception is defined }}")
+    assert t.render(x={"a": "é<"}) == '{"a": "é<"}|True'
+
+
+# -- response shapes ---------------------------------------------------------------
+
+
+def run_relay(p: ParsedRequest, batches: list[TokenBatch]) -> tuple[Relay, list[Any]]:
+    relay = Relay(p, created=123)
+    out = b""
+    for b in batches:
+        out += relay.feed(b)
+        if relay.done:
+            break
+    out += relay.end()
+    events = [e.data for e in sse.SSEDecoder().feed(out)]
+    assert events[-1] == "[DONE]"
+    return relay, [json.loads(e) for e in events[:-1]]
+
+
+def ids(card: ModelCard, text: str) -> list[int]:
+    return list(card.tokenizer.encode(text).ids)
+
+
+def test_completion_stream_chunks_have_openai_shape(card: ModelCard) -> None:
+    p = completion(card, stream=True, stream_options={"include_usage": True})
+    a, b = ids(card, "Hello"), ids(card, " 你好")
+    _, chunks = run_relay(p, [TokenBatch(a), TokenBatch(b, "length")])
+    rid = p.gen.request_id
+    base = {"id": rid, "object": "text_completion", "created": 123, "model": MODEL, "usage": None}
+    assert chunks == [
+        {
+            **base,
+            "choices": [{"index": 0, "text": "Hello", "logprobs": None, "finish_reason": None}],
+        },
+        {
+            **base,
+            "choices": [{"index": 0, "text": " 你好", "logprobs": None, "finish_reason": "length"}],
+        },
+        {
+            **base,
+            "choices": [],
+            "usage": {
+                "prompt_tokens": len(p.gen.prompt_token_ids),
+                "completion_tokens": len(a) + len(b),
+                "total_tokens": len(p.gen.prompt_token_ids) + len(a) + len(b),
+            },
+        },
+    ]
+
+
+def test_chat_stream_chunks_have_openai_shape(card: ModelCard) -> None:
+    p = chat(card, stream=True)
+    _, chunks = run_relay(p, [TokenBatch(ids(card, "Hi")), TokenBatch([], "stop")])
+    base = {
+        "id": p.gen.request_id,
+        "object": "chat.completion.chunk",
+        "created": 123,
+        "model": MODEL,
+    }
+    assert chunks == [
+        {
+            **base,
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            ],
+        },
+        {
+            **base,
+            "choices": [
+                {"index": 0, "delta": {"content": "Hi"}, "logprobs": None, "finish_reason": None}
+            ],
+        },
+        {**base, "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}]},
+    ]
+
+
+def test_stop_string_ends_the_relay_and_n_choices_are_separate(card: ModelCard) -> None:
+    p = completion(card, stop=["42"], n=2, max_tokens=50)
+    relay = Relay(p, created=1)
+    tokens = ids(card, "The answer is 42. More")
+    for i in range(2):
+        for t in tokens:
+            relay.feed(TokenBatch([t], index=i))
+            if relay.choices[i].finished:
+                break
+    assert relay.done
+    resp = relay.response()
+    assert resp["object"] == "text_completion"
+    assert [c["text"] for c in resp["choices"]] == ["The answer is "] * 2
+    assert [c["finish_reason"] for c in resp["choices"]] == ["stop", "stop"]
+    assert resp["usage"]["completion_tokens"] == 2 * relay.choices[0].num_tokens
+    assert relay.choices[0].num_tokens < len(tokens)
+
+
+def test_chat_response_shape(card: ModelCard) -> None:
+    p = chat(card)
+    relay = Relay(p, created=5)
+    relay.feed(TokenBatch(ids(card, "café 😀"), "stop", 7))
+    resp = relay.response()
+    assert resp == {
+        "id": p.gen.request_id,
+        "object": "chat.completion",
+        "created": 5,
+        "model": MODEL,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "café 😀"},
+                "logprobs": None,
+                "finish_reason": "stop",
+            }
+        ],
+        "usage": {
+            "prompt_tokens": len(p.gen.prompt_token_ids),
+            "completion_tokens": len(ids(card, "café 😀")),
+            "total_tokens": len(p.gen.prompt_token_ids) + len(ids(card, "café 😀")),
+        },
+    }
+
+
+def test_relay_refuses_a_stream_that_never_finished(card: ModelCard) -> None:
+    relay = Relay(completion(card))
+    relay.feed(TokenBatch([5]))
+    with pytest.raises(RuntimeError):
+        relay.response()
+    with pytest.raises(ValueError):
+        relay.feed(TokenBatch([5], index=3))
+
+
+def test_models_payload(card: ModelCard) -> None:
+    assert models_payload([card]) == {
+        "object": "list",
+        "data": [{"id": MODEL, "object": "model", "created": card.created, "owned_by": "star"}],
+    }
+
+
+def test_sse_decoder_handles_any_split() -> None:
+    stream = b"data: a\r\n\r\n: ping\n\ndata: b\ndata: c\r\rdata: [DONE]\n\n"
+    whole = [e.data for e in sse.SSEDecoder().feed(stream)]
+    assert whole == ["a", "b\nc", "[DONE]"]
+    for cut in range(len(stream)):
+        d = sse.SSEDecoder()
+        assert [e.data for e in d.feed(stream[:cut]) + d.feed(stream[cut:])] == whole
