@@ -16,6 +16,10 @@ from star import __version__
 
 # Order is the order of `star --help`.
 COMMAND_MODULES: tuple[str, ...] = (
+    "star.cli.up",
+    "star.cli.worker",
+    "star.cli.proxy",
+    "star.cli.status",
     "star.cli.config",
     "star.cli.inspect",
     "star.cli.scheduler",

@@ -120,6 +120,20 @@ async def test_imbalance_yields_decision_load_view_and_expiry(cluster: Cluster, 
         assert view["a"].tokens < sum(HEAVY)  # the booked move is already counted on the target
         assert view[d.target].tokens > sum(LIGHT)
 
+        out = await asyncio.to_thread(
+            subprocess.run, ["star", "status", "--json"], capture_output=True, text=True,
+            env=cluster.env(STAR_SCHEDULER_DECISION_TIMEOUT_S="60"), timeout=60,
+        )
+        assert out.returncode == 0, out.stderr
+        import json
+
+        status = json.loads(out.stdout)
+        assert status["leader"]["node"] == "solo"
+        assert {i["instance"] for i in status["instances"]} == {"a", "b", "c"}
+        a = next(i for i in status["instances"] if i["instance"] == "a")
+        assert [q["id"] for q in a["requests"]] == [f"a-r{i}" for i in range(len(HEAVY))]
+        assert d.id in {m["id"] for m in status["in_flight"]}
+
         # Nobody executes it: the decision expires after decision_timeout_s.
         await wait_for(events, lambda m: isinstance(m, Event) and m.event is EventKind.EXPIRED and m.migration == d.id, timeout=10)
 

@@ -1,0 +1,254 @@
+"""The proxy's backend: prefill on a prefill worker, then decode on a decode worker.
+
+:class:`Directory` knows the live instances: the scheduler's dispatch view
+(``<prefix>:load``) when it is fresh, otherwise the proxy's own view built
+from the workers' reports (so serving goes on while no scheduler runs).
+:func:`choose` applies the P->D dispatch policy (DESIGN §3) to that view,
+corrected by what this proxy dispatched since the view was taken.
+
+:class:`ClusterBackend` implements :class:`proxy.backend.Backend`: for each
+request it runs the prompt on a prefill worker (one token, KV held for
+NIXL), then opens the decode stream on the chosen decode worker with the
+prefill's ``kv_transfer_params`` so the decode worker pulls the KV through
+NIXL, and relays the decode worker's tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from proxy.backend import BackendError, BackendUnavailable, GenerationRequest, RequestRejected, TokenBatch
+from proxy.upstream import ConnectionLost, WorkerPool
+from star.bus import Bus, Subscriber
+from star.wire import Abort, Error, Event, EventKind, Generate, Report, Tokens
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    """One live instance as the proxy sees it."""
+
+    instance: str
+    role: str
+    address: str
+    tokens: int
+    capacity_tokens: int
+    workload: float
+    running: int
+
+
+def choose(policy: str, members: list[Member], pending: dict[str, int], rr: int) -> Member:
+    """Pick a decode instance: ``round-robin``, ``current-load`` or ``predicted``.
+
+    ``pending`` is the tokens this proxy dispatched to each instance since its
+    view was taken. ``predicted`` uses the scheduler's time-weighted workload
+    w_i (reported prediction included), falling back to tokens.
+    """
+    if not members:
+        raise BackendUnavailable("no decode instance is up")
+    ordered = sorted(members, key=lambda m: m.instance)
+    if policy == "round-robin":
+        return ordered[rr % len(ordered)]
+    if policy == "current-load":
+        return min(ordered, key=lambda m: (m.tokens + pending.get(m.instance, 0), m.running))
+    if policy == "predicted":
+        return min(ordered, key=lambda m: (m.workload + pending.get(m.instance, 0), m.running))
+    raise ValueError(f"unknown dispatch policy {policy!r}")
+
+
+class Directory:
+    """Live instances from ``<prefix>:load`` (preferred) or ``<prefix>:reports``."""
+
+    def __init__(self, bus: Bus, staleness_s: float) -> None:
+        self.bus = bus
+        self.staleness_s = staleness_s
+        self._reports: dict[str, tuple[float, Report]] = {}
+        self._load: dict[str, tuple[float, Member]] = {}
+        self._pending: dict[str, int] = {}
+        self._down: dict[str, float] = {}  # address -> until (monotonic)
+        self._rr = itertools.count()
+
+    async def follow_reports(self) -> None:
+        start = f"{int((time.time() - self.staleness_s) * 1000)}-0"
+        sub = Subscriber(self.bus, "reports", Report, start=start)
+        while True:
+            for entry in await sub.read():
+                report = entry.msg
+                assert isinstance(report, Report)
+                self._reports[report.instance] = (time.monotonic(), report)
+                self._pending.pop(report.instance, None)
+
+    async def poll_load(self, interval_s: float = 0.25) -> None:
+        while True:
+            view = await self.bus.read_load()
+            now, wall = time.monotonic(), time.time()
+            for name, e in view.items():
+                if wall - e.ts <= self.staleness_s:
+                    member = Member(e.instance, e.role, e.address, e.tokens, e.capacity_tokens, e.workload, e.running)
+                    if self._load.get(name, (0.0, None))[1] != member:
+                        self._pending.pop(name, None)
+                    self._load[name] = (now, member)
+            await asyncio.sleep(interval_s)
+
+    def members(self, role: str) -> list[Member]:
+        now = time.monotonic()
+        fresh_load = {n: m for n, (t, m) in self._load.items() if now - t <= self.staleness_s}
+        out: dict[str, Member] = {}
+        for name, (t, r) in self._reports.items():
+            if now - t <= self.staleness_s:
+                out[name] = Member(r.instance, r.role, r.address, r.used_tokens, r.capacity_tokens, float(r.used_tokens), len(r.requests))
+        for name, m in fresh_load.items():
+            if name in out or not self._reports:
+                out[name] = m  # the scheduler's view (with booked moves) wins
+        return [m for m in out.values() if m.role == role and self._down.get(m.address, 0.0) <= now]
+
+    def pick(self, role: str, policy: str, tokens: int) -> Member:
+        members = self.members(role)
+        if not members:
+            raise BackendUnavailable(f"no {role} instance is up (no fresh reports on {self.bus.keys.reports})")
+        member = choose(policy, members, self._pending, next(self._rr))
+        self._pending[member.instance] = self._pending.get(member.instance, 0) + tokens
+        return member
+
+    def mark_down(self, address: str, for_s: float = 2.0) -> None:
+        """Avoid an instance that refused a connection for a little while."""
+        self._down[address] = time.monotonic() + for_s
+
+
+class ClusterBackend:
+    """Prefill then decode over the token protocol; see the module docstring."""
+
+    def __init__(self, directory: Directory, pool: WorkerPool, policy: str, origin: str, events: asyncio.Queue[Event] | None = None) -> None:
+        self.directory = directory
+        self.pool = pool
+        self.policy = policy
+        self.origin = origin
+        self.events = events
+        self.owned: dict[str, str] = {}  # request id -> decode instance
+
+    def health(self) -> dict[str, Any]:
+        prefill = self.directory.members("prefill")
+        decode = self.directory.members("decode")
+        return {
+            "ok": bool(prefill and decode),
+            "prefill": sorted(m.instance for m in prefill),
+            "decode": sorted(m.instance for m in decode),
+            "streams": len(self.owned),
+        }
+
+    def _emit(self, event: Event) -> None:
+        if self.events is not None:
+            try:
+                self.events.put_nowait(event)
+            except asyncio.QueueFull:
+                log.warning("event queue full; event dropped", event=event.event.value)
+
+    async def generate(self, req: GenerationRequest) -> AsyncIterator[TokenBatch]:
+        if req.n != 1:
+            raise RequestRejected("n > 1 is not supported by this proxy yet")
+        sampling = dict(req.sampling)
+        sampling.pop("n", None)
+        kv_params = await self._prefill(req, sampling)
+        async for batch in self._decode(req, sampling, kv_params):
+            yield batch
+
+    async def _prefill(self, req: GenerationRequest, sampling: dict[str, Any]) -> dict[str, Any]:
+        member = self.directory.pick("prefill", "current-load", len(req.prompt_token_ids))
+        try:
+            client = await self.pool.get(member.address)
+        except (OSError, ConnectionLost, TimeoutError) as exc:
+            self.directory.mark_down(member.address)
+            raise BackendUnavailable(f"prefill instance {member.instance} unreachable: {exc}") from exc
+        stream = client.open()
+        finished = False
+        try:
+            await client.send(Generate(stream.id, f"{req.request_id}-p", list(req.prompt_token_ids), sampling))
+            while True:
+                msg = await stream.next()
+                if isinstance(msg, Error):
+                    raise _error(msg, member.instance)
+                if isinstance(msg, Tokens) and msg.finish_reason is not None:
+                    finished = True
+                    if not msg.kv_transfer_params:
+                        raise BackendError(f"prefill on {member.instance} returned no kv_transfer_params")
+                    return dict(msg.kv_transfer_params)
+        except ConnectionLost as exc:
+            raise BackendUnavailable(f"prefill instance {member.instance} went away: {exc}") from exc
+        finally:
+            stream.close()
+            if not finished:
+                await _abort(client, stream.id)
+
+    async def _decode(self, req: GenerationRequest, sampling: dict[str, Any], kv_params: dict[str, Any]) -> AsyncIterator[TokenBatch]:
+        member = self.directory.pick("decode", self.policy, len(req.prompt_token_ids))
+        try:
+            client = await self.pool.get(member.address)
+        except (OSError, ConnectionLost, TimeoutError) as exc:
+            self.directory.mark_down(member.address)
+            raise BackendUnavailable(f"decode instance {member.instance} unreachable: {exc}") from exc
+        stream = client.open()
+        finished = False
+        generated = 0
+        outcome = "aborted"
+        self.owned[req.request_id] = member.instance
+        self._emit(Event(EventKind.DISPATCHED, time.time(), self.origin, request=req.request_id, instance=member.instance))
+        try:
+            await client.send(Generate(stream.id, req.request_id, list(req.prompt_token_ids), sampling, kv_params))
+            while True:
+                msg = await stream.next()
+                if isinstance(msg, Error):
+                    outcome = "error"
+                    raise _error(msg, member.instance)
+                if not isinstance(msg, Tokens):
+                    continue
+                generated += len(msg.token_ids)
+                finish = msg.finish_reason
+                if finish is not None:
+                    finished = True
+                    outcome = finish
+                    reason = finish if finish in ("stop", "length", "abort") else "stop"
+                    yield TokenBatch(list(msg.token_ids), reason, msg.stop_reason)  # type: ignore[arg-type]
+                    return
+                if msg.token_ids:
+                    yield TokenBatch(list(msg.token_ids))
+        except ConnectionLost as exc:
+            outcome = "error"
+            raise BackendError(f"decode instance {member.instance} went away: {exc}") from exc
+        finally:
+            stream.close()
+            self.owned.pop(req.request_id, None)
+            if not finished:
+                await _abort(client, stream.id)
+            self._emit(
+                Event(
+                    EventKind.FINISHED, time.time(), self.origin, request=req.request_id,
+                    instance=member.instance, detail=outcome, data={"generated": generated},
+                )
+            )
+
+
+def _error(msg: Error, instance: str) -> BackendError:
+    text = f"{instance}: {msg.message}"
+    if msg.code == "bad_request":
+        return RequestRejected(text, code=msg.code)
+    if msg.code in {"shutting_down", "engine_dead"}:
+        return BackendUnavailable(text, code=msg.code)
+    return BackendError(text, code=msg.code)
+
+
+async def _abort(client: Any, stream_id: int) -> None:
+    try:
+        await client.send(Abort(stream_id))
+    except ConnectionLost:
+        pass  # the worker is gone; it frees the KV when it notices
+
+
+__all__ = ["ClusterBackend", "Directory", "Member", "choose"]

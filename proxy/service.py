@@ -1,0 +1,70 @@
+"""``star proxy``: the OpenAI-compatible front end as a long-running process."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+
+import structlog
+
+from proxy.app import ProxyApp, create_server
+from proxy.cluster import ClusterBackend, Directory
+from proxy.http import HttpServer
+from proxy.tokenizer import ModelCard
+from proxy.upstream import WorkerPool
+from star.bus import Bus
+from star.process import Service
+from star.settings import Settings
+from star.wire import Event
+
+log = structlog.get_logger(__name__)
+
+
+class ProxyService(Service):
+    name = "proxy"
+
+    def __init__(self, settings: Settings, model_path: str, served_name: str | None = None) -> None:
+        super().__init__(drain_timeout_s=settings.proxy.drain_timeout_s)
+        self.settings = settings
+        self.model_path = model_path
+        self.served_name = served_name
+        self.node = f"{socket.gethostname()}-{os.getpid()}"
+        self.bus: Bus | None = None
+        self.pool = WorkerPool()
+        self.server: HttpServer | None = None
+        self.directory: Directory | None = None
+        self.events: asyncio.Queue[Event] = asyncio.Queue(maxsize=10_000)
+
+    async def startup(self) -> None:
+        card = ModelCard.load(self.model_path, self.served_name, max_model_len=self.settings.worker.max_model_len)
+        self.bus = Bus.from_settings(self.settings.redis, self.settings.bus)
+        await self.bus.retrying("PING", self.bus.redis.ping)
+        self.directory = Directory(self.bus, self.settings.scheduler.staleness_s)
+        backend = ClusterBackend(self.directory, self.pool, self.settings.proxy.dispatch, f"proxy:{self.node}", self.events)
+        app = ProxyApp(backend, [card], self.settings.proxy)
+        self.server = create_server(app, self.settings.proxy)
+        await self.server.start()
+        log.info("proxy listening", url=f"http://{self.settings.proxy.host}:{self.server.port}", model=card.name)
+
+    async def main(self) -> None:
+        assert self.directory is not None
+        self.spawn(self.directory.follow_reports(), "reports")
+        self.spawn(self.directory.poll_load(), "load")
+        self.spawn(self._publish_events(), "events")
+        await self.wait_exit()
+
+    async def _publish_events(self) -> None:
+        assert self.bus is not None
+        while True:
+            event = await self.events.get()
+            await self.bus.publish("events", event)
+
+    async def drain(self) -> None:
+        if self.server is not None:
+            await self.server.shutdown(self.settings.proxy.drain_timeout_s)
+
+    async def cleanup(self) -> None:
+        await self.pool.close()
+        if self.bus is not None:
+            await self.bus.close()

@@ -1,0 +1,173 @@
+"""The proxy's side of the internal token protocol: one multiplexed connection per worker.
+
+A :class:`WorkerClient` owns one TCP connection to a worker, reads the
+worker's :class:`~star.wire.Hello`, then routes every incoming frame to the
+:class:`Stream` it belongs to. Many requests share the connection; each has
+its own stream id. When the connection breaks, every open stream gets a
+:class:`ConnectionLost` and the next :meth:`WorkerPool.get` reconnects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import structlog
+
+from star.wire import Error, FrameDecoder, Hello, Message, WireError, frame
+
+log = structlog.get_logger(__name__)
+
+
+class ConnectionLost(Exception):
+    """The worker connection closed while a stream was open."""
+
+
+class Stream:
+    """Frames of one stream, in order."""
+
+    def __init__(self, client: WorkerClient, stream_id: int) -> None:
+        self.client = client
+        self.id = stream_id
+        self._queue: asyncio.Queue[Message | BaseException] = asyncio.Queue()
+
+    def put(self, item: Message | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    async def next(self) -> Message:
+        """The next frame of this stream; raises :class:`ConnectionLost`."""
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        self.client.forget(self.id)
+
+
+class WorkerClient:
+    """One connection to a worker; frames are routed by ``stream``."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.hello: Hello | None = None
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._streams: dict[int, Stream] = {}
+        self._ids = itertools.count(1)
+        self._task: asyncio.Task[None] | None = None
+        self.closed = False
+
+    async def connect(self, timeout_s: float = 5.0) -> Hello:
+        host, _, port = self.address.rpartition(":")
+        self._reader, self._writer = await asyncio.wait_for(
+            asyncio.open_connection(host, int(port)), timeout_s
+        )
+        decoder = FrameDecoder()
+        while True:
+            data = await asyncio.wait_for(self._reader.read(65536), timeout_s)
+            if not data:
+                raise ConnectionLost(f"worker {self.address} closed before Hello")
+            decoder.feed(data)
+            msgs = list(decoder)
+            if msgs:
+                break
+        if not isinstance(msgs[0], Hello):
+            raise ConnectionLost(f"worker {self.address} did not start with Hello")
+        self.hello = msgs[0]
+        self._task = asyncio.create_task(self._read(decoder, msgs[1:]), name=f"upstream {self.address}")
+        return self.hello
+
+    def open(self) -> Stream:
+        stream = Stream(self, next(self._ids))
+        self._streams[stream.id] = stream
+        return stream
+
+    def forget(self, stream_id: int) -> None:
+        self._streams.pop(stream_id, None)
+
+    async def send(self, msg: Message) -> None:
+        if self.closed or self._writer is None:
+            raise ConnectionLost(f"connection to {self.address} is closed")
+        self._writer.write(frame(msg))
+        try:
+            await self._writer.drain()
+        except (ConnectionError, OSError) as exc:
+            raise ConnectionLost(f"connection to {self.address} broke: {exc}") from exc
+
+    def _route(self, msg: Message) -> None:
+        stream_id = getattr(msg, "stream", None)
+        if isinstance(msg, Error) and msg.stream < 0:
+            log.warning("worker reported a connection error", address=self.address, code=msg.code, error=msg.message)
+            return
+        target = self._streams.get(stream_id) if isinstance(stream_id, int) else None
+        if target is not None:
+            target.put(msg)
+
+    async def _read(self, decoder: FrameDecoder, pending: list[Message]) -> None:
+        assert self._reader is not None
+        reason = "closed by the worker"
+        try:
+            for msg in pending:
+                self._route(msg)
+            while True:
+                data = await self._reader.read(1 << 16)
+                if not data:
+                    break
+                decoder.feed(data)
+                while True:
+                    try:
+                        msg = next(decoder)
+                    except StopIteration:
+                        break
+                    except WireError as exc:
+                        log.warning("undecodable frame from worker", address=self.address, error=str(exc))
+                        continue
+                    self._route(msg)
+        except (ConnectionError, OSError) as exc:
+            reason = str(exc)
+        finally:
+            self.closed = True
+            lost = ConnectionLost(f"connection to worker {self.address} lost: {reason}")
+            for stream in list(self._streams.values()):
+                stream.put(lost)
+            self._streams.clear()
+
+    async def close(self) -> None:
+        self.closed = True
+        if self._writer is not None:
+            self._writer.close()
+            with contextlib.suppress(Exception):
+                await self._writer.wait_closed()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+
+
+class WorkerPool:
+    """Connections by address, (re)opened on demand."""
+
+    def __init__(self) -> None:
+        self._clients: dict[str, WorkerClient] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    async def get(self, address: str) -> WorkerClient:
+        client = self._clients.get(address)
+        if client is not None and not client.closed:
+            return client
+        lock = self._locks.setdefault(address, asyncio.Lock())
+        async with lock:
+            client = self._clients.get(address)
+            if client is not None and not client.closed:
+                return client
+            client = WorkerClient(address)
+            await client.connect()
+            self._clients[address] = client
+            log.info("connected to worker", address=address, instance=client.hello.instance if client.hello else "?")
+            return client
+
+    async def close(self) -> None:
+        for client in list(self._clients.values()):
+            await client.close()
+        self._clients.clear()

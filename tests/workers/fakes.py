@@ -1,0 +1,112 @@
+"""A scripted engine for protocol tests, and a framed-msgpack test client."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from star.wire import FrameDecoder, Message, frame
+from workers.protocol import (
+    BadRequest,
+    GenerateRequest,
+    HandoffInfo,
+    TokenDelta,
+    Unsupported,
+)
+
+
+@dataclass
+class FakeEngine:
+    """Streams ``sampling["max_tokens"]`` tokens (ids 100, 101, ...), one per ``step_s``.
+
+    ``sampling["fail"]`` makes the request fail with BadRequest after that many
+    tokens. ``aborted`` lists request ids whose generator was closed or
+    cancelled before finishing (what AsyncLLM turns into an engine abort).
+    """
+
+    step_s: float = 0.0
+    started: list[str] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)
+    live: set[str] = field(default_factory=set)
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
+        n = int(request.sampling.get("max_tokens", 4))
+        fail = request.sampling.get("fail")
+        self.started.append(request.request_id)
+        self.live.add(request.request_id)
+        self.idle.clear()
+        done = False
+        try:
+            for i in range(n):
+                if fail is not None and i == fail:
+                    raise BadRequest(f"scripted failure of {request.request_id}")
+                await asyncio.sleep(self.step_s)
+                last = i == n - 1
+                yield TokenDelta(
+                    token_ids=[100 + i],
+                    finish_reason="length" if last else None,
+                    kv_transfer_params={"remote": request.request_id} if last else None,
+                    num_prompt_tokens=len(request.prompt_token_ids),
+                )
+            done = True
+            self.finished.append(request.request_id)
+        finally:
+            self.live.discard(request.request_id)
+            if not self.live:
+                self.idle.set()
+            if not done:
+                self.aborted.append(request.request_id)
+
+    async def release(self, request_id: str, migration: str) -> HandoffInfo:
+        raise Unsupported("no D->D release in the fake")
+
+    async def wait_idle(self) -> None:
+        async with asyncio.timeout(5):
+            if self.live:
+                await self.idle.wait()
+
+
+class Client:
+    """A proxy-side connection speaking the token protocol."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.decoder = FrameDecoder()
+        self.pending: list[Message] = []
+
+    @classmethod
+    async def connect(cls, address: str) -> Client:
+        host, _, port = address.rpartition(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        return cls(reader, writer)
+
+    async def send(self, *msgs: Message) -> None:
+        for msg in msgs:
+            self.writer.write(frame(msg))
+        await self.writer.drain()
+
+    async def send_raw(self, data: bytes) -> None:
+        self.writer.write(data)
+        await self.writer.drain()
+
+    async def recv(self, within_s: float = 5.0) -> Message:
+        """The next frame; raises EOFError when the worker closed the connection."""
+        async with asyncio.timeout(within_s):
+            while not self.pending:
+                data = await self.reader.read(65536)
+                if not data:
+                    raise EOFError("connection closed by the worker")
+                self.decoder.feed(data)
+                self.pending.extend(self.decoder)
+        return self.pending.pop(0)
+
+    async def close(self) -> None:
+        self.writer.close()
+        try:
+            await self.writer.wait_closed()
+        except ConnectionError:
+            pass

@@ -1,0 +1,203 @@
+"""Building an engine's configuration, without starting one (imports vLLM, no engine)."""
+
+from __future__ import annotations
+
+import warnings
+from types import ModuleType
+
+import pytest
+
+from star.settings import WorkerSettings
+from workers.protocol import BadRequest, GenerateRequest
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+]
+
+
+@pytest.fixture(scope="module")
+def eng() -> ModuleType:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # import-time deprecations in torch/vLLM
+        import workers.engine
+
+    return workers.engine
+
+
+@pytest.mark.parametrize(
+    ("items", "expected"),
+    [
+        ([], {}),
+        (["enforce_eager=true"], {"enforce_eager": True}),
+        (["--block-size=16", "dtype=float32"], {"block_size": 16, "dtype": "float32"}),
+        (
+            ['kv_transfer_config={"kv_role": "kv_both"}'],
+            {"kv_transfer_config": {"kv_role": "kv_both"}},
+        ),
+        (["swap_space=0.5"], {"swap_space": 0.5}),
+    ],
+)
+def test_parse_engine_args(eng: ModuleType, items: list[str], expected: dict[str, object]) -> None:
+    assert eng.parse_engine_args(items) == expected
+
+
+@pytest.mark.parametrize("item", ["enforce_eager", "=3", ""])
+def test_parse_engine_args_rejects(eng: ModuleType, item: str) -> None:
+    with pytest.raises(eng.EngineConfigError, match="KEY=VALUE"):
+        eng.parse_engine_args([item])
+
+
+def test_spec_from_settings(eng: ModuleType) -> None:
+    settings = WorkerSettings(
+        role="prefill",
+        model="/models/m",
+        host="10.0.0.5",
+        kv_cache_space_gib=2.5,
+        engine_args=("enforce_eager=true",),
+    )
+    spec = eng.EngineSpec.from_settings(settings, nixl_port=7000)
+    assert (spec.model, spec.role, spec.nixl_host, spec.nixl_port) == (
+        "/models/m",
+        "prefill",
+        "10.0.0.5",
+        7000,
+    )
+    assert spec.kv_cache_space_gib == 2.5 and spec.engine_args == {"enforce_eager": True}
+
+
+def test_spec_defaults_to_the_tiny_model(eng: ModuleType) -> None:
+    from star.model import tiny_model_path
+
+    assert eng.EngineSpec.from_settings(WorkerSettings()).model == str(tiny_model_path())
+
+
+@pytest.mark.parametrize(("field", "value"), [("role", "router"), ("device", "tpu"), ("model", "")])
+def test_spec_validates(eng: ModuleType, field: str, value: str) -> None:
+    kwargs = {"model": "m", field: value}
+    with pytest.raises(eng.EngineConfigError, match=field if field != "model" else "empty"):
+        eng.EngineSpec(**kwargs)
+
+
+def test_engine_args_on_cpu(eng: ModuleType) -> None:
+    spec = eng.EngineSpec(model="m", kv_cache_space_gib=0.5, engine_args={"enforce_eager": True})
+    args = eng.build_engine_args(spec, cpu=True)
+    kv = args.kv_transfer_config
+    assert (kv.kv_connector, kv.kv_role, kv.kv_buffer_device) == ("NixlConnector", "kv_both", "cpu")
+    assert kv.kv_connector_extra_config == {"num_threads": 1}
+    assert args.kv_cache_memory_bytes == 512 * 1024 * 1024
+    assert args.enable_logging_iteration_details is True
+    assert args.enforce_eager is True and args.gpu_memory_utilization == 0.3
+
+
+def test_engine_args_on_gpu_keep_vllm_defaults(eng: ModuleType) -> None:
+    args = eng.build_engine_args(eng.EngineSpec(model="m"), cpu=False)
+    from vllm.config import KVTransferConfig
+
+    kv = args.kv_transfer_config
+    assert kv.kv_buffer_device == KVTransferConfig().kv_buffer_device  # vLLM's default
+    assert kv.kv_connector_extra_config == {}
+    assert args.kv_cache_memory_bytes is None
+
+
+def test_engine_args_merge_the_users_kv_config(eng: ModuleType) -> None:
+    spec = eng.EngineSpec(
+        model="m",
+        engine_args={
+            "kv_transfer_config": {
+                "kv_connector_extra_config": {"bidirectional_kv_xfer": True, "num_threads": 2}
+            }
+        },
+    )
+    kv = eng.build_engine_args(spec, cpu=True).kv_transfer_config
+    assert kv.kv_connector == "NixlConnector"
+    assert kv.kv_connector_extra_config == {"num_threads": 2, "bidirectional_kv_xfer": True}
+
+
+def test_engine_args_reject_unknown_keys(eng: ModuleType) -> None:
+    with pytest.raises(eng.EngineConfigError, match="no_such_flag"):
+        eng.build_engine_args(eng.EngineSpec(model="m", engine_args={"no_such_flag": 1}), cpu=True)
+
+
+@pytest.mark.parametrize(
+    ("gib", "cpus", "env", "expected"),
+    [
+        (1.0, 2, {}, {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}),
+        (0.25, 2, {}, {"VLLM_CPU_KVCACHE_SPACE": None, "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}),
+        (2.0, 8, {}, {"VLLM_CPU_KVCACHE_SPACE": "2"}),
+        (1.0, 2, {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}, {"VLLM_CPU_KVCACHE_SPACE": "1"}),
+    ],
+)
+def test_vllm_environment_on_cpu(
+    eng: ModuleType, gib: float, cpus: int, env: dict[str, str], expected: dict[str, str | None]
+) -> None:
+    spec = eng.EngineSpec(model="m", kv_cache_space_gib=gib, nixl_host="10.1.2.3")
+    out = eng.vllm_environment(spec, True, 5601, env, cpus)
+    assert out == {
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": "10.1.2.3",
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": "5601",
+        **expected,
+    }
+
+
+def test_vllm_environment_on_gpu(eng: ModuleType) -> None:
+    out = eng.vllm_environment(eng.EngineSpec(model="m"), False, 5601, {}, 2)
+    assert out == {
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": "5601",
+    }
+
+
+def req(sampling: dict[str, object], kv: dict[str, object] | None = None) -> GenerateRequest:
+    return GenerateRequest("r", [1, 2, 3], sampling, kv)
+
+
+def test_sampling_on_decode(eng: ModuleType) -> None:
+    from vllm.sampling_params import RequestOutputKind
+
+    params = eng.sampling_params(req({"max_tokens": 7, "temperature": 0.0}), "decode")
+    assert params.max_tokens == 7 and params.temperature == 0.0
+    assert params.output_kind == RequestOutputKind.DELTA
+    assert params.detokenize is False  # the proxy detokenises
+    assert params.extra_args is None
+
+
+def test_sampling_with_stop_strings_detokenises(eng: ModuleType) -> None:
+    assert eng.sampling_params(req({"max_tokens": 7, "stop": ["\n"]}), "decode").detokenize
+
+
+def test_sampling_passes_kv_transfer_params(eng: ModuleType) -> None:
+    kv = {"do_remote_prefill": True, "remote_block_ids": [[1]]}
+    params = eng.sampling_params(req({"max_tokens": 7}, kv), "decode")
+    assert params.extra_args == {"kv_transfer_params": kv}
+
+
+def test_sampling_on_prefill_keeps_the_kv_for_decode(eng: ModuleType) -> None:
+    params = eng.sampling_params(req({"max_tokens": 50, "min_tokens": 10}), "prefill")
+    assert (params.max_tokens, params.min_tokens) == (1, 0)
+    assert params.extra_args == {"kv_transfer_params": {"do_remote_decode": True}}
+
+
+def test_sampling_structured_outputs_from_a_map(eng: ModuleType) -> None:
+    params = eng.sampling_params(
+        req({"max_tokens": 5, "structured_outputs": {"regex": "a+"}}), "decode"
+    )
+    assert params.structured_outputs.regex == "a+"
+
+
+@pytest.mark.parametrize(
+    ("sampling", "match"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"bogus": 1}, "bogus"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"n": 2}, "n must be 1"),
+        ({"output_kind": 0}, "output_kind"),
+        ({"structured_outputs": {"nope": 1}}, "structured_outputs"),
+    ],
+)
+def test_bad_sampling_is_a_bad_request(
+    eng: ModuleType, sampling: dict[str, object], match: str
+) -> None:
+    with pytest.raises(BadRequest, match=match):
+        eng.sampling_params(req(sampling), "decode")

@@ -1,0 +1,236 @@
+"""The worker side of the internal token protocol, without IO (DESIGN §1, §5).
+
+The proxy talks to a worker over one TCP connection carrying length-prefixed
+msgpack frames (:mod:`star.wire`), multiplexed by ``stream``:
+
+* worker -> proxy, once per connection: :class:`~star.wire.Hello`;
+* proxy -> worker: :class:`~star.wire.Generate` opens a stream,
+  :class:`~star.wire.Abort` ends it (the client went away) and frees its KV,
+  :class:`~star.wire.Release` asks for a D->D handoff (not yet supported);
+* worker -> proxy: :class:`~star.wire.Tokens` carry the *new* token ids of a
+  stream; the last one has ``finish_reason`` set (``"abort"`` acknowledges an
+  Abort) and, on a prefill worker, the ``kv_transfer_params`` a decode worker
+  needs to pull the KV through NIXL; :class:`~star.wire.Error` ends a stream
+  that failed, except a refusal (:data:`REFUSAL_CODES`: a Generate on a stream
+  id still open, a Release the worker cannot do) which leaves the open stream
+  alone -- :func:`ends_stream` tells them apart; ``stream`` =
+  :data:`CONNECTION_STREAM` marks a connection-level problem (an undecodable
+  frame); :class:`~star.wire.Handoff` will answer a Release.
+
+This module holds what the TCP adapter (:mod:`workers.server`) and the vLLM
+adapter (:mod:`workers.engine`) share: the engine interface the server drives,
+the request and delta values that cross it, the error codes, and the
+per-stream state machine as a table.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import AsyncGenerator, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+from star.wire import Error, Generate, Tokens
+
+CONNECTION_STREAM = -1
+"""``Error.stream`` of an error about the connection rather than one stream."""
+
+
+class ErrorCode(enum.StrEnum):
+    """``Error.code`` values a worker sends."""
+
+    BAD_FRAME = "bad_frame"  # undecodable, or a frame a proxy must not send
+    FRAME_TOO_LARGE = "frame_too_large"  # the connection is closed after it
+    DUPLICATE_STREAM = "duplicate_stream"  # Generate on a stream id still open
+    UNKNOWN_STREAM = "unknown_stream"  # Release of a stream that is not open
+    BAD_REQUEST = "bad_request"  # the engine refused the request (sampling, prompt)
+    DUPLICATE_REQUEST = "duplicate_request"  # request id already running here
+    UNSUPPORTED = "unsupported"  # e.g. Release before D->D migration exists
+    ENGINE_ERROR = "engine_error"  # the engine failed this request
+    ENGINE_DEAD = "engine_dead"  # the engine is gone; the worker will exit
+    SHUTTING_DOWN = "shutting_down"  # the worker is draining and takes no new streams
+    INTERNAL = "internal"  # a bug in the worker; logged there
+
+
+REFUSAL_CODES = frozenset(
+    {ErrorCode.DUPLICATE_STREAM, ErrorCode.UNKNOWN_STREAM, ErrorCode.UNSUPPORTED}
+)
+"""Codes of an Error that refuses one frame and leaves the open stream of that id alone."""
+
+
+def ends_stream(err: Error) -> bool:
+    """Whether ``err`` is the final frame of its stream (most are; refusals are not)."""
+    return err.stream != CONNECTION_STREAM and err.code not in REFUSAL_CODES
+
+
+# -- errors -------------------------------------------------------------------
+
+
+class WorkerError(Exception):
+    """A stream failed in a way the proxy is told about (as an Error frame)."""
+
+    code: ClassVar[ErrorCode] = ErrorCode.INTERNAL
+
+
+class BadRequest(WorkerError):
+    """The request cannot run as given (bad sampling, prompt too long, ...)."""
+
+    code = ErrorCode.BAD_REQUEST
+
+
+class DuplicateRequest(WorkerError):
+    """A request with this id is already running on this worker."""
+
+    code = ErrorCode.DUPLICATE_REQUEST
+
+
+class Unsupported(WorkerError):
+    """The worker does not implement this operation (yet)."""
+
+    code = ErrorCode.UNSUPPORTED
+
+
+class EngineFailed(WorkerError):
+    """The engine failed this request; others may still run."""
+
+    code = ErrorCode.ENGINE_ERROR
+
+
+class EngineDead(WorkerError):
+    """The engine died; every stream on this worker fails."""
+
+    code = ErrorCode.ENGINE_DEAD
+
+
+class ShuttingDown(WorkerError):
+    """The worker is draining and refuses new streams."""
+
+    code = ErrorCode.SHUTTING_DOWN
+
+
+def error_frame(stream: int, exc: WorkerError) -> Error:
+    """The Error frame that reports ``exc`` on ``stream``."""
+    return Error(stream=stream, code=exc.code.value, message=str(exc) or type(exc).__name__)
+
+
+# -- values crossing the engine interface ----------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateRequest:
+    """One request for the engine: token ids in, sampling as vLLM keyword arguments."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: Mapping[str, Any]
+    kv_transfer_params: Mapping[str, Any] | None = None
+
+    @classmethod
+    def from_frame(cls, msg: Generate) -> GenerateRequest:
+        """The request a Generate frame asks for."""
+        return cls(
+            request_id=msg.request_id,
+            prompt_token_ids=msg.prompt_token_ids,
+            sampling=msg.sampling,
+            kv_transfer_params=msg.kv_transfer_params,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class TokenDelta:
+    """Tokens new since the previous delta of a request; the last one has ``finish_reason``."""
+
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    num_prompt_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def to_frame(self, stream: int) -> Tokens:
+        """This delta as the Tokens frame of ``stream``."""
+        return Tokens(
+            stream=stream,
+            token_ids=self.token_ids,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            kv_transfer_params=self.kv_transfer_params,
+            num_prompt_tokens=self.num_prompt_tokens,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffInfo:
+    """Where a released request's KV is held (the body of a Handoff frame)."""
+
+    kv_transfer_params: dict[str, Any]
+    num_tokens: int
+
+
+class Engine(Protocol):
+    """What the token server needs from an engine (:class:`workers.engine.EngineHandle`).
+
+    ``generate`` is an async generator: it raises :class:`WorkerError` for a
+    request the proxy should hear about, and aborts the request in the engine
+    (freeing its KV) when it is cancelled or closed early.
+    """
+
+    def generate(self, request: GenerateRequest) -> AsyncGenerator[TokenDelta, None]:
+        """Run ``request``; yield its token deltas, the last with ``finish_reason``."""
+        ...
+
+    async def release(self, request_id: str, migration: str) -> HandoffInfo:
+        """Stop ``request_id`` at a step boundary with its KV held (D->D, DESIGN §5)."""
+        ...
+
+
+# -- the life of one stream, as a table (h11 style) -------------------------------------
+
+
+class StreamState(enum.StrEnum):
+    """Where one stream of a connection is."""
+
+    RUNNING = "running"  # tokens flow
+    ABORTING = "aborting"  # Abort (or disconnect) seen; the engine request is being aborted
+    RELEASING = "releasing"  # Release seen; waiting for the engine to hold the KV
+    CLOSED = "closed"  # final frame sent (or the connection is gone)
+
+
+class StreamEvent(enum.StrEnum):
+    """What can happen to a stream."""
+
+    ABORT = "abort"  # Abort frame, or the connection closed
+    RELEASE = "release"  # Release frame
+    HANDOFF = "handoff"  # the engine holds the KV; Handoff frame sent
+    REFUSE = "refuse"  # the release failed or is unsupported; Error sent, tokens go on
+    FINISH = "finish"  # final Tokens or Error frame sent / task ended
+
+
+TRANSITIONS: dict[tuple[StreamState, StreamEvent], StreamState] = {
+    (StreamState.RUNNING, StreamEvent.ABORT): StreamState.ABORTING,
+    (StreamState.RUNNING, StreamEvent.RELEASE): StreamState.RELEASING,
+    (StreamState.RUNNING, StreamEvent.FINISH): StreamState.CLOSED,
+    (StreamState.ABORTING, StreamEvent.ABORT): StreamState.ABORTING,
+    (StreamState.ABORTING, StreamEvent.FINISH): StreamState.CLOSED,
+    # A release that fails (or is unsupported) leaves the stream running.
+    (StreamState.RELEASING, StreamEvent.REFUSE): StreamState.RUNNING,
+    (StreamState.RELEASING, StreamEvent.FINISH): StreamState.CLOSED,
+    (StreamState.RELEASING, StreamEvent.HANDOFF): StreamState.CLOSED,
+    (StreamState.RELEASING, StreamEvent.ABORT): StreamState.ABORTING,
+    (StreamState.RELEASING, StreamEvent.RELEASE): StreamState.RELEASING,
+}
+
+
+class IllegalTransition(RuntimeError):
+    """An event that cannot happen in a stream's current state (a worker bug)."""
+
+
+def next_state(state: StreamState, event: StreamEvent) -> StreamState:
+    """The state after ``event``; raises :class:`IllegalTransition` if it cannot happen."""
+    try:
+        return TRANSITIONS[(state, event)]
+    except KeyError:
+        raise IllegalTransition(f"stream event {event.value!r} in state {state.value!r}") from None

@@ -1,0 +1,377 @@
+"""The internal token protocol over asyncio TCP (the worker's IO adapter).
+
+One :class:`TokenServer` per worker; each accepted connection is served by a
+:class:`_Connection` that greets with Hello, reads frames, and runs every
+Generate as its own task (owned by the connection, so none is orphaned).
+The protocol's rules live in :mod:`workers.protocol`; this module only moves
+bytes and tasks around them:
+
+* a frame that fails to decode is answered with an Error and the connection
+  goes on; an oversized frame is answered and the connection closed (the
+  stream position is lost);
+* Abort, or the connection closing, cancels the stream's task, which closes
+  the engine's generator and so aborts the request upstream and frees its KV;
+* each stream's writes await the socket's drain, so a slow reader makes vLLM
+  coalesce deltas instead of the worker buffering without bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+from dataclasses import dataclass
+
+import structlog
+
+from star.wire import (
+    MAX_FRAME_BYTES,
+    Abort,
+    Error,
+    FrameDecoder,
+    FrameTooLarge,
+    Generate,
+    Handoff,
+    Hello,
+    Message,
+    Release,
+    Tokens,
+    WireError,
+    frame,
+)
+from workers.protocol import (
+    CONNECTION_STREAM,
+    Engine,
+    ErrorCode,
+    GenerateRequest,
+    ShuttingDown,
+    StreamEvent,
+    StreamState,
+    WorkerError,
+    error_frame,
+    next_state,
+)
+
+log = structlog.get_logger(__name__)
+
+_READ_CHUNK = 256 * 1024
+
+
+@dataclass(slots=True)
+class _Stream:
+    id: int
+    request_id: str
+    task: asyncio.Task[None]
+    state: StreamState = StreamState.RUNNING
+
+
+class _Connection:
+    """One proxy connection: its streams and their tasks."""
+
+    def __init__(
+        self,
+        server: TokenServer,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+    ) -> None:
+        self.server = server
+        self.reader = reader
+        self.writer = writer
+        self.streams: dict[int, _Stream] = {}
+        self.closing = False
+        peer = writer.get_extra_info("peername")
+        self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        self.log = log.bind(peer=self.peer)
+
+    # -- writing ------------------------------------------------------------------
+
+    def write(self, msg: Message) -> bool:
+        """Queue one frame; False when the connection is already gone."""
+        if self.closing or self.writer.is_closing():
+            return False
+        self.writer.write(frame(msg))
+        return True
+
+    async def send(self, msg: Message) -> None:
+        """Write one frame and wait until the socket takes it (backpressure)."""
+        if self.write(msg):
+            await self.writer.drain()
+
+    # -- reading ------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Serve the connection until the peer closes it (or the server shuts down)."""
+        decoder = FrameDecoder(self.server.max_frame)
+        try:
+            await self.send(self.server.hello)
+            while True:
+                data = await self.reader.read(_READ_CHUNK)
+                if not data:
+                    break
+                decoder.feed(data)
+                if not self._drain_frames(decoder):
+                    break
+        except (ConnectionError, asyncio.IncompleteReadError) as exc:
+            self.log.info("connection lost", error=str(exc))
+        finally:
+            await self.close()
+
+    def _drain_frames(self, decoder: FrameDecoder) -> bool:
+        """Handle every complete frame; False when the connection must close."""
+        while True:
+            try:
+                msg = next(decoder)
+            except StopIteration:
+                return True
+            except FrameTooLarge as exc:
+                self.log.warning("frame too large, closing", error=str(exc))
+                self.write(Error(CONNECTION_STREAM, ErrorCode.FRAME_TOO_LARGE.value, str(exc)))
+                return False
+            except WireError as exc:
+                self.log.warning("bad frame", error=str(exc))
+                self.write(Error(CONNECTION_STREAM, ErrorCode.BAD_FRAME.value, str(exc)))
+                continue
+            self._handle(msg)
+
+    def _handle(self, msg: Message) -> None:
+        if isinstance(msg, Generate):
+            self._on_generate(msg)
+        elif isinstance(msg, Abort):
+            self._on_abort(msg.stream)
+        elif isinstance(msg, Release):
+            self._on_release(msg)
+        else:
+            # Hello, Tokens, Handoff, Error: frames only a worker sends.
+            stream = getattr(msg, "stream", CONNECTION_STREAM)
+            self.write(
+                Error(
+                    stream,
+                    ErrorCode.BAD_FRAME.value,
+                    f"a worker does not accept {msg.KIND!r} frames",
+                )
+            )
+
+    # -- stream lifecycle -------------------------------------------------------------
+
+    def _on_generate(self, msg: Generate) -> None:
+        if msg.stream in self.streams:
+            self.write(
+                Error(
+                    msg.stream,
+                    ErrorCode.DUPLICATE_STREAM.value,
+                    f"stream {msg.stream} is already open",
+                )
+            )
+            return
+        if self.server.draining:
+            self.write(error_frame(msg.stream, ShuttingDown("the worker is shutting down")))
+            return
+        request = GenerateRequest.from_frame(msg)
+        task = asyncio.create_task(
+            self._run_stream(msg.stream, request), name=f"stream-{self.peer}-{msg.stream}"
+        )
+        stream = _Stream(id=msg.stream, request_id=msg.request_id, task=task)
+        self.streams[msg.stream] = stream
+        self.server.stream_opened()
+        task.add_done_callback(functools.partial(self._stream_done, stream))
+
+    async def _run_stream(self, stream: int, request: GenerateRequest) -> None:
+        bound = self.log.bind(stream=stream, request_id=request.request_id)
+        try:
+            async with contextlib.aclosing(self.server.engine.generate(request)) as deltas:
+                async for delta in deltas:
+                    await self.send(delta.to_frame(stream))
+        except WorkerError as exc:
+            bound.info("stream failed", code=exc.code.value, error=str(exc))
+            await self.send(error_frame(stream, exc))
+        except (ConnectionError, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # a worker bug: tell the proxy, keep serving others
+            bound.exception("stream crashed")
+            await self.send(Error(stream, ErrorCode.INTERNAL.value, f"{type(exc).__name__}: {exc}"))
+
+    def _stream_done(self, stream: _Stream, task: asyncio.Task[None]) -> None:
+        self.server.stream_closed()
+        self.streams.pop(stream.id, None)
+        aborted = stream.state is StreamState.ABORTING
+        stream.state = next_state(stream.state, StreamEvent.FINISH)
+        if task.cancelled():
+            if aborted:
+                # Acknowledge the Abort so the proxy can forget the stream.
+                self.write(Tokens(stream=stream.id, token_ids=[], finish_reason="abort"))
+            return
+        exc = task.exception()
+        if exc is not None and not isinstance(exc, ConnectionError):
+            self.log.error("stream task failed", stream=stream.id, error=repr(exc))
+
+    def _on_abort(self, stream_id: int) -> None:
+        stream = self.streams.get(stream_id)
+        if stream is None:
+            return  # already finished: the final frame crossed the Abort
+        stream.state = next_state(stream.state, StreamEvent.ABORT)
+        stream.task.cancel(f"abort of stream {stream_id}")
+
+    def _on_release(self, msg: Release) -> None:
+        stream = self.streams.get(msg.stream)
+        if stream is None:
+            self.write(
+                Error(
+                    msg.stream, ErrorCode.UNKNOWN_STREAM.value, f"stream {msg.stream} is not open"
+                )
+            )
+            return
+        if stream.state is not StreamState.RUNNING:
+            return  # already releasing or aborting
+        stream.state = next_state(stream.state, StreamEvent.RELEASE)
+        task = asyncio.create_task(
+            self._release(stream, msg.migration), name=f"release-{msg.stream}"
+        )
+        self.server.track(task)
+
+    async def _release(self, stream: _Stream, migration: str) -> None:
+        try:
+            info = await self.server.engine.release(stream.request_id, migration)
+        except WorkerError as exc:
+            # The stream goes on: an Error answering a Release does not end it.
+            if stream.state is StreamState.RELEASING:
+                stream.state = next_state(stream.state, StreamEvent.REFUSE)
+                await self.send(error_frame(stream.id, exc))
+            return
+        if stream.state is StreamState.RELEASING:
+            stream.state = next_state(stream.state, StreamEvent.HANDOFF)
+            await self.send(
+                Handoff(
+                    stream=stream.id,
+                    migration=migration,
+                    kv_transfer_params=info.kv_transfer_params,
+                    num_tokens=info.num_tokens,
+                )
+            )
+
+    # -- closing ------------------------------------------------------------------
+
+    async def cancel_streams(self, reason: str) -> None:
+        """Cancel every open stream (aborting its request) and wait for them."""
+        tasks = [s.task for s in self.streams.values()]
+        for s in list(self.streams.values()):
+            if s.state is not StreamState.ABORTING:
+                s.state = next_state(s.state, StreamEvent.ABORT)
+            s.task.cancel(reason)
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def close(self) -> None:
+        """Abort what is left, then close the socket (idempotent)."""
+        if self.closing:
+            return
+        self.closing = True
+        await self.cancel_streams("connection closed")
+        self.writer.close()
+        with contextlib.suppress(ConnectionError, OSError):
+            await self.writer.wait_closed()
+        self.log.info("connection closed")
+
+
+class TokenServer:
+    """Serve the internal token protocol for one engine.
+
+    ``hello`` is sent first on every connection. ``port=0`` picks a free port;
+    :attr:`address` says which after :meth:`start`. :meth:`serve` runs until
+    :meth:`shutdown`, which stops intake, lets open streams finish for up to
+    ``drain_timeout`` seconds, then aborts the rest and closes connections.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        hello: Hello,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        max_frame: int = MAX_FRAME_BYTES,
+    ) -> None:
+        self.engine = engine
+        self.hello = hello
+        self.host = host
+        self.port = port
+        self.max_frame = max_frame
+        self.draining = False
+        self.stream_count = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._server: asyncio.Server | None = None
+        self._connections: set[_Connection] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._closed = asyncio.Event()
+
+    @property
+    def address(self) -> str:
+        """``host:port`` the server listens on (after :meth:`start`)."""
+        return f"{self.host}:{self.port}"
+
+    @property
+    def connections(self) -> int:
+        return len(self._connections)
+
+    def stream_opened(self) -> None:
+        self.stream_count += 1
+        self._idle.clear()
+
+    def stream_closed(self) -> None:
+        self.stream_count -= 1
+        if not self.stream_count:
+            self._idle.set()
+
+    async def wait_idle(self) -> None:
+        """Wait until no stream is open on any connection."""
+        await self._idle.wait()
+
+    def track(self, task: asyncio.Task[None]) -> None:
+        """Own a helper task until it ends (no orphans)."""
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def start(self) -> None:
+        """Bind and start accepting connections."""
+        self._server = await asyncio.start_server(self._accept, self.host, self.port)
+        sock = self._server.sockets[0].getsockname()
+        self.port = int(sock[1])
+        log.info("token server listening", address=self.address)
+
+    async def serve(self) -> None:
+        """Start (if needed) and run until :meth:`shutdown`."""
+        if self._server is None:
+            await self.start()
+        await self._closed.wait()
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn = _Connection(self, reader, writer)
+        if self.draining:
+            conn.write(error_frame(CONNECTION_STREAM, ShuttingDown("the worker is shutting down")))
+            await conn.close()
+            return
+        self._connections.add(conn)
+        conn.log.info("connection opened")
+        try:
+            await conn.run()
+        finally:
+            self._connections.discard(conn)
+
+    async def shutdown(self, drain_timeout: float = 30.0) -> None:
+        """Stop intake, drain open streams for up to ``drain_timeout`` s, then close."""
+        self.draining = True
+        if self._server is not None:
+            self._server.close()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), drain_timeout)
+        if self.stream_count:
+            log.warning("drain timeout, aborting open streams", streams=self.stream_count)
+        for conn in list(self._connections):
+            await conn.close()
+        for task in list(self._tasks):
+            task.cancel("token server shutdown")
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
+        self._closed.set()

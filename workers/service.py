@@ -1,0 +1,110 @@
+"""``star worker``: one vLLM engine, its token server, and its reports.
+
+Start-up builds the engine (in a thread, so signals still work), opens the
+token server and announces ``worker_up``. The report loop wakes every
+``report_every_steps`` decode steps or ``report_interval_s`` seconds,
+whichever comes first, and XADDs a :class:`~star.wire.Report` built from the
+engine's own numbers (DESIGN §4). SIGTERM drains: no new streams, running
+ones finish within ``drain_timeout_s``, then ``worker_down`` and the engine
+stops.
+"""
+
+from __future__ import annotations
+
+import time
+
+import structlog
+
+from star.bus import Bus
+from star.process import Service
+from star.settings import Settings
+from star.wire import Event, EventKind, Hello
+from workers.engine import EngineHandle, EngineSpec, free_port
+from workers.server import TokenServer
+from workers.state import EngineStats, build_report
+
+log = structlog.get_logger(__name__)
+
+
+class WorkerService(Service):
+    name = "worker"
+
+    def __init__(self, settings: Settings) -> None:
+        super().__init__(drain_timeout_s=settings.worker.drain_timeout_s + 15)
+        self.settings = settings
+        cfg = settings.worker
+        self.port = cfg.port or free_port(cfg.host)
+        self.instance = cfg.instance or f"{cfg.role}-{cfg.host}-{self.port}"
+        self.spec = EngineSpec.from_settings(cfg)
+        self.engine: EngineHandle | None = None
+        self.server: TokenServer | None = None
+        self.bus: Bus | None = None
+        self.seq = 0
+
+    async def startup(self) -> None:
+        cfg = self.settings.worker
+        self.bus = Bus.from_settings(self.settings.redis, self.settings.bus)
+        await self.bus.retrying("PING", self.bus.redis.ping)
+        self.engine = await EngineHandle.start(self.spec)
+        hello = Hello(self.instance, cfg.role, self.spec.model)
+        self.server = TokenServer(self.engine, hello, cfg.host, self.port)
+        await self.server.start()
+        await self.bus.publish(
+            "events",
+            Event(
+                EventKind.WORKER_UP,
+                time.time(),
+                self.instance,
+                instance=self.instance,
+                data={"role": cfg.role, "address": self.server.address, "model": self.spec.model},
+            ),
+        )
+        log.info("worker ready", instance=self.instance, role=cfg.role, address=self.server.address)
+
+    async def main(self) -> None:
+        self.spawn(self._reports(), "reports")
+        await self.wait_exit()
+
+    async def _reports(self) -> None:
+        assert self.engine is not None and self.server is not None and self.bus is not None
+        cfg, sched = self.settings.worker, self.settings.scheduler
+        previous: EngineStats | None = None
+        while True:
+            await self.engine.wait_decode_steps(cfg.report_every_steps, cfg.report_interval_s)
+            stats = self.engine.stats()
+            self.seq += 1
+            report = build_report(
+                stats,
+                previous,
+                instance=self.instance,
+                role=cfg.role,
+                seq=self.seq,
+                ts=time.time(),
+                address=self.server.address,
+                predictions={},
+                delta=sched.delta,
+                horizon=sched.horizon,
+            )
+            await self.bus.publish("reports", report)
+            previous = stats
+
+    async def drain(self) -> None:
+        if self.server is not None:
+            await self.server.shutdown(self.settings.worker.drain_timeout_s)
+
+    async def cleanup(self) -> None:
+        if self.bus is not None:
+            try:
+                await self.bus.publish(
+                    "events",
+                    Event(
+                        EventKind.WORKER_DOWN, time.time(), self.instance, instance=self.instance
+                    ),
+                    retry=False,
+                )
+            except Exception as exc:  # Redis gone: the scheduler notices the silence instead
+                log.warning("could not announce worker_down", error=str(exc))
+        if self.engine is not None:
+            await self.engine.shutdown()
+        if self.bus is not None:
+            await self.bus.close()

@@ -1,0 +1,210 @@
+"""A worker's report, computed from engine stats without IO (DESIGN §3, §4).
+
+:class:`EngineStats` is a snapshot the vLLM adapter (:mod:`workers.engine`)
+takes of its engine: KV geometry and use, the requests it runs, cumulative
+step counters. :func:`build_report` turns two successive snapshots and the
+length predictor's latest R-hat per request into a :class:`star.wire.Report`,
+including the worker's pre-simulated future load
+
+    L(tau_j) = sum_r c_r(tau_j),  tau_j = j * delta,  j = 0..H,
+    c_r(tau) = N(r) + tau  while tau < R-hat(r), else 0,
+
+with R-hat unknown (no prediction yet) read as "keeps going through the
+horizon" and a known R-hat clamped to at least one token (a running request
+holds its KV now, so L(tau_0) is the current token load) -- the same reading
+as the planner's (:mod:`star.planner.trace`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from star.wire import Report, RequestLoad
+
+MIN_REMAINING = 1.0
+"""A known R-hat below this is raised to it: a running request counts at tau_0."""
+
+_STATEFUL_SAMPLING = ("seed", "logprobs", "prompt_logprobs", "structured_outputs", "logit_bias")
+_NEUTRAL_PENALTY = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+
+
+@dataclass(frozen=True, slots=True)
+class RunningRequest:
+    """One request the engine is decoding."""
+
+    id: str
+    prompt_tokens: int
+    generated: int
+    migratable: bool = True
+
+    @property
+    def tokens(self) -> int:
+        """N(r): prompt + generated tokens, the request's KV footprint."""
+        return self.prompt_tokens + self.generated
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot of one engine; the counters are cumulative since it started.
+
+    ``kv_usage`` is vLLM's block-pool usage (used / usable blocks) as of the
+    engine's last step; ``num_blocks`` counts usable blocks (vLLM's null block
+    excluded). ``decode_steps`` counts engine steps that decoded at least one
+    request and ``decode_time_s`` their summed execution time.
+    """
+
+    ts: float  # time.monotonic() of the snapshot
+    block_size: int
+    num_blocks: int
+    bytes_per_token: int
+    kv_usage: float
+    running: tuple[RunningRequest, ...]
+    waiting: int  # requests admitted but not decoding yet (queued, or pulling KV)
+    steps: int
+    decode_steps: int
+    decode_time_s: float
+    preemptions: int
+
+    @property
+    def capacity_tokens(self) -> int:
+        """KV capacity in tokens (usable blocks x block size)."""
+        return self.num_blocks * self.block_size
+
+    @property
+    def used_blocks(self) -> int:
+        return round(self.kv_usage * self.num_blocks)
+
+    @property
+    def used_tokens(self) -> int:
+        """KV in use in tokens, block-granular (used blocks x block size)."""
+        return self.used_blocks * self.block_size
+
+    @property
+    def mean_step_time_s(self) -> float:
+        """Mean decode step time since the engine started (0 before the first step)."""
+        return self.decode_time_s / self.decode_steps if self.decode_steps else 0.0
+
+
+def is_migratable(sampling: Mapping[str, object]) -> bool:
+    """Whether a request's sampling state survives a move to another instance (DESIGN §5.4).
+
+    A move re-submits prompt + generated tokens as a new prompt, so penalties
+    (which depend on the generated tokens), a seeded random stream, logprobs
+    bookkeeping, a grammar's state, logit bias and ``n > 1`` are not carried.
+    Mirrors ``proxy.backend.is_migratable`` (plus ``logit_bias``).
+    """
+    try:
+        if int(sampling.get("n", 1)) != 1:  # type: ignore[call-overload]
+            return False
+        for key in _STATEFUL_SAMPLING:
+            if sampling.get(key) is not None:
+                return False
+        return all(
+            float(sampling.get(key, neutral)) == neutral  # type: ignore[arg-type]
+            for key, neutral in _NEUTRAL_PENALTY.items()
+        )
+    except (TypeError, ValueError):
+        return False
+
+
+def grid(delta: int, horizon: int) -> list[float]:
+    """tau_j = j * delta for j = 0..H, in decode steps."""
+    if delta <= 0 or horizon < 0:
+        raise ValueError(f"need delta > 0 and horizon >= 0, got delta={delta}, horizon={horizon}")
+    return [float(j * delta) for j in range(horizon + 1)]
+
+
+def effective_remaining(predicted: float | None) -> float:
+    """R-hat as the trace uses it: unknown (None/NaN) -> inf, else at least one token."""
+    if predicted is None or math.isnan(predicted):
+        return math.inf
+    return max(float(predicted), MIN_REMAINING)
+
+
+def load_trace(
+    requests: Iterable[tuple[int, float | None]], delta: int, horizon: int
+) -> list[float]:
+    """L(tau_0..tau_H) of ``(N(r), R-hat(r))`` pairs (see the module docstring)."""
+    taus = grid(delta, horizon)
+    out = [0.0] * len(taus)
+    for tokens, predicted in requests:
+        remaining = effective_remaining(predicted)
+        for j, tau in enumerate(taus):
+            if tau >= remaining:
+                break  # taus increase: the request is gone from here on
+            out[j] += tokens + tau
+    return out
+
+
+def mean_step_time(current: EngineStats, previous: EngineStats | None) -> float:
+    """Mean decode step time between two snapshots.
+
+    Falls back to the mean since start when no decode step ran in between (an
+    idle instance still reports its last known speed, which C_mig needs).
+    """
+    if previous is not None:
+        steps = current.decode_steps - previous.decode_steps
+        if steps > 0:
+            return (current.decode_time_s - previous.decode_time_s) / steps
+    return current.mean_step_time_s
+
+
+def request_loads(
+    running: Sequence[RunningRequest], predictions: Mapping[str, float]
+) -> list[RequestLoad]:
+    """The per-request part of a report, R-hat from ``predictions`` (absent = None)."""
+    return [
+        RequestLoad(
+            id=r.id,
+            tokens=r.tokens,
+            generated=r.generated,
+            predicted_remaining=predictions.get(r.id),
+            migratable=r.migratable,
+        )
+        for r in running
+    ]
+
+
+def build_report(
+    stats: EngineStats,
+    previous: EngineStats | None,
+    *,
+    instance: str,
+    role: str,
+    seq: int,
+    ts: float,
+    address: str,
+    predictions: Mapping[str, float],
+    delta: int,
+    horizon: int,
+    in_flight: Sequence[str] = (),
+) -> Report:
+    """The report of a worker whose engine is in state ``stats``.
+
+    ``previous`` is the snapshot of the previous report (None for the first):
+    the step time is the mean over the steps in between. ``ts`` is wall-clock
+    time (the bus's), ``predictions`` maps request id to R-hat, and
+    ``delta``/``horizon`` must be the scheduler's (it ignores a trace of any
+    other length). ``preemptions`` is cumulative since the engine started.
+    """
+    loads = request_loads(stats.running, predictions)
+    trace = load_trace(((r.tokens, r.predicted_remaining) for r in loads), delta, horizon)
+    return Report(
+        instance=instance,
+        role=role,
+        seq=seq,
+        ts=ts,
+        address=address,
+        capacity_tokens=stats.capacity_tokens,
+        used_tokens=stats.used_tokens,
+        bytes_per_token=stats.bytes_per_token,
+        step_time_s=mean_step_time(stats, previous),
+        delta=delta,
+        trace=trace,
+        requests=loads,
+        in_flight=list(in_flight),
+        waiting=stats.waiting,
+        preemptions=stats.preemptions,
+    )
