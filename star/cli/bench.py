@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "planner": ("benchmarks.planner", "scheduler tick time vs cluster size, next to the naive O(|O||U|RH) rule"),
+    "simulator": ("benchmarks.simulator", "simulated seconds per wall second by cluster size"),
     "proxy": ("benchmarks.proxy", "proxy relay throughput and added latency per token"),
 }
 

@@ -1,0 +1,162 @@
+"""The simulator's configuration: one frozen dataclass with documented defaults.
+
+Where a default comes from:
+
+- Cluster and load (paper §6.3, "Simulation on large scale"): "We set the
+  request rate to 0.3 RPS for an 8-instance cluster and scale it linearly
+  with cluster size"; "a 25 Gbps transfer speed (following DistServe's
+  cross-node interconnection setting)"; "for 2,000 seconds on shareGPT".
+  Cluster size counts decode instances here (as the project's issue and
+  settings do; the paper's Fig. 10 captions count prefill too, 2 + 6 for its
+  8-instance cluster); prefill instances follow the paper's 1:3 ratio.
+- Decode iteration time a + b x (tokens in the batch) (paper §5.2, Fig. 3:
+  "the decode execution time per iteration is linearly correlated with the
+  number of batched tokens"). The one absolute number the paper gives is
+  §5.3: DeepSeek-R1-Distill-Qwen-7B on an RTX 4090D takes "about 18.23 ms
+  under 50% KV cache memory occupancy". a = 8 ms is the time to stream the
+  W8A8 7B weights (~7.6 GB) at the 4090D's ~1 TB/s; b = 0.1 us/token then
+  puts 50 % of the 200,000-token KV capacity at 18.0 ms.
+- KV capacity 200,000 tokens: 24 GB x 0.9 utilisation - ~7.6 GB weights -
+  activations leaves ~11.5 GB, at 57,344 bytes per token (28 layers x 2 x 4
+  KV heads x 128 dims x 2 bytes for the Qwen2.5-7B architecture).
+- Prefill time p0 + p1 x prompt tokens: 15 ms + 0.125 ms/token (~8k
+  tokens/s, a 7B model at ~50 % of the 4090D's INT8 tensor throughput).
+- SLO (paper §6.2): TTFT 1 s, TPOT 25 ms for DeepSeek-R1-Distill-Qwen-7B.
+- Scheduler tick 1 s of simulated time (the live default is 250 ms; the
+  paper does not state its simulator's). Predictions every k = 20 steps
+  (paper §5.3 / Table 5).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from star.planner.types import Mode, ModeKind, PlannerParams
+from star.sim.predictor import PREDICT_LATENCY_S
+from star.sim.workload import MAX_OUTPUT_TOKENS, SYNTHETIC
+
+DISPATCH_POLICIES = ("round-robin", "current-load", "predicted")
+PREDICTORS = ("noisy", "oracle")
+
+
+class ConfigError(ValueError):
+    """A simulator setting is out of range."""
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Everything one simulated run depends on (with the seed, fully deterministic)."""
+
+    decode_instances: int = 8
+    prefill_instances: int = 0  # 0: ceil(decode / 3), the paper's 1:3 ratio
+    duration_s: float = 2000.0
+    rate_rps: float = 0.0  # 0: rate_per_8 * decode_instances / 8
+    rate_per_8: float = 0.3
+    workload: str = "sharegpt"  # synthetic name (for file workloads pass a Workload)
+    seed: int = 1
+    mode: str = "predicted"  # no-migration, current, predicted, oracle, bins:K
+    dispatch: str = "current-load"
+    predictor: str = "noisy"  # what predicted / bins:K modes see: noisy or oracle
+    predict_every: int = 20
+    predict_latency_s: float = PREDICT_LATENCY_S
+    step_base_s: float = 0.008
+    step_per_token_s: float = 1.0e-7
+    kv_capacity_tokens: int = 200_000
+    bytes_per_token: int = 57_344
+    bandwidth_gbps: float = 25.0  # D->D migration and P->D transfer
+    handoff_latency_s: float = 0.025
+    prefill_base_s: float = 0.015
+    prefill_per_token_s: float = 1.25e-4
+    tick_s: float = 1.0
+    warmup_s: float = 0.0  # metrics averaged over [warmup_s, duration_s]
+    ttft_slo_s: float = 1.0
+    tpot_slo_s: float = 0.025
+    max_output_tokens: int = MAX_OUTPUT_TOKENS
+    drain: bool = False  # keep running after duration_s until every request finished
+    gate: bool = True  # skip planner calls that cannot find an overloaded instance
+    planner: PlannerParams = field(default_factory=PlannerParams)
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> ConfigError:
+            return ConfigError(f"simulator setting {name}={getattr(self, name)!r}: {why}")
+
+        for name in (
+            "decode_instances",
+            "predict_every",
+            "kv_capacity_tokens",
+            "bytes_per_token",
+            "max_output_tokens",
+        ):
+            if int(getattr(self, name)) < 1:
+                raise bad(name, "must be >= 1")
+        if self.prefill_instances < 0:
+            raise bad("prefill_instances", "must be >= 0 (0 = decode / 3)")
+        for name in ("duration_s", "rate_per_8", "bandwidth_gbps", "tick_s", "step_base_s"):
+            value = float(getattr(self, name))
+            if not (math.isfinite(value) and value > 0):
+                raise bad(name, "must be a finite number > 0")
+        for name in (
+            "rate_rps",
+            "predict_latency_s",
+            "step_per_token_s",
+            "handoff_latency_s",
+            "prefill_base_s",
+            "prefill_per_token_s",
+            "warmup_s",
+            "ttft_slo_s",
+            "tpot_slo_s",
+        ):
+            value = float(getattr(self, name))
+            if not (math.isfinite(value) and value >= 0):
+                raise bad(name, "must be a finite number >= 0")
+        if self.warmup_s >= self.duration_s:
+            raise bad("warmup_s", f"must be below duration_s={self.duration_s}")
+        if self.dispatch not in DISPATCH_POLICIES:
+            raise bad("dispatch", f"expected one of {', '.join(DISPATCH_POLICIES)}")
+        if self.workload not in SYNTHETIC:
+            raise bad(
+                "workload", f"expected one of {', '.join(SYNTHETIC)} (pass a file as a Workload)"
+            )
+        if self.predictor not in PREDICTORS:
+            raise bad("predictor", f"expected one of {', '.join(PREDICTORS)}")
+        try:
+            Mode.parse(self.mode)
+        except ValueError as exc:
+            raise ConfigError(f"simulator setting mode={self.mode!r}: {exc}") from None
+
+    @property
+    def prefills(self) -> int:
+        """Prefill instances: as set, or the paper's 1 per 3 decode instances."""
+        return self.prefill_instances or max(1, math.ceil(self.decode_instances / 3))
+
+    @property
+    def rate(self) -> float:
+        """Arrivals per second: as set, or 0.3 per 8 decode instances (paper §6.3)."""
+        return self.rate_rps or self.rate_per_8 * self.decode_instances / 8.0
+
+    @property
+    def parsed_mode(self) -> Mode:
+        """The planner mode this run uses."""
+        return Mode.parse(self.mode)
+
+    @property
+    def uses_predictor(self) -> bool:
+        """Whether decode iterations pay for length predictions (predicted and bins:K)."""
+        return self.parsed_mode.kind in (ModeKind.PREDICTED, ModeKind.BINS) or (
+            self.dispatch == "predicted"
+        )
+
+    @property
+    def bandwidth_bytes_per_s(self) -> float:
+        """``bandwidth_gbps`` in bytes per second."""
+        return self.bandwidth_gbps * 1e9 / 8.0
+
+    def planner_params(self) -> PlannerParams:
+        """The planner's parameters: ``planner`` with this run's mode and migration costs."""
+        return replace(
+            self.planner,
+            mode=self.parsed_mode,
+            bandwidth_bytes_per_s=self.bandwidth_bytes_per_s,
+            handoff_latency_s=self.handoff_latency_s,
+        )
