@@ -24,8 +24,14 @@ from typing import Any
 
 import structlog
 
-from proxy.backend import BackendError, BackendUnavailable, GenerationRequest, RequestRejected, TokenBatch
-from proxy.upstream import ConnectionLost, WorkerPool
+from proxy.backend import (
+    BackendError,
+    BackendUnavailable,
+    GenerationRequest,
+    RequestRejected,
+    TokenBatch,
+)
+from proxy.upstream import ConnectionLost, WorkerClient, WorkerPool
 from star.bus import Bus, Subscriber
 from star.wire import Abort, Error, Event, EventKind, Generate, Report, Tokens
 
@@ -160,13 +166,16 @@ class ClusterBackend:
         async for batch in self._decode(req, sampling, kv_params):
             yield batch
 
-    async def _prefill(self, req: GenerationRequest, sampling: dict[str, Any]) -> dict[str, Any]:
-        member = self.directory.pick("prefill", "current-load", len(req.prompt_token_ids))
+    async def _connect(self, member: Member) -> WorkerClient:
         try:
-            client = await self.pool.get(member.address)
+            return await self.pool.get(member.address)
         except (OSError, ConnectionLost, TimeoutError) as exc:
             self.directory.mark_down(member.address)
-            raise BackendUnavailable(f"prefill instance {member.instance} unreachable: {exc}") from exc
+            raise BackendUnavailable(f"{member.role} instance {member.instance} unreachable: {exc}") from exc
+
+    async def _prefill(self, req: GenerationRequest, sampling: dict[str, Any]) -> dict[str, Any]:
+        member = self.directory.pick("prefill", "current-load", len(req.prompt_token_ids))
+        client = await self._connect(member)
         stream = client.open()
         finished = False
         try:
@@ -189,11 +198,7 @@ class ClusterBackend:
 
     async def _decode(self, req: GenerationRequest, sampling: dict[str, Any], kv_params: dict[str, Any]) -> AsyncIterator[TokenBatch]:
         member = self.directory.pick("decode", self.policy, len(req.prompt_token_ids))
-        try:
-            client = await self.pool.get(member.address)
-        except (OSError, ConnectionLost, TimeoutError) as exc:
-            self.directory.mark_down(member.address)
-            raise BackendUnavailable(f"decode instance {member.instance} unreachable: {exc}") from exc
+        client = await self._connect(member)
         stream = client.open()
         finished = False
         generated = 0

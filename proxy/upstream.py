@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+
 import structlog
 
 from star.wire import Error, FrameDecoder, Hello, Message, WireError, frame
