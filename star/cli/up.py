@@ -218,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"\nstar up: ready in {time.monotonic() - started:.0f}s — proxy on http://127.0.0.1:{port}\n\n"
             f"  curl -N http://127.0.0.1:{port}/v1/completions -H 'Content-Type: application/json' \\\n"
-            f"       -d '{{\"model\": \"{name}\", \"prompt\": \"count 12\", \"max_tokens\": 64, \"stream\": true}}'\n\n"
+            f"       -d '{{\"model\": \"{name}\", \"prompt\": \"give me a long list of animals starting with owl.\", \"max_tokens\": 64, \"stream\": true}}'\n\n"
             f"  star status                 # instances, load, running requests\n"
             f"  star inspect decisions -f   # migrations as they are decided\n\n"
             f"Ctrl-C stops everything.",
