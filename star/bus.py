@@ -33,7 +33,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from star.settings import BusSettings, RedisSettings
-from star.wire import LoadEntry, Message, WireError, decode, decode_as, encode
+from star.wire import LoadEntry, Message, Report, WireError, decode, decode_as, encode
 
 log = structlog.get_logger(__name__)
 
@@ -285,6 +285,20 @@ class Bus:
         key = self.keys.stream(stream)
         rows = await self.retrying(f"XREVRANGE {key}", lambda: self.redis.xrevrange(key, count=count))
         return [(_s(i), f) for i, f in reversed(rows)]
+
+    async def latest_reports(self, count: int = 4096) -> dict[str, Report]:
+        """The newest report of each instance among the last ``count`` entries.
+
+        Undecodable entries are skipped (a consumer group dead-letters them).
+        """
+        latest: dict[str, Report] = {}
+        for _entry_id, raw in await self.tail("reports", count):
+            try:
+                report = decode_as(raw.get(b"body", b""), Report)
+            except WireError:
+                continue
+            latest[report.instance] = report
+        return latest
 
     # -- dispatch view (hash) ------------------------------------------------------
 

@@ -100,7 +100,7 @@ def _live_state(args: argparse.Namespace) -> tuple[list[Instance], PlannerParams
     from scheduler.view import ClusterView
     from star.bus import Bus, BusUnavailable
     from star.settings import load_settings
-    from star.wire import Report, WireError, decode_as
+    from star.wire import Report
 
     settings = load_settings(args.config)
     params = params_from_dict(_overrides({}, args), base=planner_params(settings))
@@ -108,17 +108,9 @@ def _live_state(args: argparse.Namespace) -> tuple[list[Instance], PlannerParams
     async def newest() -> list[Report]:
         bus = Bus.from_settings(settings.redis, settings.bus)
         try:
-            rows = await bus.tail("reports", 4096)
+            return list((await bus.latest_reports()).values())
         finally:
             await bus.close()
-        latest: dict[str, Report] = {}
-        for _entry_id, raw in rows:
-            try:
-                report = decode_as(raw.get(b"body", b""), Report)
-            except WireError:
-                continue
-            latest[report.instance] = report
-        return list(latest.values())
 
     try:
         reports = asyncio.run(newest())

@@ -11,7 +11,7 @@ from typing import Any
 from star.bus import Bus, BusUnavailable
 from star.cli.common import CliError, add_settings_args, guarded, settings_from_args
 from star.settings import Settings
-from star.wire import Decision, Event, EventKind, Report, WireError, decode
+from star.wire import Decision, Event, EventKind, WireError, decode
 
 TERMINAL = {EventKind.RESUMED, EventKind.ABORTED, EventKind.REFUSED, EventKind.EXPIRED}
 
@@ -48,18 +48,13 @@ async def collect(settings: Settings) -> dict[str, Any]:
     """The status document (also used by tests and `star up`)."""
     bus = Bus.from_settings(settings.redis, settings.bus)
     try:
-        reports = await bus.tail("reports", 2000)
+        latest = await bus.latest_reports(2000)
         decisions = await bus.tail("decisions", 200)
         events = await bus.tail("events", 2000)
         leader_raw = await bus.retrying("GET", lambda: bus.redis.get(bus.keys.leader))
     finally:
         await bus.close()
     now = time.time()
-    latest: dict[str, Report] = {}
-    for _id, raw in reports:
-        msg = _decode(raw)
-        if isinstance(msg, Report):
-            latest[msg.instance] = msg
     instances = []
     for r in sorted(latest.values(), key=lambda r: (r.role, r.instance)):
         age = now - r.ts
