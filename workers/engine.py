@@ -199,6 +199,9 @@ def build_engine_args(spec: EngineSpec, cpu: bool) -> AsyncEngineArgs:
         # engines compiling at once saturated 2 cores for > 4 min in `star up`);
         # eager mode starts in seconds. `--engine-arg enforce_eager=false` undoes it.
         values["enforce_eager"] = True
+        # vLLM CPU downcasts float32 checkpoints to bfloat16; keep the
+        # checkpoint's precision so greedy outputs match other runs exactly.
+        values["dtype"] = "float32"
     known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
     unknown = sorted(set(user) - known)
     if unknown:

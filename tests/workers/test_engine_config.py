@@ -90,6 +90,14 @@ def test_engine_args_on_cpu(eng: ModuleType) -> None:
     assert args.enforce_eager is True and args.gpu_memory_utilization == 0.3
 
 
+def test_cpu_engines_default_to_float32_and_the_user_wins(eng: ModuleType) -> None:
+    # vLLM CPU would cast the float32 tiny model to bfloat16 (greedy comparisons drift).
+    assert eng.build_engine_args(eng.EngineSpec(model="m"), cpu=True).dtype == "float32"
+    user = eng.EngineSpec(model="m", engine_args={"dtype": "bfloat16"})
+    assert eng.build_engine_args(user, cpu=True).dtype == "bfloat16"
+    assert eng.build_engine_args(eng.EngineSpec(model="m"), cpu=False).dtype == "auto"
+
+
 def test_engine_args_on_gpu_keep_vllm_defaults(eng: ModuleType) -> None:
     args = eng.build_engine_args(eng.EngineSpec(model="m"), cpu=False)
     from vllm.config import KVTransferConfig
