@@ -78,6 +78,12 @@ class SchedulerService(Service):
         return f"scheduler:{self.node}"
 
     async def startup(self) -> None:
+        # The planner's numba kernels: compiled (or loaded from the disk cache)
+        # now, not on the first tick after READY.
+        from star.planner.kernels import warm as warm_planner
+
+        warm_s = warm_planner()
+        log.info("planner kernels ready", seconds=round(warm_s, 3))
         self.bus = Bus.from_settings(self.settings.redis, self.settings.bus)
         await self.bus.retrying("PING", self.bus.redis.ping)
         self.leadership = Leadership(self.bus, self.node, self.settings.scheduler.lock_ttl_s)

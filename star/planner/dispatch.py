@@ -84,8 +84,7 @@ def choose_decode(
         load = np.array(
             [sum(r.tokens for r in inst.requests) for inst in instances], dtype=np.float64
         )
-        fits = load + new_tokens <= cap
-        return instances[_least(load, fits)].id
+        return instances[least_loaded(load, cap, new_tokens)].id
 
     future = _future_params(params)
     traces = instance_traces(instances, future)
@@ -95,6 +94,16 @@ def choose_decode(
     after = traces + added
     fits = after.max(axis=1) <= cap
     return instances[_least(after @ beta, fits)].id
+
+
+def least_loaded(load: FloatArray, capacity: FloatArray, new_tokens: float) -> int:
+    """``current-load`` on arrays: the index of the least token load L_i(0) among
+    the instances that can take ``new_tokens`` more, or among all if none can.
+
+    :func:`choose_decode` calls it for ``current-load``; the simulator calls
+    it directly on its load view (one number per instance).
+    """
+    return _least(load, load + new_tokens <= capacity)
 
 
 def _least(score: FloatArray, fits: BoolArray) -> int:

@@ -58,8 +58,9 @@ from functools import lru_cache
 import numpy as np
 import numpy.typing as npt
 
-from star.planner import Instance, ModeKind, Plan, Request, plan
-from star.planner.dispatch import choose_decode
+from star.planner import Instance, ModeKind, Request
+from star.planner.arrays import plan_arrays
+from star.planner.dispatch import choose_decode, least_loaded
 from star.planner.trace import grid, weights
 from star.sim.config import SimConfig
 from star.sim.decode import duration, steps_until
@@ -74,8 +75,6 @@ FloatArray = npt.NDArray[np.float64]
 # Relative slack of the planner gate: call the planner even when the nearest
 # instance is this close below the overload bound (rounding differences).
 _GATE_SLACK = 1e-6
-# Instances handed to choose_decode for current-load (see _dispatch).
-_SHORTLIST = 4
 
 
 @lru_cache(maxsize=4)
@@ -115,6 +114,9 @@ class Simulator:
         self.recompute_s = config.prefill_per_token_s
         self.bpt = config.bytes_per_token
         self.bw = config.bandwidth_bytes_per_s
+        self.cap_array = np.full(config.decode_instances, float(self.cap))
+        self.bpt_array = np.full(config.decode_instances, float(self.bpt))
+        self.all_instances = np.ones(config.decode_instances, dtype=np.bool_)
 
         # Per request. tbase/gbase: tokens and generated = base + instance step.
         self.ttft = np.full(n_req, np.nan)
@@ -198,6 +200,9 @@ class Simulator:
 
     def run(self, progress: Callable[[float], None] | None = None) -> SimResult:
         """Simulate until ``duration_s`` (or until drained) and summarise."""
+        from star.sim.kernels import warm  # numba: imported by runs, not by the CLI
+
+        warm()  # compiled or loaded from disk before the clock starts
         wall = time.perf_counter()
         cpu = time.process_time()
         cfg = self.cfg
@@ -435,16 +440,17 @@ class Simulator:
             if self._worth_planning(traces):
                 self.planner_calls += 1
                 given = self.mode.kind is ModeKind.PREDICTED
-                decided: Plan = plan(snap.instances(with_traces=given), self.params)
-                for move in decided.moves:
-                    self._migrate(
-                        int(move.request),
-                        self.index[move.source],
-                        self.index[move.target],
-                        move.remaining,
-                        now,
-                    )
-                if decided.moves:  # the published view has the moves booked
+                arrays, rows = snap.arrays(with_traces=given)
+                decided = plan_arrays(arrays, self.params)
+                for q, src, dst, rem in zip(
+                    decided.rows.tolist(),
+                    decided.sources.tolist(),
+                    decided.targets.tolist(),
+                    decided.remaining.tolist(),
+                    strict=True,
+                ):
+                    self._migrate(int(rows[q]), src, dst, rem, now)
+                if decided.rows.size:  # the published view has the moves booked
                     snap = Snapshot(self, now)
         self._refresh_view(snap)
         nxt = now + self.cfg.tick_s
@@ -496,7 +502,8 @@ class Simulator:
             self.view_load = snap.loads + snap.booked
 
     def _dispatch(self, r: int, now: float) -> int:
-        """P->D dispatch through :func:`choose_decode` on the current load view."""
+        """P->D dispatch on the current load view (:func:`choose_decode`, or for
+        ``current-load`` its array form :func:`least_loaded`)."""
         policy = self.cfg.dispatch
         prompt = int(self.prompt[r])
         tokens = prompt + 1
@@ -511,24 +518,7 @@ class Simulator:
                 self._refresh_view(Snapshot(self, now))
             load = self.view_load
             assert load is not None
-            # current-load picks the least loaded instance that fits, ties to
-            # the first; with equal capacities that is the first least loaded
-            # one overall (argmin), which this shortlist of small loads, in
-            # instance order, always contains: choose_decode answers the same
-            # on it as on all n instances, at a fraction of the cost.
-            part = (
-                np.argpartition(load, _SHORTLIST - 1)[:_SHORTLIST].tolist()
-                if self.n > _SHORTLIST
-                else list(range(self.n))
-            )
-            short = sorted({*part, int(np.argmin(load))})
-            cands = [
-                Instance(
-                    self.inst_ids[j], (Request(self.inst_ids[j], int(load[j])),), self.cap, self.bpt
-                )
-                for j in short
-            ]
-            i = self.index[choose_decode(policy, cands, tokens, None, self.params, self.rr)]
+            i = least_loaded(load, self.cap_array, tokens)
             load[i] += tokens
             return i
         if not self.view:

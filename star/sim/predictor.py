@@ -69,6 +69,11 @@ class PriorMedian:
                 table[i] = max(1.0, float(np.median(out[lo:])) - g)
         self._table = table
 
+    @property
+    def table(self) -> FloatArray:
+        """m(g) at g = 0, 128, 256, ... tokens."""
+        return self._table
+
     def __call__(self, generated: npt.ArrayLike) -> FloatArray:
         g = np.asarray(generated, dtype=np.float64)
         idx = np.minimum((g // _PRIOR_STEP).astype(np.int64), self._table.size - 1)
@@ -83,14 +88,18 @@ def noisy_estimate(
     prior: PriorMedian,
     max_output: int = MAX_OUTPUT_TOKENS,
 ) -> FloatArray:
-    """R-hat of the noisy model for requests at ``generated`` tokens with noise ``z``."""
-    r = np.maximum(np.asarray(true_remaining, dtype=np.float64), 1.0)
-    g = np.asarray(generated, dtype=np.float64)
-    decay = np.exp(-g / LAMBDA_TOKENS)
-    w = W0 * decay
-    s = np.maximum(S_MIN, S0 * decay)
-    log_hat = (1.0 - w) * np.log(r) + w * np.log(prior(g)) + s * np.asarray(z, dtype=np.float64)
-    out: FloatArray = np.clip(np.exp(log_hat), 1.0, np.maximum(1.0, max_output - g))
+    """R-hat of the noisy model for requests at ``generated`` tokens with noise ``z``.
+
+    Computed request by request in :func:`star.sim.kernels.noisy_estimate`.
+    """
+    from star.sim import kernels  # numba: imported by the runs that use it, not the CLI
+
+    r = np.ascontiguousarray(true_remaining, dtype=np.float64).reshape(-1)
+    g = np.ascontiguousarray(generated, dtype=np.float64).reshape(-1)
+    zz = np.ascontiguousarray(z, dtype=np.float64).reshape(-1)
+    out: FloatArray = kernels.noisy_estimate(
+        r, g, zz, prior.table, float(_PRIOR_STEP), W0, LAMBDA_TOKENS, S0, S_MIN, float(max_output)
+    )
     return out
 
 

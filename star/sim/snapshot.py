@@ -12,8 +12,7 @@ the traces and the gate), planner objects only when the planner is called.
 from __future__ import annotations
 
 import itertools
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import TYPE_CHECKING
 
@@ -21,8 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from star.planner import Instance, ModeKind, Request
-from star.planner.trace import bin_value, cutoffs, traces_from_arrays
-from star.sim.decode import steps_done
+from star.planner.arrays import ClusterArrays, remaining_of
 from star.sim.predictor import noisy_estimate, prediction_points
 
 if TYPE_CHECKING:
@@ -56,23 +54,24 @@ class Snapshot:
     """
 
     def __init__(self, sim: Simulator, now: float) -> None:
+        # numba kernels, imported here so that importing star.sim stays cheap.
+        from star.sim.kernels import read_instances
+
         self.sim = sim
         # Copies: the instance arrays keep changing during the tick.
         batch = np.frombuffer(sim.k, dtype=np.int64).copy()
-        steps = np.frombuffer(sim.S, dtype=np.int64)
-        base = np.frombuffer(sim.tbsum, dtype=np.int64) + batch * steps
-        done = steps_done(
-            now - np.frombuffer(sim.t0, dtype=np.float64),
-            base.astype(np.float64),
-            batch.astype(np.float64),
+        self.steps, self.loads = read_instances(
+            now,
+            np.frombuffer(sim.t0, dtype=np.float64),
+            np.frombuffer(sim.S, dtype=np.int64),
+            batch,
+            np.frombuffer(sim.tbsum, dtype=np.int64),
+            np.frombuffer(sim.extra, dtype=np.float64),
+            np.frombuffer(sim.mnext, dtype=np.int64),
             sim.a,
             sim.b,
-            np.frombuffer(sim.extra, dtype=np.float64),
-            np.frombuffer(sim.mnext, dtype=np.int64).astype(np.float64),
         )
-        self.steps: IntArray = steps + done
         self.batch = batch
-        self.loads: FloatArray = (base + batch * done).astype(np.float64)
         self.offsets: IntArray = np.zeros(sim.n + 1, dtype=np.int64)
         np.cumsum(batch, out=self.offsets[1:])
 
@@ -136,46 +135,75 @@ class Snapshot:
         out: FloatArray = np.maximum(est - (gen - at), 1.0)
         return out
 
-    def planner_remaining(
-        self, true_remaining: IntArray, predicted: FloatArray | None
-    ) -> FloatArray:
-        """R-hat as this mode's planner sees it (``trace.remaining_for``), vectorised."""
-        mode = self.sim.mode
-        if mode.kind is ModeKind.CURRENT:
-            return np.full(true_remaining.size, np.inf)
-        if mode.kind is ModeKind.ORACLE or predicted is None:
-            return np.maximum(true_remaining.astype(np.float64), 1.0)
-        pred = np.where(np.isnan(predicted), np.inf, np.maximum(predicted, 1.0))
-        if mode.kind is ModeKind.BINS:
-            pred = np.array(
-                [bin_value(v, mode.bins) if math.isfinite(v) else v for v in pred.tolist()]
-            )
-        return pred
+    @cached_property
+    def planner_input(self) -> tuple[ClusterArrays, IntArray]:
+        """:class:`ClusterArrays` of the cluster and the request index of each row.
+
+        Per instance, requests migrating in come first (booked on their
+        target, not eligible), then the running ones, as :meth:`instances`
+        orders them.
+        """
+        sim = self.sim
+        run = self.running
+        n = sim.n
+        pred = self.predicted if sim.mode.kind in PREDICTING else np.full(run.idx.size, np.nan)
+        idx, tokens, true = run.idx, run.tokens, run.true_remaining
+        eligible = np.ones(idx.size, dtype=np.bool_)
+        offsets = self.offsets
+        if any(sim.incoming):
+            inc = self.incoming
+            owner = np.concatenate((inc.owner, run.owner))
+            # Stable: within an instance, booked rows stay ahead of running ones.
+            order = np.argsort(owner, kind="stable")
+            idx = np.concatenate((inc.idx, idx))[order]
+            tokens = np.concatenate((inc.tokens, tokens))[order]
+            true = np.concatenate((inc.true_remaining, true))[order]
+            assert inc.predicted is not None
+            pred = np.concatenate((inc.predicted, pred))[order]
+            eligible = np.concatenate((np.zeros(inc.idx.size, dtype=np.bool_), eligible))[order]
+            offsets = np.zeros(n + 1, dtype=np.int64)
+            np.cumsum(np.bincount(owner, minlength=n), out=offsets[1:])
+        out = ClusterArrays(
+            offsets=offsets.astype(np.intp),
+            tokens=tokens,
+            predicted=pred,
+            true_remaining=true.astype(np.float64),
+            eligible=eligible,
+            capacity=sim.cap_array,
+            bytes_per_token=sim.bpt_array,
+            step_time_s=sim.a + sim.b * self.loads,
+            in_flight=np.frombuffer(sim.inflight, dtype=np.int64) > 0,
+        )
+        return out, idx
 
     @cached_property
     def traces(self) -> FloatArray:
         """L_i(tau_j) for every instance, as workers pre-simulate it (paper §5.2).
 
-        The planner's own trace math (:func:`star.planner.trace.cutoffs`,
-        :func:`~star.planner.trace.traces_from_arrays`) over the running
-        requests, with requests migrating in booked on their target.
+        The planner's own R-hat rule and trace kernels
+        (:func:`star.planner.arrays.remaining_of`,
+        :func:`star.planner.kernels.fill_traces`) over the rows of
+        :attr:`planner_input`: requests migrating in are booked on their target.
         """
+        from star.planner import kernels
+
         sim = self.sim
-        run = self.running
-        predicted = self.predicted if sim.mode.kind in PREDICTING else None
-        remaining = self.planner_remaining(run.true_remaining, predicted)
-        owner, tokens = run.owner, run.tokens
-        if any(sim.incoming):
-            inc = self.incoming
-            remaining = np.concatenate(
-                (remaining, self.planner_remaining(inc.true_remaining, inc.predicted))
-            )
-            owner = np.concatenate((owner, inc.owner))
-            tokens = np.concatenate((tokens, inc.tokens))
-        out: FloatArray = traces_from_arrays(
-            owner, tokens, cutoffs(remaining, sim.tau), sim.n, sim.tau
-        )
+        arrays = self.planner_input[0]
+        k = kernels.cutoffs(remaining_of(arrays, sim.mode), sim.tau)
+        out = np.empty((sim.n, sim.tau.size))
+        kernels.fill_traces(arrays.offsets, arrays.tokens, k, sim.tau, sim.all_instances, out)
         return out
+
+    def arrays(self, *, with_traces: bool = False) -> tuple[ClusterArrays, IntArray]:
+        """The planner's input as arrays, and the request index of each row.
+
+        With ``with_traces`` each instance carries :attr:`traces` as its
+        worker's pre-simulated trace (``predicted`` mode uses it).
+        """
+        arrays, idx = self.planner_input
+        if with_traces:
+            arrays = replace(arrays, traces=self.traces, has_trace=self.sim.all_instances)
+        return arrays, idx
 
     def instances(self, *, with_traces: bool = False) -> list[Instance]:
         """The planner's input: every decode instance with its running requests.

@@ -1,0 +1,312 @@
+"""The planner on flat arrays: one tick of paper Algorithm 1 without per-request objects.
+
+:func:`plan_arrays` is the planner. :func:`star.planner.plan`, which the live
+scheduler and ``star plan`` call with :class:`~star.planner.Instance` values,
+converts them with :func:`from_instances` and calls it; the simulator builds
+:class:`ClusterArrays` straight from its own state and calls it too, so both
+run the same code (building ~1,000 request objects per tick would cost more
+than planning).
+
+Speed. Moving r from s to t leaves the mean load unchanged, so
+
+    Delta-V(r, s, t) = (2/n) sum_j beta_j c_j (c_j + L_t(tau_j) - L_s(tau_j))
+
+and since c_j = N + tau_j for j < k_r and 0 after, with prefix sums over j of
+beta, beta*tau, beta*tau^2, beta*L_i and beta*tau*L_i (index k = sum over
+j < k) this is
+
+    (n/2) Delta-V = N^2 B0[k] + 2N B1[k] + B2[k] - N X_s[k] - Y_s[k]   (a_r)
+                  + N X_t[k] + Y_t[k],
+
+O(1) per candidate. The capacity filter max_j (L_t(tau_j) + c_j) <= C_t is
+O(1) too, from a prefix max of L_t + tau and a suffix max of L_t. The search
+over |O|·|U|·R candidates is branch and bound on a lower bound of each
+request's values (:func:`star.planner.kernels.select`); the result is exactly
+the full enumeration's argmin (ties included).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from itertools import chain
+from types import ModuleType
+
+import numpy as np
+
+from star.planner.trace import (
+    MIN_REMAINING,
+    BoolArray,
+    FloatArray,
+    IntArray,
+    _bin_values,
+    grid,
+    weighted_variance,
+    weights,
+)
+from star.planner.types import Instance, Mode, ModeKind, PlannerParams
+
+# Delta-V is a difference of sums that can cancel exactly: moving the only
+# request of s onto an empty t just swaps the two traces (Delta-V = 0), and
+# rounding may then show a "gain" of -1e-9 that would migrate back and forth
+# forever. A gain no larger than this many ulps of the candidate's own term
+# magnitude, sum_j beta_j c_j (c_j + L_s + L_t), counts as no gain.
+_NOISE_ULPS = 8.0
+
+# Classification compares w_i with (1+theta) times a mean of the w_i; with
+# theta = 0 and identical instances the rounding of the mean alone would call
+# them all overloaded. Comparisons are made this much (relative) past the bound.
+CLASSIFY_RTOL = 1e-12
+
+
+def _kernels() -> ModuleType:
+    # numba takes ~0.5-1 s to import: only processes that plan pay for it
+    # (``star status`` and other CLI commands import this package too).
+    from star.planner import kernels
+
+    return kernels
+
+
+def noise_floor(points: int) -> float:
+    """Relative size below which a Delta-V is rounding noise (H + 1 = ``points``)."""
+    return _NOISE_ULPS * (points + 16) * float(np.finfo(np.float64).eps)
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterArrays:
+    """The decode instances at one tick as flat arrays (the planner's input).
+
+    Requests are rows grouped by instance: instance i owns rows
+    ``offsets[i]:offsets[i + 1]``, in the order ties are broken in.
+    ``predicted`` is R-hat from the length predictor (NaN: no prediction
+    yet), ``true_remaining`` the true remaining length (NaN: unknown; only
+    ``oracle`` mode needs it), ``eligible`` whether a request may be moved
+    (migratable and not already migrating). Per instance: KV capacity in
+    tokens, bytes per token, mean step time (0: unknown, the params' default
+    is used), whether it takes part in a migration already, and optionally
+    the worker's own pre-simulated trace (``traces`` rows where
+    ``has_trace``; used only in ``predicted`` mode with H + 1 points, as
+    :func:`star.planner.trace.uses_worker_trace` says).
+    """
+
+    offsets: IntArray
+    tokens: FloatArray
+    predicted: FloatArray
+    true_remaining: FloatArray
+    eligible: BoolArray
+    capacity: FloatArray
+    bytes_per_token: FloatArray
+    step_time_s: FloatArray
+    in_flight: BoolArray
+    traces: FloatArray | None = None
+    has_trace: BoolArray | None = None
+
+    @property
+    def size(self) -> int:
+        """Number of instances."""
+        return int(self.offsets.size) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class ArrayPlan:
+    """:func:`plan_arrays`' outcome: moves as (request row, source, target) indices."""
+
+    rows: IntArray
+    sources: IntArray
+    targets: IntArray
+    delta_v: FloatArray
+    remaining: FloatArray  # R-hat of each moved request, as the planner saw it
+    workloads: FloatArray
+    mean_workload: float
+    overloaded: BoolArray
+    underloaded: BoolArray
+    variance_before: float
+    variance_after: float
+    traces: FloatArray  # L_i(tau_j) the decision was made on, shape (n, H + 1)
+    remaining_all: FloatArray  # R-hat of every row
+
+
+@dataclass(frozen=True, slots=True)
+class _Constants:
+    beta: FloatArray
+    tau: FloatArray
+    noise: float
+
+
+@lru_cache(maxsize=64)
+def _constants(params: PlannerParams) -> _Constants:
+    # Importing core here would be circular; validation lives there.
+    from star.planner.core import validate_params
+
+    validate_params(params)
+    tau = grid(params)
+    return _Constants(weights(params), tau, noise_floor(tau.size))
+
+
+def remaining_of(arrays: ClusterArrays, mode: Mode) -> FloatArray:
+    """R-hat of every row as ``mode`` sees it (:func:`star.planner.remaining_for`)."""
+    kind = mode.kind
+    if kind is ModeKind.CURRENT or kind is ModeKind.NO_MIGRATION:
+        return np.full(arrays.tokens.size, np.inf)
+    if kind is ModeKind.ORACLE:
+        true = arrays.true_remaining
+        missing = np.flatnonzero(np.isnan(true))
+        if missing.size:
+            raise ValueError(
+                f"request row {int(missing[0])} has no true_remaining; oracle mode needs it"
+            )
+        out: FloatArray = np.maximum(true, MIN_REMAINING)
+        return out
+    pred = arrays.predicted
+    if kind is ModeKind.BINS:
+        pred = _bin_values(pred, mode.bins)
+    out = np.where(np.isnan(pred), np.inf, np.maximum(pred, MIN_REMAINING))
+    return out
+
+
+def plan_arrays(arrays: ClusterArrays, params: PlannerParams) -> ArrayPlan:
+    """Decide this tick's migrations (paper Algorithm 1; DESIGN §3) on flat arrays.
+
+    Phase 1, "Instance Classification (Lines 11-16)": w_i = sum_j beta_j
+    L_i(tau_j); O = {i : w_i > (1+theta) w-bar}; U = {i : L_i(0) < (1+theta)
+    w-bar}. Phases 2 and 3 run in :func:`star.planner.kernels.select`. The
+    contract is :func:`star.planner.plan`'s.
+    """
+    const = _constants(params)
+    beta, tau = const.beta, const.tau
+    n = arrays.size
+    remaining = remaining_of(arrays, params.mode)
+    kernels = _kernels()
+    k = kernels.cutoffs(remaining, tau)
+    need = np.ones(n, dtype=np.bool_)
+    if (
+        params.mode.kind is ModeKind.PREDICTED
+        and arrays.traces is not None
+        and arrays.has_trace is not None
+        and arrays.traces.shape[1] == tau.size
+    ):
+        traces = np.array(arrays.traces, dtype=np.float64)
+        need = ~arrays.has_trace
+    else:
+        traces = np.empty((n, tau.size))
+    kernels.fill_traces(arrays.offsets, arrays.tokens, k, tau, need, traces)
+
+    work = traces @ beta
+    mean = float(work.mean()) if n else 0.0
+    bound = (1.0 + params.theta) * mean
+    slack = CLASSIFY_RTOL * abs(bound)
+    over = work > bound + slack
+    under = traces[:, 0] < bound - slack
+    variance = weighted_variance(traces, beta)
+    empty = np.empty(0, dtype=np.intp)
+    nothing = ArrayPlan(
+        empty, empty, empty, np.empty(0), np.empty(0), work, mean, over, under,
+        variance, variance, traces, remaining,
+    )  # fmt: skip
+    # Algorithm 1 line 6: nothing to do unless some instance is overloaded.
+    if params.mode.kind is ModeKind.NO_MIGRATION or params.max_migrations == 0:
+        return nothing
+    sources = over & ~arrays.in_flight
+    targets = under & ~arrays.in_flight
+    if not sources.any() or not targets.any():
+        return nothing
+    step = np.where(arrays.step_time_s > 0, arrays.step_time_s, params.default_step_time_s)
+    rows, picked, values = kernels.select(
+        traces,
+        beta,
+        tau,
+        arrays.capacity,
+        sources,
+        targets,
+        arrays.offsets,
+        arrays.tokens,
+        remaining,
+        k,
+        arrays.eligible,
+        arrays.bytes_per_token,
+        step,
+        float(params.bandwidth_bytes_per_s),
+        float(params.handoff_latency_s),
+        -params.min_gain * n / 2.0,  # Delta-V < -epsilon, in (n/2)-scaled units
+        const.noise,
+        int(params.max_migrations),
+    )
+    chosen = rows >= 0
+    if not chosen.any():
+        return nothing
+    rows, picked, values = rows[chosen], picked[chosen], values[chosen]
+    owners = np.searchsorted(arrays.offsets, rows, side="right") - 1
+    after = traces.copy()
+    for q, s, t in zip(rows.tolist(), owners.tolist(), picked.tolist(), strict=True):
+        c = np.where(tau < remaining[q], arrays.tokens[q] + tau, 0.0)
+        after[s] -= c
+        after[t] += c
+    return ArrayPlan(
+        rows=rows,
+        sources=owners.astype(np.intp),
+        targets=picked,
+        delta_v=values * 2.0 / n,
+        remaining=remaining[rows],
+        workloads=work,
+        mean_workload=mean,
+        overloaded=over,
+        underloaded=under,
+        variance_before=variance,
+        variance_after=weighted_variance(after, beta),
+        traces=traces,
+        remaining_all=remaining,
+    )
+
+
+def from_instances(instances: Sequence[Instance], params: PlannerParams) -> ClusterArrays:
+    """The arrays of ``instances`` (what :func:`star.planner.plan` hands :func:`plan_arrays`)."""
+    groups = [inst.requests for inst in instances]
+    counts = np.fromiter(map(len, groups), dtype=np.intp, count=len(groups))
+    offsets = np.zeros(len(groups) + 1, dtype=np.intp)
+    np.cumsum(counts, out=offsets[1:])
+    reqs = list(chain.from_iterable(groups))
+    total = len(reqs)
+    # Via int64: numpy converts a list of ints to int64 ~1.6x faster than to float64.
+    tokens = np.fromiter([r.tokens for r in reqs], np.int64, total).astype(np.float64)
+    kind = params.mode.kind
+    predicted = np.full(total, np.nan)
+    true = np.full(total, np.nan)
+    if kind in (ModeKind.PREDICTED, ModeKind.BINS):
+        predicted = np.array([r.predicted_remaining for r in reqs], dtype=np.float64)
+    elif kind is ModeKind.ORACLE:
+        raw = [r.true_remaining for r in reqs]
+        if None in raw:
+            missing = next(r.id for r in reqs if r.true_remaining is None)
+            raise ValueError(f"request {missing!r} has no true_remaining; oracle mode needs it")
+        true = np.array(raw, dtype=np.float64)
+    eligible = np.fromiter(
+        (r.migratable and r.id not in inst.busy for inst in instances for r in inst.requests),
+        dtype=np.bool_,
+        count=total,
+    )
+    traces: FloatArray | None = None
+    has: BoolArray | None = None
+    points = grid(params).size
+    if kind is ModeKind.PREDICTED:
+        has = np.array(
+            [inst.trace is not None and len(inst.trace) == points for inst in instances],
+            dtype=np.bool_,
+        )
+        if has.any():
+            traces = np.zeros((len(instances), points))
+            for i in np.flatnonzero(has).tolist():
+                traces[i] = np.asarray(instances[i].trace, dtype=np.float64)
+    return ClusterArrays(
+        offsets=offsets,
+        tokens=tokens,
+        predicted=predicted,
+        true_remaining=true,
+        eligible=eligible,
+        capacity=np.array([inst.capacity_tokens for inst in instances], dtype=np.float64),
+        bytes_per_token=np.array([inst.bytes_per_token for inst in instances], dtype=np.float64),
+        step_time_s=np.array([inst.step_time_s for inst in instances], dtype=np.float64),
+        in_flight=np.array([inst.in_flight for inst in instances], dtype=np.bool_),
+        traces=traces,
+        has_trace=has if traces is not None else None,
+    )

@@ -1,0 +1,280 @@
+"""Compiled inner loops of the planner (numba, ``cache=True``).
+
+:func:`star.planner.arrays.plan_arrays` does the classification and the
+bookkeeping in numpy; the two loops that would otherwise cost one numpy call
+per small step run here: building the per-instance traces from flat request
+arrays, and the candidate search of paper Algorithm 1, Phases 2 and 3 (lines
+17-34), on O(1) Delta-V values from prefix tables (see
+:mod:`star.planner.arrays` for the algebra).
+
+The kernels are compiled on first use and cached on disk next to this file
+(``__pycache__``); :func:`warm` compiles or loads them up front so that a
+process (the scheduler before it reports READY, a simulator run before its
+clock starts) never pays for it on the hot path.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
+
+import numba
+import numpy as np
+import numpy.typing as npt
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def jit(fn: F) -> F:
+    """``numba.njit(cache=True)``, typed for mypy: compiled on first call, cached on disk."""
+    return cast(F, numba.njit(cache=True)(fn))
+
+
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.intp]
+BoolArray = npt.NDArray[np.bool_]
+
+
+@jit
+def cutoffs(remaining: FloatArray, tau: FloatArray) -> IntArray:  # pragma: no cover - compiled
+    """k_r = #{j : tau_j < R-hat(r)} for each request (R-hat may be inf)."""
+    points = tau.size
+    out = np.empty(remaining.size, dtype=np.intp)
+    step = tau[1] if points > 1 else 1.0
+    for q in range(remaining.size):
+        rem = remaining[q]
+        if rem == np.inf:
+            out[q] = points
+            continue
+        kq = int(min(float(points), max(0.0, np.ceil(rem / step))))
+        while kq < points and tau[kq] < rem:
+            kq += 1
+        while kq > 0 and tau[kq - 1] >= rem:
+            kq -= 1
+        out[q] = kq
+    return out
+
+
+@jit
+def fill_traces(
+    offsets: IntArray,
+    tokens: FloatArray,
+    k: IntArray,
+    tau: FloatArray,
+    need: BoolArray,
+    out: FloatArray,
+) -> None:  # pragma: no cover - compiled
+    """out[i, j] = sum over requests r of instance i with j < k_r of N(r) + tau_j.
+
+    Rows with ``need[i]`` false are left as they are (the workers' own
+    traces). O(R + nH): requests are bucketed by cut-off, then suffix sums.
+    """
+    n = offsets.size - 1
+    points = tau.size
+    sum_n = np.zeros(points + 1)
+    count = np.zeros(points + 1)
+    for i in range(n):
+        if not need[i]:
+            continue
+        sum_n[:] = 0.0
+        count[:] = 0.0
+        for q in range(offsets[i], offsets[i + 1]):
+            sum_n[k[q]] += tokens[q]
+            count[k[q]] += 1.0
+        acc_n = 0.0
+        acc_c = 0.0
+        for j in range(points - 1, -1, -1):
+            # Point j gets the requests with k_r >= j + 1.
+            acc_n += sum_n[j + 1]
+            acc_c += count[j + 1]
+            out[i, j] = acc_n + acc_c * tau[j]
+
+
+@jit
+def select(
+    traces: FloatArray,
+    beta: FloatArray,
+    tau: FloatArray,
+    capacity: FloatArray,
+    sources: BoolArray,
+    targets: BoolArray,
+    offsets: IntArray,
+    tokens: FloatArray,
+    remaining: FloatArray,
+    k: IntArray,
+    eligible: BoolArray,
+    bytes_per_token: FloatArray,
+    step_time: FloatArray,
+    bandwidth: float,
+    latency: float,
+    threshold: float,
+    noise: float,
+    max_moves: int,
+) -> tuple[IntArray, IntArray, FloatArray]:  # pragma: no cover - compiled
+    """Up to ``max_moves`` (row, target, (n/2) Delta-V) picks, best first.
+
+    Candidates are requests of ``sources`` that are ``eligible`` and outlast
+    their migration (Algorithm 1 line 20), against ``targets`` they fit on
+    over the horizon (line 21). Each pick is the least value below
+    ``threshold``; ties go to the smallest (row, target), rows being in
+    (instance, request) order. A pick whose value is within ``noise`` times
+    its own term size of the threshold ends the search (rounding noise).
+    After a pick its source and target take part in nothing else.
+
+    Branch and bound: a_r + N min_t X_t[k] + min_t Y_t[k] is a lower bound of
+    every value of r (computed with the same operations, so rounding keeps it
+    a bound); requests are tried in order of it and the search stops once the
+    next bound exceeds the best value.
+    """
+    n, points = traces.shape
+    width = points + 1
+    b0 = np.zeros(width)
+    b1 = np.zeros(width)
+    b2 = np.zeros(width)
+    for j in range(points):
+        b0[j + 1] = b0[j] + beta[j]
+        b1[j + 1] = b1[j] + beta[j] * tau[j]
+        b2[j + 1] = b2[j] + beta[j] * tau[j] * tau[j]
+    x = np.zeros((n, width))
+    y = np.zeros((n, width))
+    slack = np.full((n, width), -np.inf)
+    x_min = np.full(width, np.inf)
+    y_min = np.full(width, np.inf)
+    for i in range(n):
+        if not (sources[i] or targets[i]):
+            continue
+        for j in range(points):
+            bl = traces[i, j] * beta[j]
+            x[i, j + 1] = x[i, j] + bl
+            y[i, j + 1] = y[i, j] + bl * tau[j]
+        if not targets[i]:
+            continue
+        # max_j (L_t + c) <= C splits at the cut-off k: for j < k the request
+        # adds N + tau_j, so N <= C - max_{j<k}(L_t + tau_j); for j >= k it
+        # adds nothing, but L_t itself must stay within C.
+        cap = capacity[i]
+        tail = -np.inf
+        ok = np.empty(width, dtype=np.bool_)
+        ok[points] = True
+        for j in range(points - 1, -1, -1):
+            tail = max(tail, traces[i, j])
+            ok[j] = tail <= cap
+        head = -np.inf
+        for kk in range(width):
+            if kk > 0:
+                head = max(head, traces[i, kk - 1] + tau[kk - 1])
+            if ok[kk]:
+                slack[i, kk] = cap - head
+        for kk in range(width):
+            x_min[kk] = min(x_min[kk], x[i, kk])
+            y_min[kk] = min(y_min[kk], y[i, kk])
+
+    total = tokens.size
+    cand = np.empty(total, dtype=np.intp)
+    own = np.empty(total)
+    bound = np.empty(total)
+    owner = np.empty(total, dtype=np.intp)
+    m = 0
+    for s in range(n):
+        if not sources[s]:
+            continue
+        for q in range(offsets[s], offsets[s + 1]):
+            if not eligible[q]:
+                continue
+            tok = tokens[q]
+            c_mig = tok * bytes_per_token[s] / bandwidth + latency
+            if not remaining[q] > c_mig / step_time[s]:
+                continue
+            kq = k[q]
+            a = tok * tok * b0[kq] + 2.0 * tok * b1[kq] + b2[kq] - tok * x[s, kq] - y[s, kq]
+            low = a + tok * x_min[kq] + y_min[kq]
+            if low < threshold:
+                cand[m] = q
+                own[m] = a
+                bound[m] = low
+                owner[m] = s
+                m += 1
+    order = np.argsort(bound[:m])
+    dst = np.flatnonzero(targets)
+    free = np.ones(n, dtype=np.bool_)
+    rows = np.full(max_moves, -1, dtype=np.intp)
+    picked = np.full(max_moves, -1, dtype=np.intp)
+    values = np.zeros(max_moves)
+    for move in range(max_moves):
+        best = threshold
+        best_q = -1
+        best_t = -1
+        best_c = -1
+        for c in order:
+            if bound[c] > best:
+                break
+            s = owner[c]
+            if not free[s]:
+                continue
+            q = cand[c]
+            tok = tokens[q]
+            kq = k[q]
+            a = own[c]
+            for t in dst:
+                if t == s or not free[t] or not tok <= slack[t, kq]:
+                    continue
+                v = a + tok * x[t, kq] + y[t, kq]
+                if v < best or (
+                    v == best and best_q >= 0 and (q < best_q or (q == best_q and t < best_t))
+                ):
+                    best = v
+                    best_q = q
+                    best_t = t
+                    best_c = c
+        if best_q < 0:
+            break
+        s = owner[best_c]
+        tok = tokens[best_q]
+        kq = k[best_q]
+        size = tok * tok * b0[kq] + 2.0 * tok * b1[kq] + b2[kq] + tok * x[s, kq] + y[s, kq]
+        size += tok * x[best_t, kq] + y[best_t, kq]
+        if not best < threshold - noise * size:
+            break  # the best is noise, and so is everything above it
+        rows[move] = best_q
+        picked[move] = best_t
+        values[move] = best
+        # One migration per instance per tick. Other pairs' Delta-V depend
+        # only on their own traces, so nothing else needs recomputing.
+        free[s] = False
+        free[best_t] = False
+    return rows, picked, values
+
+
+def warm() -> float:
+    """Compile (or load from the on-disk cache) every kernel; returns the seconds it took."""
+    start = time.perf_counter()
+    tau = np.array([0.0, 32.0])
+    beta = np.array([0.6, 0.4])
+    offsets = np.array([0, 2, 2], dtype=np.intp)
+    tokens = np.array([100.0, 50.0])
+    remaining = np.array([np.inf, 40.0])
+    k = cutoffs(remaining, tau)
+    traces = np.zeros((2, 2))
+    fill_traces(offsets, tokens, k, tau, np.ones(2, dtype=np.bool_), traces)
+    select(
+        traces,
+        beta,
+        tau,
+        np.full(2, 1e6),
+        np.array([True, False]),
+        np.array([False, True]),
+        offsets,
+        tokens,
+        remaining,
+        k,
+        np.ones(2, dtype=np.bool_),
+        np.zeros(2),
+        np.full(2, 0.02),
+        1e9,
+        0.0,
+        -0.0,
+        1e-12,
+        1,
+    )
+    return time.perf_counter() - start
