@@ -17,7 +17,7 @@ from typing import Any
 
 import structlog
 
-from star.bus import Bus
+from star.bus import Bus, as_str
 from star.wire import Decision, encode
 
 log = structlog.get_logger(__name__)
@@ -123,5 +123,5 @@ class Leadership:
         raw = await self.bus.redis.get(self.bus.keys.leader)
         if not raw:
             return None
-        node, _, fence = raw.decode().rpartition("|")
+        node, _, fence = as_str(raw).rpartition("|")
         return node, int(fence or 0)

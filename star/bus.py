@@ -22,7 +22,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import redis.asyncio as aioredis
 import structlog
@@ -142,8 +142,23 @@ class DeadEntry:
     body: bytes
 
 
-def _s(value: bytes | str) -> str:
+def as_str(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
+
+
+# redis-py types its replies as unions over ``decode_responses``; this bus always
+# runs with it off, so replies are bytes. These helpers state that once.
+RawRow = tuple[bytes, dict[bytes, bytes] | None]  # an entry; fields None if trimmed while pending
+
+
+async def xrevrange(redis: aioredis.Redis, key: str, count: int) -> list[tuple[bytes, dict[bytes, bytes]]]:
+    """The newest ``count`` entries of ``key``, newest first."""
+    return cast(list[tuple[bytes, dict[bytes, bytes]]], await redis.xrevrange(key, count=count))
+
+
+def first_stream_rows(reply: Any) -> list[RawRow]:
+    """The entries of the (single) stream in an XREAD / XREADGROUP reply."""
+    return cast(list[RawRow], reply[0][1]) if reply else []
 
 
 class Bus:
@@ -215,14 +230,14 @@ class Bus:
             if attempted:
                 # The failed attempt may have reached Redis before the connection
                 # broke; publishing again would duplicate the entry.
-                for rid, raw in await self.redis.xrevrange(key, count=64):
+                for rid, raw in await xrevrange(self.redis, key, 64):
                     if raw.get(b"body") == body:
                         return rid
             attempted = True
             return await self.redis.xadd(key, fields, maxlen=self._maxlen[key], approximate=True)  # type: ignore[arg-type]
 
         entry_id = await self.retrying(f"XADD {key}", op) if retry else await op()
-        return _s(entry_id)
+        return as_str(entry_id)
 
     async def dead_letter(self, stream_key: str, entry_id: str, reason: str, body: bytes) -> None:
         """Move an undecodable entry to ``<prefix>:dead`` (once per original entry)."""
@@ -252,16 +267,16 @@ class Bus:
         if body is None:
             raise WireError("entry has no 'body' field")
         msg = decode(body, expect)
-        text = {_s(k): _s(v) for k, v in raw.items() if k != b"body"}
+        text = {as_str(k): as_str(v) for k, v in raw.items() if k != b"body"}
         return Entry(entry_id, msg, text)
 
     async def decode_or_bury(
-        self, key: str, entries: list[tuple[bytes, dict[bytes, bytes] | None]], expect: Any
+        self, key: str, entries: list[RawRow], expect: Any
     ) -> list[Entry]:
         """Decode a batch; undecodable entries go to the dead-letter stream."""
         out: list[Entry] = []
         for raw_id, raw in entries:
-            entry_id = _s(raw_id)
+            entry_id = as_str(raw_id)
             if raw is None:  # deleted (trimmed) while pending
                 continue
             try:
@@ -275,16 +290,16 @@ class Bus:
         key = self.keys.stream(stream)
 
         async def op() -> Any:
-            return await self.redis.xrevrange(key, count=1)
+            return await xrevrange(self.redis, key, 1)
 
         rows = await self.retrying(f"XREVRANGE {key}", op)
-        return _s(rows[0][0]) if rows else "0-0"
+        return as_str(rows[0][0]) if rows else "0-0"
 
     async def tail(self, stream: str, count: int) -> list[tuple[str, dict[bytes, bytes]]]:
         """The last ``count`` raw entries of a stream, oldest first."""
         key = self.keys.stream(stream)
-        rows = await self.retrying(f"XREVRANGE {key}", lambda: self.redis.xrevrange(key, count=count))
-        return [(_s(i), f) for i, f in reversed(rows)]
+        rows = await self.retrying(f"XREVRANGE {key}", lambda: xrevrange(self.redis, key, count))
+        return [(as_str(i), f) for i, f in reversed(rows)]
 
     async def latest_reports(self, count: int = 4096) -> dict[str, Report]:
         """The newest report of each instance among the last ``count`` entries.
@@ -318,13 +333,16 @@ class Bus:
 
     async def read_load(self) -> dict[str, LoadEntry]:
         """The dispatch view; bad values are skipped with a warning."""
-        raw = await self.retrying(f"HGETALL {self.keys.load}", lambda: self.redis.hgetall(self.keys.load))
+        raw = cast(
+            dict[bytes, bytes],
+            await self.retrying(f"HGETALL {self.keys.load}", lambda: self.redis.hgetall(self.keys.load)),
+        )
         out: dict[str, LoadEntry] = {}
         for name, body in raw.items():
             try:
-                out[_s(name)] = decode_as(body, LoadEntry)
+                out[as_str(name)] = decode_as(body, LoadEntry)
             except WireError as exc:
-                log.warning("bad load entry skipped", instance=_s(name), reason=str(exc))
+                log.warning("bad load entry skipped", instance=as_str(name), reason=str(exc))
         return out
 
 
@@ -332,9 +350,9 @@ def parse_dead(entry_id: str, raw: Mapping[bytes, bytes]) -> DeadEntry:
     """Read a dead-letter entry (plain fields, never fails)."""
     return DeadEntry(
         id=entry_id,
-        stream=_s(raw.get(b"stream", b"?")),
-        original_id=_s(raw.get(b"id", b"?")),
-        reason=_s(raw.get(b"reason", b"?")),
+        stream=as_str(raw.get(b"stream", b"?")),
+        original_id=as_str(raw.get(b"id", b"?")),
+        reason=as_str(raw.get(b"reason", b"?")),
         body=raw.get(b"body", b""),
     )
 
@@ -391,7 +409,7 @@ class GroupReader:
                 rows = await self.bus.redis.xreadgroup(
                     self.group, self.consumer, {self.key: "0"}, count=cfg.read_count
                 )
-                batch = rows[0][1] if rows else []
+                batch = first_stream_rows(rows)
                 if batch:
                     return await self._accept(batch)
                 self._backlog = False
@@ -401,7 +419,7 @@ class GroupReader:
                 cursor, claimed, *_ = await self.bus.redis.xautoclaim(
                     self.key, self.group, self.consumer, cfg.claim_idle_ms, self._claim_cursor, count=cfg.read_count
                 )
-                self._claim_cursor = _s(cursor)
+                self._claim_cursor = as_str(cursor)
                 if claimed:
                     log.info("reclaimed stale entries", stream=self.key, count=len(claimed))
                     return await self._accept(claimed)
@@ -423,14 +441,13 @@ class GroupReader:
             # After a reconnect our own pending entries come first again.
             self._backlog = True
             raise
-        batch = rows[0][1] if rows else []
-        return await self._accept(batch)
+        return await self._accept(first_stream_rows(rows))
 
     async def _accept(self, batch: list[Any]) -> list[Entry]:
         """Decode a batch; bad entries are dead-lettered and acknowledged at once."""
         good = await self.bus.decode_or_bury(self.key, batch, self.expect)
         good_ids = {e.id for e in good}
-        bad = [_s(i) for i, _ in batch if _s(i) not in good_ids]
+        bad = [as_str(i) for i, _ in batch if as_str(i) not in good_ids]
         if bad:
             await self.bus.redis.xack(self.key, self.group, *bad)
         return good
@@ -479,16 +496,16 @@ class Subscriber:
         redis = self.bus.redis
         try:
             if self.last_id == "$":
-                rows = await redis.xrevrange(self.key, count=1)
-                self.last_id = _s(rows[0][0]) if rows else "0-0"
+                rows = await xrevrange(redis, self.key, 1)
+                self.last_id = as_str(rows[0][0]) if rows else "0-0"
             if self._check_reset:
-                rows = await redis.xrevrange(self.key, count=1)
-                newest = _s(rows[0][0]) if rows else "0-0"
+                rows = await xrevrange(redis, self.key, 1)
+                newest = as_str(rows[0][0]) if rows else "0-0"
                 if _id_tuple(newest) < _id_tuple(self.last_id):
                     log.warning("stream went back in time; reading from its start", stream=self.key, last_seen=self.last_id, newest=newest)
                     self.last_id = "0-0"
                 self._check_reset = False
-            rows = await redis.xread(
+            reply = await redis.xread(
                 {self.key: self.last_id},
                 count=self.bus.settings.read_count,
                 block=self.bus.settings.block_ms if block_ms is None else block_ms,
@@ -496,9 +513,9 @@ class Subscriber:
         except TRANSIENT:
             self._check_reset = True
             raise
-        batch = rows[0][1] if rows else []
+        batch = first_stream_rows(reply)
         if batch:
-            self.last_id = _s(batch[-1][0])
+            self.last_id = as_str(batch[-1][0])
         return await self.bus.decode_or_bury(self.key, batch, self.expect)
 
     async def __aiter__(self) -> AsyncIterator[Entry]:

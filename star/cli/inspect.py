@@ -10,7 +10,7 @@ import enum
 import json
 from typing import Any
 
-from star.bus import STREAMS, Bus, BusUnavailable, Entry, Subscriber, parse_dead
+from star.bus import STREAMS, Bus, BusUnavailable, Entry, Subscriber, first_stream_rows, parse_dead
 from star.cli.common import CliError, add_settings_args, guarded, settings_from_args
 from star.settings import Settings
 from star.wire import Decision, Event, LoadEntry, Message, Report, WireError
@@ -115,8 +115,8 @@ async def _inspect(settings: Settings, args: argparse.Namespace) -> int:
     bus = Bus.from_settings(settings.redis, settings.bus)
     try:
         if args.stream == "load":
-            for name, entry in sorted((await bus.read_load()).items()):
-                _print_entry(name, entry, args.json)
+            for name, load in sorted((await bus.read_load()).items()):
+                _print_entry(name, load, args.json)
             return 0
         rows = await bus.tail(args.stream, args.count) if args.count else []
         for entry_id, raw in rows:
@@ -129,9 +129,10 @@ async def _inspect(settings: Settings, args: argparse.Namespace) -> int:
                     batch = await bus.retrying(
                         "XREAD", lambda: bus.redis.xread({sub.key: sub.last_id}, block=1000)
                     )
-                    for entry_id, raw in batch[0][1] if batch else []:
-                        sub.last_id = entry_id.decode()
-                        _print_raw(bus, "dead", sub.last_id, raw, args.json)
+                    for dead_id, dead_raw in first_stream_rows(batch):
+                        sub.last_id = dead_id.decode()
+                        if dead_raw is not None:
+                            _print_raw(bus, "dead", sub.last_id, dead_raw, args.json)
             while True:
                 for entry in await sub.read():
                     _print_entry(entry.id, entry.msg, args.json)

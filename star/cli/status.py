@@ -8,7 +8,7 @@ import json
 import time
 from typing import Any
 
-from star.bus import Bus, BusUnavailable
+from star.bus import Bus, BusUnavailable, as_str
 from star.cli.common import CliError, add_settings_args, guarded, settings_from_args
 from star.settings import Settings
 from star.wire import Decision, Event, EventKind, WireError, decode
@@ -95,7 +95,7 @@ async def collect(settings: Settings) -> dict[str, Any]:
         recent.append({**row, "outcome": outcome or ("in flight" if row in in_flight else "unknown")})
     leader = None
     if leader_raw:
-        node, _, fence = leader_raw.decode().rpartition("|")
+        node, _, fence = as_str(leader_raw).rpartition("|")
         leader = {"node": node, "fence": int(fence or 0)}
     return {"instances": instances, "in_flight": in_flight, "recent_migrations": recent[-10:], "leader": leader}
 
