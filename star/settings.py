@@ -195,7 +195,7 @@ class SimulatorSettings:
     """Defaults of ``star simulate``."""
 
     duration_s: float = _opt(2000.0, "simulated seconds per run", positive)
-    rate_per_8: float = _opt(0.3, "request rate per 8 decode instances (paper §6.3)", positive)
+    rate_per_8: float = _opt(0.4, "request rate per 8 decode instances (paper §6.3: 0.3 per 2+6)", positive)
     bandwidth_gbps: float = _opt(25.0, "D->D KV transfer bandwidth (paper §6.3)", positive)
     tick_s: float = _opt(1.0, "scheduler tick in simulated time", positive)
 

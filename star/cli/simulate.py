@@ -95,7 +95,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         type=float,
         default=None,
         metavar="RPS",
-        help="arrivals per second per 8 decode instances (default: simulator.rate_per_8 = 0.3, paper §6.3)",
+        help="arrivals per second per 8 decode instances (default: simulator.rate_per_8 = 0.4: the paper's 0.3 per 2 prefill + 6 decode, §6.3)",
     )
     p.add_argument(
         "--workload",

@@ -188,24 +188,23 @@ def test_a_migration_pauses_the_request_for_the_transfer() -> None:
 
 def test_ordering_of_modes_on_16_instances() -> None:
     """Paper §6.3 / Fig. 10: variance(predicted) < variance(current) < variance(vLLM),
-    oracle no worse than predicted.
+    oracle no worse than predicted, at the default load and tick.
 
-    With a 1 s tick a 16-instance cluster has migrations to spare and current-load
-    rescheduling keeps up about as well as prediction (docs/simulator.md); a 4 s
-    tick gives each instance the migration budget a 64-instance cluster has at
-    1 s (M = 1 per tick), the regime where the paper's ordering shows.
+    2,000 simulated seconds: the first ~500 s are the ramp-up while the long
+    (up to 32K-token) requests accumulate. Deterministic for the seeds; the
+    margins are those measured over seeds 1-3 (docs/simulator.md).
     """
-    base = SimConfig(decode_instances=16, duration_s=1000.0, tick_s=4.0)
+    base = SimConfig(decode_instances=16, duration_s=2000.0)
     var: dict[str, float] = {}
     for mode in ("no-migration", "current", "predicted", "oracle"):
         runs = [simulate(dataclasses.replace(base, mode=mode, seed=s)) for s in (1, 2)]
         var[mode] = float(np.mean([r.row["exec_time_variance"] for r in runs]))
-    assert var["predicted"] < 0.9 * var["current"]
-    assert var["current"] < 0.2 * var["no-migration"]
-    assert var["oracle"] <= 1.05 * var["predicted"]
+    assert var["predicted"] < 0.95 * var["current"], var
+    assert var["current"] < 0.05 * var["no-migration"], var
+    assert var["oracle"] <= 1.05 * var["predicted"], var
 
 
-def test_current_load_shortlist_answers_like_choose_decode_on_all_instances() -> None:
+def test_current_load_dispatch_answers_like_choose_decode_on_all_instances() -> None:
     from star.planner import Instance, Request
     from star.planner.dispatch import choose_decode
 
