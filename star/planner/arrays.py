@@ -42,7 +42,6 @@ from star.planner.trace import (
     IntArray,
     _bin_values,
     grid,
-    weighted_variance,
     weights,
 )
 from star.planner.types import Instance, Mode, ModeKind, PlannerParams
@@ -198,7 +197,7 @@ def plan_arrays(arrays: ClusterArrays, params: PlannerParams) -> ArrayPlan:
     slack = CLASSIFY_RTOL * abs(bound)
     over = work > bound + slack
     under = traces[:, 0] < bound - slack
-    variance = weighted_variance(traces, beta)
+    variance = kernels.weighted_variance(traces, beta)
     empty = np.empty(0, dtype=np.intp)
     nothing = ArrayPlan(
         empty, empty, empty, np.empty(0), np.empty(0), work, mean, over, under,
@@ -253,7 +252,7 @@ def plan_arrays(arrays: ClusterArrays, params: PlannerParams) -> ArrayPlan:
         overloaded=over,
         underloaded=under,
         variance_before=variance,
-        variance_after=weighted_variance(after, beta),
+        variance_after=kernels.weighted_variance(after, beta),
         traces=traces,
         remaining_all=remaining,
     )

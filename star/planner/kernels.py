@@ -92,6 +92,26 @@ def fill_traces(
 
 
 @jit
+def weighted_variance(traces: FloatArray, beta: FloatArray) -> float:  # pragma: no cover
+    """V = sum_j beta_j Var_i L_i(tau_j), population variance over instances."""
+    n, points = traces.shape
+    if n == 0:
+        return 0.0
+    total = 0.0
+    for j in range(points):
+        mean = 0.0
+        for i in range(n):
+            mean += traces[i, j]
+        mean /= n
+        acc = 0.0
+        for i in range(n):
+            d = traces[i, j] - mean
+            acc += d * d
+        total += beta[j] * acc
+    return float(total / n)
+
+
+@jit
 def select(
     traces: FloatArray,
     beta: FloatArray,
@@ -257,6 +277,7 @@ def warm() -> float:
     k = cutoffs(remaining, tau)
     traces = np.zeros((2, 2))
     fill_traces(offsets, tokens, k, tau, np.ones(2, dtype=np.bool_), traces)
+    weighted_variance(traces, beta)
     select(
         traces,
         beta,
