@@ -167,7 +167,13 @@ def build_engine_args(spec: EngineSpec, cpu: bool) -> AsyncEngineArgs:
     thread on a small machine (decode steps went from ~2 ms to ~1 s).
     """
     extra: dict[str, Any] = {}
-    kv: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+    # A failed KV pull (e.g. NIXL's 5 s handshake timeout on a loaded host)
+    # recomputes the prompt locally instead of failing the request.
+    kv: dict[str, Any] = {
+        "kv_connector": "NixlConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+    }
     if cpu:
         kv["kv_buffer_device"] = "cpu"
         extra["num_threads"] = 1

@@ -23,6 +23,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -48,7 +49,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.add_argument("--port", type=int, help="proxy port (default proxy.port = 8000)")
     parser.add_argument("--mode", help="scheduler mode (default scheduler.mode)")
     parser.add_argument("--run-dir", help="where logs go (default: a new temporary directory)")
-    parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for readiness")
+    parser.add_argument(
+        "--ready-timeout", type=float, default=600.0, help="seconds to wait for readiness"
+    )
     add_settings_args(parser)
     parser.set_defaults(func=guarded(run))
 
@@ -67,11 +70,15 @@ class Launcher:
     env: dict[str, str]
     children: list[Child] = field(default_factory=list)
 
-    def start(self, name: str, argv: list[str]) -> Child:
+    def start(self, name: str, argv: list[str], extra_env: dict[str, str] | None = None) -> Child:
         child = Child(name, argv, self.run_dir / f"{name}.log")
         with child.log.open("wb") as out:
             child.proc = subprocess.Popen(
-                argv, stdout=out, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+                argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**self.env, **(extra_env or {})},
+                start_new_session=True,
             )
         self.children.append(child)
         return child
@@ -97,6 +104,37 @@ class Launcher:
             if child.proc is not None:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     child.proc.wait(5)
+        # SIGKILL is asynchronous: return once no member of any group is left.
+        groups = {c.proc.pid for c in self.children if c.proc is not None}
+        deadline = time.monotonic() + 10
+        while group_members(groups) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+def group_members(groups: set[int]) -> list[tuple[int, int, str]]:
+    """(pid, process group, name) of the live (non-zombie) processes in ``groups``.
+
+    Reads ``/proc`` (Linux); elsewhere it only checks the groups' leaders.
+    """
+    proc = Path("/proc")
+    if not (proc / "self" / "stat").exists():
+        alive = []
+        for pgid in groups:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, 0)
+                alive.append((pgid, pgid, "?"))
+        return alive
+    out = []
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue  # exited while we looked
+        fields = text[text.rindex(")") + 2 :].split()
+        if fields[0] != "Z" and int(fields[2]) in groups:
+            name = text[text.index("(") + 1 : text.rindex(")")]
+            out.append((int(stat.parent.name), int(fields[2]), name))
+    return out
 
 
 def _signal_group(child: Child, sig: signal.Signals) -> None:
@@ -117,7 +155,9 @@ def _redis_answers(url: str) -> bool:
     if parts.scheme not in {"redis", "rediss"}:
         return True  # unix sockets / TLS: trust the operator's configuration
     try:
-        with socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 6379), timeout=1) as sock:
+        with socket.create_connection(
+            (parts.hostname or "127.0.0.1", parts.port or 6379), timeout=1
+        ) as sock:
             sock.sendall(b"PING\r\n")
             reply = sock.recv(64)
     except OSError:
@@ -132,9 +172,11 @@ def _tail(path: Path, lines: int = 25) -> str:
         return "(no log)"
 
 
-def _health(port: int) -> dict[str, object] | None:
+def _health(port: int, api_key: str | None = None) -> dict[str, object] | None:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as resp:
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/health", headers=headers)
+        with urllib.request.urlopen(request, timeout=2) as resp:
             return json.loads(resp.read())  # type: ignore[no-any-return]
     except urllib.error.HTTPError as exc:
         with contextlib.suppress(Exception):
@@ -142,6 +184,197 @@ def _health(port: int) -> dict[str, object] | None:
         return None
     except (OSError, ValueError):
         return None
+
+
+class ClusterError(Exception):
+    """A cluster process died or the cluster did not become ready."""
+
+
+class LocalCluster:
+    """Redis (given or private), workers, scheduler and proxy as child process groups.
+
+    The reusable part of ``star up`` (tests use it in process too)::
+
+        with LocalCluster(redis_url, port=0, prefill=1, decode=2) as cluster:
+            cluster.wait_ready(300)
+            ... cluster.url ...
+
+    ``redis_url=None`` or one where nothing answers starts a private
+    ``redis-server``. ``port=0`` picks a free proxy port. ``env`` is the
+    children's environment (``STAR_*`` settings included). Each worker's
+    OpenMP threads are bound to its own core (round robin) unless the
+    environment says otherwise: vLLM binds every engine on a host to the same
+    first core(s) by default. :meth:`stop` kills whole process groups, so
+    vLLM's engine-core children go too.
+    """
+
+    def __init__(
+        self,
+        redis_url: str | None,
+        *,
+        port: int = 8000,
+        prefill: int = 1,
+        decode: int = 3,
+        model: str | None = None,
+        run_dir: Path | None = None,
+        env: dict[str, str] | None = None,
+        worker_args: list[str] | None = None,
+        proxy_args: list[str] | None = None,
+        scheduler: bool = True,
+    ) -> None:
+        if prefill < 1 or decode < 1:
+            raise CliError("--prefill and --decode must be at least 1")
+        self.requested_redis = redis_url
+        self.redis_url = redis_url or ""
+        self.port = port or _free_port()
+        self.prefill = prefill
+        self.decode = decode
+        self.model = model
+        self.run_dir = Path(run_dir or tempfile.mkdtemp(prefix="star-up-"))
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.env = dict(os.environ if env is None else env)
+        self.env.setdefault("STAR_LOG_FORMAT", "json")
+        self.worker_args = list(worker_args or [])
+        self.proxy_args = list(proxy_args or [])
+        self.scheduler = scheduler
+        self.launcher = Launcher(self.run_dir, self.env)
+        self.private_redis = False
+
+    @property
+    def url(self) -> str:
+        """The proxy's base URL."""
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> LocalCluster:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        """Start every process (returns at once; see :meth:`wait_ready`)."""
+        if not self.requested_redis or not _redis_answers(self.requested_redis):
+            binary = shutil.which("redis-server")
+            if binary is None:
+                raise CliError(
+                    f"no Redis answers at {self.requested_redis} and redis-server is not installed"
+                )
+            rport = _free_port()
+            self.redis_url = f"redis://127.0.0.1:{rport}/0"
+            self.launcher.start(
+                "redis",
+                [
+                    binary,
+                    "--port",
+                    str(rport),
+                    "--bind",
+                    "127.0.0.1",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                    "--dir",
+                    str(self.run_dir),
+                ],
+            )
+            self.private_redis = True
+            _wait_redis(self.redis_url, self.launcher, 15.0)
+        self.env["STAR_REDIS_URL"] = self.redis_url
+        star = [sys.executable, "-m", "star.cli.main"]
+        model_args = ["--model", self.model] if self.model else []
+        bind = "VLLM_CPU_OMP_THREADS_BIND" not in self.env
+        cores = (
+            sorted(os.sched_getaffinity(0))
+            if hasattr(os, "sched_getaffinity")
+            else list(range(os.cpu_count() or 1))
+        )
+        workers = [("prefill", i) for i in range(self.prefill)] + [
+            ("decode", i) for i in range(self.decode)
+        ]
+        for n, (role, i) in enumerate(workers):
+            extra = {"VLLM_CPU_OMP_THREADS_BIND": str(cores[n % len(cores)])} if bind else {}
+            self.launcher.start(
+                f"{role}-{i}",
+                [
+                    *star,
+                    "worker",
+                    "--role",
+                    role,
+                    "--instance",
+                    f"{role}-{i}",
+                    *model_args,
+                    *self.worker_args,
+                ],
+                extra,
+            )
+        if self.scheduler:
+            self.launcher.start(
+                "scheduler", [*star, "scheduler", "--node", "scheduler-0", "--metrics-port", "0"]
+            )
+        self.launcher.start(
+            "proxy", [*star, "proxy", "--port", str(self.port), *model_args, *self.proxy_args]
+        )
+
+    def check(self) -> None:
+        """Raise :class:`ClusterError` if a process has exited."""
+        dead = self.launcher.dead()
+        if dead is not None:
+            status = dead.proc.returncode if dead.proc else "?"
+            raise ClusterError(
+                f"{dead.name} exited with status {status}; last lines of {dead.log}:\n{_tail(dead.log)}"
+            )
+
+    def health(self) -> dict[str, object] | None:
+        """The proxy's ``/health`` document, or None while it does not answer."""
+        return _health(self.port, self.env.get("STAR_PROXY_API_KEY"))
+
+    def ready(self) -> bool:
+        """Every prefill and decode worker is up as the proxy sees it."""
+        health = self.health()
+        if not health or not health.get("ok"):
+            return False
+        prefill, decode = health.get("prefill", []), health.get("decode", [])
+        assert isinstance(prefill, list) and isinstance(decode, list)
+        return len(prefill) >= self.prefill and len(decode) >= self.decode
+
+    def wait_ready(self, timeout_s: float, note: Callable[[float], None] | None = None) -> float:
+        """Wait until :meth:`ready`; returns the seconds it took. Raises ClusterError."""
+        started = time.monotonic()
+        last_note = started
+        while not self.ready():
+            self.check()
+            now = time.monotonic()
+            if now - started > timeout_s:
+                raise ClusterError(
+                    f"not ready after {timeout_s:.0f}s (health: {self.health()}); logs in {self.run_dir}"
+                )
+            if note is not None and now - last_note > 15:
+                last_note = now
+                note(now - started)
+            time.sleep(0.5)
+        return time.monotonic() - started
+
+    def pids(self) -> dict[str, int]:
+        """Process id of each child (its process group id too)."""
+        return {c.name: c.proc.pid for c in self.launcher.children if c.proc is not None}
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """Stop everything (SIGTERM, then SIGKILL of whole process groups)."""
+        self.launcher.stop(timeout_s)
+
+
+def _wait_redis(url: str, launcher: Launcher, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not _redis_answers(url):
+        dead = launcher.dead()
+        if dead is not None or time.monotonic() > deadline:
+            raise ClusterError(f"private redis-server did not start at {url}")
+        time.sleep(0.05)
 
 
 class _Stop(Exception):
@@ -156,10 +389,7 @@ def run(args: argparse.Namespace) -> int:
     if args.prefill < 1 or args.decode < 1:
         raise CliError("--prefill and --decode must be at least 1")
     settings = settings_from_args(args, {"proxy.port": args.port, "scheduler.mode": args.mode})
-    run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="star-up-"))
-    run_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
-    env.setdefault("STAR_LOG_FORMAT", "json")
     if getattr(args, "config", None):
         env["STAR_CONFIG"] = str(Path(args.config).resolve())
     for item in args.set_:
@@ -167,67 +397,52 @@ def run(args: argparse.Namespace) -> int:
         env["STAR_" + key.replace(".", "_").upper()] = value
     if args.mode:
         env["STAR_SCHEDULER_MODE"] = args.mode
-    launcher = Launcher(run_dir, env)
-    port = settings.proxy.port
-    star = [sys.executable, "-m", "star.cli.main"]
-    model = args.model or settings.worker.model
-    model_args = ["--model", model] if model else []
+    model = args.model or settings.worker.model or None
+    cluster = LocalCluster(
+        settings.redis.url,
+        port=settings.proxy.port,
+        prefill=args.prefill,
+        decode=args.decode,
+        model=model,
+        run_dir=Path(args.run_dir) if args.run_dir else None,
+        env=env,
+    )
+    port = cluster.port
 
     previous = signal.signal(signal.SIGTERM, _raise_stop)
     try:
-        redis_url = settings.redis.url
-        if not _redis_answers(redis_url):
-            binary = shutil.which("redis-server")
-            if binary is None:
-                raise CliError(f"no Redis answers at {redis_url} and redis-server is not installed")
-            rport = _free_port()
-            redis_url = f"redis://127.0.0.1:{rport}/0"
-            launcher.start(
-                "redis",
-                [binary, "--port", str(rport), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(run_dir)],
+        cluster.start()
+        if cluster.private_redis:
+            print(
+                f"star up: no Redis at {settings.redis.url}; started a private one at {cluster.redis_url}"
             )
-            print(f"star up: no Redis at {settings.redis.url}; started a private one at {redis_url}")
-        env["STAR_REDIS_URL"] = redis_url
-        for i in range(args.prefill):
-            launcher.start(f"prefill-{i}", [*star, "worker", "--role", "prefill", "--instance", f"prefill-{i}", *model_args])
-        for i in range(args.decode):
-            launcher.start(f"decode-{i}", [*star, "worker", "--role", "decode", "--instance", f"decode-{i}", *model_args])
-        launcher.start("scheduler", [*star, "scheduler", "--node", "scheduler-0", "--metrics-port", "0"])
-        launcher.start("proxy", [*star, "proxy", "--port", str(port), *model_args])
-        print(f"star up: starting {args.prefill} prefill + {args.decode} decode workers, scheduler, proxy (logs: {run_dir})")
-
-        started = time.monotonic()
-        last_note = 0.0
-        while True:
-            dead = launcher.dead()
-            if dead is not None:
-                print(f"star up: {dead.name} exited with status {dead.proc.returncode if dead.proc else '?'}; last lines of {dead.log}:\n{_tail(dead.log)}", file=sys.stderr)
-                return 1
-            health = _health(port)
-            if health and health.get("ok") and len(health.get("decode", [])) >= args.decode:  # type: ignore[arg-type]
-                break
-            if time.monotonic() - started > args.ready_timeout:
-                print(f"star up: not ready after {args.ready_timeout:.0f}s (health: {health}); logs in {run_dir}", file=sys.stderr)
-                return 1
-            if time.monotonic() - last_note > 15:
-                last_note = time.monotonic()
-                print(f"star up: waiting for engines to load ({time.monotonic() - started:.0f}s)...")
-            time.sleep(0.5)
+        print(
+            f"star up: starting {args.prefill} prefill + {args.decode} decode workers, scheduler, proxy (logs: {cluster.run_dir})"
+        )
+        try:
+            took = cluster.wait_ready(
+                args.ready_timeout,
+                lambda s: print(f"star up: waiting for engines to load ({s:.0f}s)...", flush=True),
+            )
+        except ClusterError as exc:
+            print(f"star up: {exc}", file=sys.stderr)
+            return 1
 
         name = "star-tiny" if not model else model
         print(
-            f"\nstar up: ready in {time.monotonic() - started:.0f}s — proxy on http://127.0.0.1:{port}\n\n"
+            f"\nstar up: ready in {took:.0f}s — proxy on http://127.0.0.1:{port}\n\n"
             f"  curl -N http://127.0.0.1:{port}/v1/completions -H 'Content-Type: application/json' \\\n"
-            f"       -d '{{\"model\": \"{name}\", \"prompt\": \"give me a long list of animals starting with owl.\", \"max_tokens\": 64, \"stream\": true}}'\n\n"
+            f'       -d \'{{"model": "{name}", "prompt": "give me a long list of animals starting with owl.", "max_tokens": 64, "stream": true}}\'\n\n'
             f"  star status                 # instances, load, running requests\n"
             f"  star inspect decisions -f   # migrations as they are decided\n\n"
             f"Ctrl-C stops everything.",
             flush=True,
         )
         while True:
-            dead = launcher.dead()
-            if dead is not None:
-                print(f"star up: {dead.name} exited; stopping the cluster. Last lines of {dead.log}:\n{_tail(dead.log)}", file=sys.stderr)
+            try:
+                cluster.check()
+            except ClusterError as exc:
+                print(f"star up: stopping the cluster: {exc}", file=sys.stderr)
                 return 1
             time.sleep(0.5)
     except (KeyboardInterrupt, _Stop):
@@ -236,5 +451,5 @@ def run(args: argparse.Namespace) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
         with contextlib.suppress(KeyboardInterrupt):
-            launcher.stop()
-        print(f"star up: stopped (logs kept in {run_dir})", flush=True)
+            cluster.stop()
+        print(f"star up: stopped (logs kept in {cluster.run_dir})", flush=True)

@@ -98,6 +98,11 @@ def test_cpu_engines_default_to_float32_and_the_user_wins(eng: ModuleType) -> No
     assert eng.build_engine_args(eng.EngineSpec(model="m"), cpu=False).dtype == "auto"
 
 
+def test_a_failed_kv_pull_recomputes(eng: ModuleType) -> None:
+    args = eng.build_engine_args(eng.EngineSpec(model="m"), cpu=True)
+    assert args.kv_transfer_config.kv_load_failure_policy == "recompute"
+
+
 def test_engine_args_on_gpu_keep_vllm_defaults(eng: ModuleType) -> None:
     args = eng.build_engine_args(eng.EngineSpec(model="m"), cpu=False)
     from vllm.config import KVTransferConfig
