@@ -60,7 +60,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--modes",
-        default="no-migration,predicted",
+        default="no-migration,current,predicted,oracle",
         help="comma-separated modes (default %(default)s)",
     )
     parser.add_argument(
@@ -88,6 +88,9 @@ def run(args: argparse.Namespace) -> int:
     """Run the benchmark and print a table (or JSON)."""
     sizes = [int(x) for x in args.sizes.split(",") if x.strip()]
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    from star.sim.kernels import warm
+
+    warm()  # numba kernels compiled or loaded before any clock starts
     rows = [measure(n, mode, args.duration, args.seed) for mode in modes for n in sizes]
     if args.json:
         json.dump(

@@ -349,8 +349,8 @@ def _apply_settings(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    _apply_settings(args)
     """Run the simulations, print and write the results."""
+    _apply_settings(args)
     try:
         base = build_base(args)
         configs, plan_rows = plan_runs(args, base)
