@@ -173,8 +173,27 @@ class ClusterBackend:
             self.directory.mark_down(member.address)
             raise BackendUnavailable(f"{member.role} instance {member.instance} unreachable: {exc}") from exc
 
+    async def pick_reachable(self, role: str, policy: str, tokens: int, attempts: int = 8) -> Member:
+        """Pick an instance by ``policy`` and connect to it.
+
+        One that refuses the connection (dead, its reports not yet stale) is
+        marked down and the next pick skips it, so a request goes to another
+        live instance instead of failing; 503 only when none is reachable.
+        """
+        for _ in range(attempts - 1):
+            member = self.directory.pick(role, policy, tokens)
+            try:
+                await self._connect(member)
+            except BackendUnavailable as exc:
+                log.warning("instance unreachable; trying another", instance=member.instance, error=str(exc))
+                continue
+            return member
+        member = self.directory.pick(role, policy, tokens)
+        await self._connect(member)
+        return member
+
     async def _prefill(self, req: GenerationRequest, sampling: dict[str, Any]) -> dict[str, Any]:
-        member = self.directory.pick("prefill", "current-load", len(req.prompt_token_ids))
+        member = await self.pick_reachable("prefill", "current-load", len(req.prompt_token_ids))
         client = await self._connect(member)
         stream = client.open()
         finished = False
@@ -197,7 +216,7 @@ class ClusterBackend:
                 await _abort(client, stream.id)
 
     async def _decode(self, req: GenerationRequest, sampling: dict[str, Any], kv_params: dict[str, Any]) -> AsyncIterator[TokenBatch]:
-        member = self.directory.pick("decode", self.policy, len(req.prompt_token_ids))
+        member = await self.pick_reachable("decode", self.policy, len(req.prompt_token_ids))
         client = await self._connect(member)
         stream = client.open()
         finished = False

@@ -1,0 +1,92 @@
+"""Dispatch skips an instance that refuses connections (dead, reports not yet stale)."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from proxy.backend import BackendUnavailable
+from proxy.cluster import ClusterBackend, Directory
+from star.wire import Report
+
+
+def report(instance: str, role: str, address: str, used: int) -> Report:
+    return Report(
+        instance=instance,
+        role=role,
+        seq=1,
+        ts=time.time(),
+        address=address,
+        capacity_tokens=10_000,
+        used_tokens=used,
+        bytes_per_token=512,
+        step_time_s=0.01,
+        delta=32,
+        trace=[float(used)],
+        requests=[],
+    )
+
+
+class Pool:
+    """Connections succeed except to ``dead`` addresses (connection refused)."""
+
+    def __init__(self, dead: set[str]) -> None:
+        self.dead = dead
+        self.tried: list[str] = []
+
+    async def get(self, address: str) -> Any:
+        self.tried.append(address)
+        if address in self.dead:
+            raise ConnectionRefusedError(f"connect to {address} refused")
+        return object()
+
+
+def backend(reports: list[Report], dead: set[str]) -> tuple[ClusterBackend, Pool]:
+    bus = SimpleNamespace(keys=SimpleNamespace(reports="t:reports"))  # only named in errors
+    directory = Directory(bus, staleness_s=60)  # type: ignore[arg-type]
+    for r in reports:
+        directory._reports[r.instance] = (time.monotonic(), r)
+    pool = Pool(dead)
+    return ClusterBackend(directory, pool, "current-load", "test"), pool  # type: ignore[arg-type]
+
+
+async def test_a_dead_decode_instance_is_skipped_for_a_live_one() -> None:
+    # decode-0 is the least loaded, so current-load picks it first; it is dead.
+    b, pool = backend(
+        [
+            report("decode-0", "decode", "h:1", 0),
+            report("decode-1", "decode", "h:2", 500),
+            report("decode-2", "decode", "h:3", 900),
+        ],
+        dead={"h:1"},
+    )
+    member = await b.pick_reachable("decode", "current-load", 10)
+    assert member.instance == "decode-1"
+    assert pool.tried == ["h:1", "h:2"]
+    # Marked down: the next request does not try it again.
+    assert (await b.pick_reachable("decode", "current-load", 10)).instance in {
+        "decode-1",
+        "decode-2",
+    }
+    assert pool.tried.count("h:1") == 1
+
+
+async def test_503_only_when_no_instance_is_reachable() -> None:
+    b, pool = backend(
+        [report("decode-0", "decode", "h:1", 0), report("decode-1", "decode", "h:2", 0)],
+        dead={"h:1", "h:2"},
+    )
+    with pytest.raises(BackendUnavailable, match="no decode instance is up"):
+        await b.pick_reachable("decode", "round-robin", 10)
+    assert sorted(pool.tried) == ["h:1", "h:2"]
+
+
+async def test_prefill_too() -> None:
+    b, _ = backend(
+        [report("prefill-0", "prefill", "h:1", 0), report("prefill-1", "prefill", "h:2", 10)],
+        dead={"h:1"},
+    )
+    assert (await b.pick_reachable("prefill", "current-load", 10)).instance == "prefill-1"
