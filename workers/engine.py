@@ -58,6 +58,8 @@ from workers.protocol import (
     Unsupported,
 )
 from workers.state import EngineStats, RunningRequest, is_migratable
+from workers.tap import QUALNAME as TAP_EXTENSION
+from workers.tap import TapClient
 
 log = structlog.get_logger(__name__)
 
@@ -198,6 +200,8 @@ def build_engine_args(spec: EngineSpec, cpu: bool) -> AsyncEngineArgs:
         # Our stat logger replaces vLLM's periodic log lines.
         "disable_log_stats": True,
         "enable_log_requests": False,
+        # The hidden-state tap (workers/tap.py); idle until install_tap().
+        "worker_extension_cls": TAP_EXTENSION,
     }
     if cpu:
         values["kv_cache_memory_bytes"] = int(spec.kv_cache_space_gib * GiB)
@@ -443,6 +447,7 @@ class EngineHandle:
         self.bytes_per_token = bytes_per_token(config)
         self._live: dict[str, _Live] = {}
         self._closed = False
+        self.tap = TapClient(llm)
 
     @property
     def role(self) -> str:
@@ -584,6 +589,17 @@ class EngineHandle:
         The report loop's clock: "every k decode steps and at least every second".
         """
         return await self.collector.wait_decode_steps(n, max_wait_s)
+
+    async def install_tap(
+        self, predict_every: int, checkpoint: str = "", collect: bool = False
+    ) -> int:
+        """Start the hidden-state tap (every ``predict_every`` steps); returns the hidden size."""
+        return await self.tap.install(predict_every, checkpoint, collect)
+
+    async def predictions(self) -> dict[str, float]:
+        """R-hat now per running request id (the tap's last round, aged by the tokens since)."""
+        generated = {rid: live.generated for rid, live in self._live.items() if live.started}
+        return await self.tap.predictions(generated)
 
     @property
     def num_live(self) -> int:

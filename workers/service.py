@@ -22,6 +22,7 @@ from star.wire import Event, EventKind, Hello
 from workers.engine import EngineHandle, EngineSpec, free_port
 from workers.server import TokenServer
 from workers.state import EngineStats, build_report
+from workers.tap import start_tap
 
 log = structlog.get_logger(__name__)
 
@@ -46,6 +47,8 @@ class WorkerService(Service):
         self.bus = Bus.from_settings(self.settings.redis, self.settings.bus)
         await self.bus.retrying("PING", self.bus.redis.ping)
         self.engine = await EngineHandle.start(self.spec)
+        pred = self.settings.predictor
+        await start_tap(self.engine, pred.every_k, pred.checkpoint)
         hello = Hello(self.instance, cfg.role, self.spec.model)
         self.server = TokenServer(self.engine, hello, cfg.host, self.port)
         await self.server.start()
@@ -81,7 +84,7 @@ class WorkerService(Service):
                 seq=self.seq,
                 ts=time.time(),
                 address=self.server.address,
-                predictions={},
+                predictions=await self.engine.predictions(),
                 delta=sched.delta,
                 horizon=sched.horizon,
             )

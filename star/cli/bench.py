@@ -15,6 +15,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "planner": ("benchmarks.planner", "scheduler tick time vs cluster size, next to the naive O(|O||U|RH) rule"),
     "simulator": ("benchmarks.simulator", "simulated seconds per wall second by cluster size"),
     "proxy": ("benchmarks.proxy", "proxy relay throughput and added latency per token"),
+    "predictor": ("benchmarks.predictor", "length-predictor MLP latency at batch 1/10/64 (CPU, and GPU if present)"),
     "serve": ("benchmarks.serve", "load generator for a live proxy: Poisson arrivals, TTFT/TPOT/E2E, goodput"),
 }
 

@@ -26,6 +26,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "star.cli.bench",
     "star.cli.plan",
     "star.cli.model",
+    "star.cli.predictor",
     "star.cli.simulate",
 )
 

@@ -1,0 +1,203 @@
+"""``star bench predictor``: length-predictor MLP latency (paper §5.3, DESIGN §7).
+
+The paper's predictor for Qwen2.5-7B (d = 3584, d -> 2048 -> 512 -> 64 -> 1,
+8.4 M parameters) takes 1.33 ms at batch 1 and 2.4 ms at batch 10 on its
+GPU. This times the same MLP (random weights: latency does not depend on
+them) at batch 1, 10 and 64 for d = 3584 and for the tiny demo model's
+hidden size (128), on CPU with the given thread count and, when
+``torch.cuda`` is available, on the GPU (synchronised, after warm-up).
+
+Run as ``star bench predictor`` or ``python -m benchmarks.predictor``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+PAPER_DIM = 3584
+TINY_DIM = 128
+BATCHES = (1, 10, 64)
+
+
+def time_mlp(
+    dim: int, batch: int, device: str, repeats: int, hidden: Sequence[int]
+) -> dict[str, Any]:
+    """Median and p90 latency of one forward pass (ms) of the predictor at ``batch``."""
+    import torch
+
+    from star.predictor.model import build_mlp
+
+    model = build_mlp(dim, hidden).to(device).eval()
+    x = torch.randn(batch, dim, device=device)
+
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    for _ in range(max(3, repeats // 10)):
+        model.predict(x)
+    sync()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        model.predict(x)
+        sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+    times.sort()
+    return {
+        "device": device,
+        "dim": dim,
+        "batch": batch,
+        "params": model.num_parameters(),
+        "median_ms": statistics.median(times),
+        "p90_ms": times[int(0.9 * (len(times) - 1))],
+    }
+
+
+async def engine_overhead(
+    model: str, checkpoint: str, requests: int, every: int, seed: int = 0
+) -> dict[str, Any]:
+    """Predictor time per prediction round vs decode step time, in a real engine.
+
+    Runs ``requests`` sampled task prompts at once through a decode engine with
+    the tap predicting every ``every`` steps. The overhead is the predictor's
+    mean time per round amortised over the ``every`` steps between rounds,
+    relative to the mean decode step time (target <= 0.5 % at k = 20; the
+    paper: 0.38 %).
+    """
+    import asyncio
+
+    from star.predictor.collect import _run_one, synthetic_prompt_ids
+    from workers.engine import EngineHandle, EngineSpec
+
+    engine = await EngineHandle.start(
+        EngineSpec(model=model, kv_cache_space_gib=0.5, engine_args={"seed": seed})
+    )
+    try:
+        await engine.install_tap(every, checkpoint)
+        prompt_of = synthetic_prompt_ids(model, seed + 1)
+        steps0, time0 = engine.collector.decode_steps, engine.collector.decode_time_s
+        await asyncio.gather(
+            *(_run_one(engine, f"b{i}", prompt_of(i), 2048) for i in range(requests))
+        )
+        await engine.predictions()  # refreshes engine.tap.timing
+        timing = engine.tap.timing
+        steps = engine.collector.decode_steps - steps0
+        step_s = (engine.collector.decode_time_s - time0) / max(steps, 1)
+    finally:
+        await engine.shutdown()
+    return {
+        "requests": requests,
+        "every": every,
+        "decode_steps": steps,
+        "mean_step_ms": step_s * 1e3,
+        "rounds": timing.batches,
+        "mean_rows": timing.rows / max(timing.batches, 1),
+        "mean_round_ms": timing.mean_batch_s * 1e3,
+        "overhead_pct": 100 * timing.mean_batch_s / (every * step_s) if step_s else float("nan"),
+    }
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--dims", default=f"{TINY_DIM},{PAPER_DIM}", help="hidden sizes (default %(default)s)"
+    )
+    parser.add_argument(
+        "--batches", default=",".join(map(str, BATCHES)), help="batch sizes (default %(default)s)"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=200, help="timed passes per cell (default %(default)s)"
+    )
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch CPU threads (default %(default)s)"
+    )
+    parser.add_argument(
+        "--no-gpu", action="store_true", help="skip the GPU even when one is present"
+    )
+    parser.add_argument("--json", action="store_true", help="print rows as JSON")
+    parser.add_argument(
+        "--engine",
+        action="store_true",
+        help="also measure the in-engine overhead with the tiny model and its shipped predictor",
+    )
+    parser.add_argument(
+        "--engine-requests",
+        type=int,
+        default=64,
+        help="concurrent requests for --engine (default %(default)s)",
+    )
+    parser.add_argument(
+        "--every", type=int, default=20, help="k for --engine (default %(default)s)"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    try:
+        dims = [int(s) for s in str(args.dims).split(",") if s.strip()]
+        batches = [int(s) for s in str(args.batches).split(",") if s.strip()]
+        if not dims or not batches or min(dims + batches) < 1 or args.repeats < 1:
+            raise ValueError
+    except ValueError:
+        print(
+            "bench predictor: --dims/--batches need positive integers, --repeats >= 1",
+            file=sys.stderr,
+        )
+        return 2
+    torch.set_num_threads(args.threads)
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() and not args.no_gpu else [])
+    hidden = (2048, 512, 64)
+    rows = [
+        time_mlp(d, b, dev, args.repeats, hidden) for dev in devices for d in dims for b in batches
+    ]
+    overhead = None
+    if args.engine:
+        import asyncio
+
+        from star.model import tiny_model_path
+        from star.predictor.model import default_checkpoint
+
+        ckpt = default_checkpoint(tiny_model_path())
+        if ckpt is None:
+            print("bench predictor: the tiny model ships no predictor checkpoint", file=sys.stderr)
+            return 1
+        overhead = asyncio.run(
+            engine_overhead(str(tiny_model_path()), str(ckpt), args.engine_requests, args.every)
+        )
+    if args.json:
+        print(json.dumps({"mlp": rows, "engine": overhead}, indent=1))
+        return 0
+    print(
+        f"MLP d -> {' -> '.join(map(str, hidden))} -> 1, torch {torch.__version__}, CPU threads {args.threads}"
+    )
+    print(f"{'device':<7}{'d':>6}{'params':>11}{'batch':>7}{'median ms':>11}{'p90 ms':>9}")
+    for r in rows:
+        print(
+            f"{r['device']:<7}{r['dim']:>6}{r['params']:>11,}{r['batch']:>7}{r['median_ms']:>11.3f}{r['p90_ms']:>9.3f}"
+        )
+    print("paper (GPU, d=3584): 1.33 ms at batch 1, 2.4 ms at batch 10")
+    if overhead is not None:
+        o = overhead
+        print(
+            f"\nin-engine, tiny model, {o['requests']} requests, k={o['every']}: {o['rounds']} prediction rounds "
+            f"of {o['mean_rows']:.1f} rows, {o['mean_round_ms']:.3f} ms each; decode step {o['mean_step_ms']:.2f} ms "
+            f"over {o['decode_steps']} steps -> overhead {o['overhead_pct']:.2f} % (target <= 0.5 %, paper 0.38 %)"
+        )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.predictor", description=__doc__)
+    configure(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""``star predictor train``: fit the MLP on collected rows (paper §4.2, DESIGN §6).
+
+* Split by prompt, 70/15/15 (train/validation/test): every sample of a
+  prompt is in one split, so no request spans two and the test set holds
+  prompts the predictor never saw.
+* L1 loss on the (scaled or log) remaining length, AdamW, early stopping on
+  the validation MAE in tokens with patience 10 epochs; the best epoch's
+  weights are kept.
+* A small hyperparameter search over depth/width, learning rate and batch
+  size, as the paper did ("we tune the hyperparameters ... using grid
+  search"): every configuration trains to early stopping and the one with the
+  lowest validation MAE wins. The test split is only read by the evaluation.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from star.predictor.dataset import Samples
+from star.predictor.model import LengthPredictor, PredictorConfig
+
+SPLITS = ("train", "val", "test")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run's hyperparameters."""
+
+    hidden_sizes: tuple[int, ...] = (2048, 512, 64)
+    lr: float = 1e-3
+    batch_size: int = 256
+    weight_decay: float = 1e-2
+    max_epochs: int = 200
+    patience: int = 10
+    log_target: bool = False
+    seed: int = 0
+
+    def label(self) -> str:
+        shape = "-".join(map(str, self.hidden_sizes))
+        return f"{shape} lr={self.lr:g} bs={self.batch_size}{' log' if self.log_target else ''}"
+
+
+def default_grid(base: TrainConfig) -> list[TrainConfig]:
+    """The search: the paper's shape and a shallower one, two learning rates, two batch sizes."""
+    shapes: Sequence[tuple[int, ...]] = (base.hidden_sizes, (512, 64))
+    return [
+        TrainConfig(
+            hidden_sizes=s,
+            lr=lr,
+            batch_size=bs,
+            weight_decay=base.weight_decay,
+            max_epochs=base.max_epochs,
+            patience=base.patience,
+            log_target=base.log_target,
+            seed=base.seed,
+        )
+        for s, lr, bs in itertools.product(shapes, (1e-3, 3e-4), (128, 512))
+    ]
+
+
+def split_ids(
+    samples: Samples, seed: int = 0, fractions: tuple[float, float] = (0.7, 0.15)
+) -> npt.NDArray[np.int8]:
+    """0/1/2 (train/val/test) per row, assigned by prompt: a prompt's rows share a split."""
+    prompts = np.unique(samples.prompt)
+    order = np.random.default_rng(seed).permutation(prompts)
+    n = len(order)
+    n_train = round(n * fractions[0])
+    n_val = round(n * fractions[1])
+    which = np.full(n, 2, dtype=np.int8)
+    which[:n_train] = 0
+    which[n_train : n_train + n_val] = 1
+    of_prompt = dict(zip(order.tolist(), which.tolist(), strict=True))
+    return np.array([of_prompt[p] for p in samples.prompt.tolist()], dtype=np.int8)
+
+
+def split(samples: Samples, seed: int = 0) -> dict[str, Samples]:
+    ids = split_ids(samples, seed)
+    return {name: samples.take(ids == i) for i, name in enumerate(SPLITS)}
+
+
+@dataclass
+class TrainResult:
+    config: TrainConfig
+    model: LengthPredictor
+    val_mae: float
+    epochs: int
+    best_epoch: int
+    seconds: float
+    history: list[float] = field(default_factory=list)
+
+
+def _mae(model: LengthPredictor, x: torch.Tensor, y: torch.Tensor) -> float:
+    with torch.inference_mode():
+        pred = model.decode(model(x))
+    return float((pred - y).abs().mean())
+
+
+def train_one(
+    cfg: TrainConfig, train: Samples, val: Samples, target_scale: float, progress: Any = None
+) -> TrainResult:
+    """Train one configuration to early stopping; returns the best-validation model."""
+    torch.manual_seed(cfg.seed)
+    t0 = time.monotonic()
+    x = torch.from_numpy(train.hidden)
+    y = torch.from_numpy(train.remaining.astype(np.float32))
+    xv = torch.from_numpy(val.hidden)
+    yv = torch.from_numpy(val.remaining.astype(np.float32))
+    model = LengthPredictor(
+        PredictorConfig(train.dim, cfg.hidden_sizes, cfg.log_target, target_scale)
+    )
+    model.set_normalisation(x.mean(0), x.std(0))
+    target = model.encode(y)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    best = math.inf
+    best_state: dict[str, torch.Tensor] = copy.deepcopy(model.state_dict())
+    best_epoch = 0
+    history: list[float] = []
+    epoch = 0
+    for epoch in range(1, cfg.max_epochs + 1):
+        model.train()
+        order = torch.randperm(len(train), generator=gen)
+        for idx in order.split(cfg.batch_size):  # type: ignore[no-untyped-call]
+            loss = torch.nn.functional.l1_loss(model(x[idx]), target[idx])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()  # type: ignore[no-untyped-call]
+            opt.step()
+        model.eval()
+        mae = _mae(model, xv, yv)
+        history.append(mae)
+        if progress is not None:
+            progress.set_postfix_str(f"{cfg.label()} epoch {epoch} val MAE {mae:.1f}")
+        if mae < best:
+            best, best_epoch = mae, epoch
+            best_state = copy.deepcopy(model.state_dict())
+        elif epoch - best_epoch >= cfg.patience:
+            break
+    model.load_state_dict(best_state)
+    model.eval()
+    return TrainResult(cfg, model, best, epoch, best_epoch, time.monotonic() - t0, history)
+
+
+def search(
+    configs: Iterable[TrainConfig], data: dict[str, Samples], progress: bool = True
+) -> tuple[TrainResult, list[TrainResult]]:
+    """Train every configuration; the best by validation MAE and all results."""
+    from tqdm import tqdm
+
+    configs = list(configs)
+    if not configs:
+        raise ValueError("no configuration to train")
+    train, val = data["train"], data["val"]
+    if len(train) == 0 or len(val) == 0:
+        raise ValueError(f"need rows in train and val splits, got {len(train)} and {len(val)}")
+    scale = float(np.mean(train.remaining))
+    results = []
+    with tqdm(configs, desc="train", unit="cfg", disable=not progress) as bar:
+        for cfg in bar:
+            results.append(train_one(cfg, train, val, scale, bar))
+    best = min(results, key=lambda r: r.val_mae)
+    return best, results
+
+
+def describe(result: TrainResult) -> dict[str, Any]:
+    cfg = asdict(result.config)
+    cfg["hidden_sizes"] = list(result.config.hidden_sizes)
+    return {
+        "config": cfg,
+        "val_mae": round(result.val_mae, 3),
+        "epochs": result.epochs,
+        "best_epoch": result.best_epoch,
+        "seconds": round(result.seconds, 1),
+        "parameters": result.model.num_parameters(),
+    }
