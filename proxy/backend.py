@@ -26,14 +26,11 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
 
+from star.sampling import migration_blocker
+
 FinishReason = Literal["stop", "length", "abort"]
 RequestKind = Literal["completion", "chat"]
 
-# Sampling keys whose effect depends on the tokens generated so far (or on a
-# random stream) in a way that re-submitting prompt + generated tokens to
-# another engine would not reproduce. DESIGN §5.4: such requests never migrate.
-_STATEFUL_SAMPLING = ("seed", "logprobs", "prompt_logprobs", "structured_outputs")
-_NEUTRAL_PENALTY = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,19 +145,5 @@ class Backend(Protocol):
 
 
 def is_migratable(sampling: Mapping[str, Any]) -> bool:
-    """Whether a request's sampling state survives a move to another instance.
-
-    A move re-submits prompt + generated tokens as the new prompt, so anything
-    that depends on which tokens were *generated* (presence/frequency
-    penalties; repetition penalty too, to stay on the safe side), on a seeded
-    random stream, on per-token logprobs bookkeeping, on a grammar's state or
-    on several sequences sharing one request is not carried over.
-    """
-    if int(sampling.get("n", 1)) != 1:
-        return False
-    for key in _STATEFUL_SAMPLING:
-        if sampling.get(key) is not None:
-            return False
-    return all(
-        float(sampling.get(key, neutral)) == neutral for key, neutral in _NEUTRAL_PENALTY.items()
-    )
+    """Whether a request's sampling state survives a move (:func:`star.sampling.migration_blocker`)."""
+    return migration_blocker(sampling) is None

@@ -88,6 +88,7 @@ class EventKind(enum.StrEnum):
 
     DISPATCHED = "dispatched"  # proxy: request placed on a decode instance
     FINISHED = "finished"  # proxy: request done (ok, aborted by client, error)
+    MIGRATING = "migrating"  # proxy: decision accepted, Release sent to the source
     RELEASED = "released"  # source worker: stopped at a step boundary, KV held
     KV_PULLED = "kv_pulled"  # target worker: blocks pulled through NIXL
     RESUMED = "resumed"  # proxy: first token from the target reached the client

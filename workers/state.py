@@ -21,13 +21,12 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from star.sampling import migration_blocker
 from star.wire import Report, RequestLoad
 
 MIN_REMAINING = 1.0
 """A known R-hat below this is raised to it: a running request counts at tau_0."""
 
-_STATEFUL_SAMPLING = ("seed", "logprobs", "prompt_logprobs", "structured_outputs", "logit_bias")
-_NEUTRAL_PENALTY = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,25 +87,8 @@ class EngineStats:
 
 
 def is_migratable(sampling: Mapping[str, object]) -> bool:
-    """Whether a request's sampling state survives a move to another instance (DESIGN §5.4).
-
-    A move re-submits prompt + generated tokens as a new prompt, so penalties
-    (which depend on the generated tokens), a seeded random stream, logprobs
-    bookkeeping, a grammar's state, logit bias and ``n > 1`` are not carried.
-    Mirrors ``proxy.backend.is_migratable`` (plus ``logit_bias``).
-    """
-    try:
-        if int(sampling.get("n", 1)) != 1:  # type: ignore[call-overload]
-            return False
-        for key in _STATEFUL_SAMPLING:
-            if sampling.get(key) is not None:
-                return False
-        return all(
-            float(sampling.get(key, neutral)) == neutral  # type: ignore[arg-type]
-            for key, neutral in _NEUTRAL_PENALTY.items()
-        )
-    except (TypeError, ValueError):
-        return False
+    """Whether a request's sampling state survives a move (:func:`star.sampling.migration_blocker`)."""
+    return migration_blocker(sampling) is None
 
 
 def grid(delta: int, horizon: int) -> list[float]:

@@ -1,0 +1,119 @@
+"""The sans-IO parts of migration: the decode run's table, refusals, sampling carry-over."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from proxy.migration import TRANSITIONS, IllegalTransition, RunEvent, RunState, next_state, refusal
+from star.sampling import continuation, migration_blocker
+from star.wire import Decision
+
+
+@pytest.mark.parametrize(
+    ("sampling", "reason"),
+    [
+        ({"max_tokens": 10, "temperature": 0.7, "top_p": 0.9, "top_k": 5, "min_p": 0.1}, None),
+        ({"logit_bias": {5: 1.0}, "allowed_token_ids": [1, 2]}, None),  # no generated-token state
+        ({"stop_token_ids": [3], "ignore_eos": True, "min_tokens": 4}, None),
+        ({"presence_penalty": 0.0, "repetition_penalty": 1.0}, None),
+        ({"presence_penalty": 0.5}, "presence_penalty is 0.5"),
+        ({"frequency_penalty": -0.1}, "frequency_penalty is -0.1"),
+        ({"repetition_penalty": 1.1}, "repetition_penalty is 1.1"),
+        ({"seed": 3}, "seed is set"),
+        ({"logprobs": 0}, "logprobs is set"),
+        ({"prompt_logprobs": 1}, "prompt_logprobs is set"),
+        ({"structured_outputs": {"regex": "a+"}}, "structured_outputs is set"),
+        ({"bad_words": ["x"]}, "bad_words is set"),
+        ({"n": 2}, "n > 1"),
+        ({"presence_penalty": "lots"}, "unreadable sampling parameters"),
+        (
+            {"logits_processors": ["x"]},
+            "sampling parameter logits_processors is not carried across a migration",
+        ),
+    ],
+)
+def test_migration_blocker(sampling: dict[str, object], reason: str | None) -> None:
+    assert migration_blocker(sampling) == reason
+
+
+def test_continuation_reduces_the_budgets() -> None:
+    base = {"max_tokens": 100, "min_tokens": 30, "temperature": 0.0}
+    assert continuation(base, 40) == {"max_tokens": 60, "min_tokens": 0, "temperature": 0.0}
+    assert continuation(base, 10)["min_tokens"] == 20
+    assert continuation({"max_tokens": 5}, 4) == {"max_tokens": 1}
+    with pytest.raises(ValueError, match="no tokens left"):
+        continuation({"max_tokens": 5}, 5)
+
+
+def test_every_transition_of_the_table() -> None:
+    for (state, event), after in TRANSITIONS.items():
+        assert next_state(state, event) is after
+    for state in RunState:
+        for event in RunEvent:
+            if (state, event) not in TRANSITIONS:
+                with pytest.raises(IllegalTransition):
+                    next_state(state, event)
+    assert not any(s is RunState.DONE for s, _ in TRANSITIONS)  # DONE is final
+
+
+def test_a_migration_path_through_the_table() -> None:
+    path = [
+        RunEvent.MIGRATE,
+        RunEvent.HANDOFF,
+        RunEvent.RESUMED,
+        RunEvent.MIGRATE,
+        RunEvent.REFUSED,
+        RunEvent.MIGRATE,
+        RunEvent.HANDOFF,
+        RunEvent.TARGET_LOST,
+        RunEvent.RECOVERED,
+        RunEvent.RESUMED,
+        RunEvent.FINISH,
+    ]
+    state = RunState.DECODING
+    for event in path:
+        state = next_state(state, event)
+    assert state is RunState.DONE
+
+
+class _Run:
+    def __init__(self, state: RunState, instance: str, blocker: str | None = None) -> None:
+        self.state, self.instance, self.blocker = state, instance, blocker
+
+
+def _decision(source: str = "d0", target: str = "d1") -> Decision:
+    return Decision(
+        id="m",
+        request="r",
+        source=source,
+        target=target,
+        tick=0,
+        delta_v=0.0,
+        mode="manual",
+        ts=time.time(),
+    )
+
+
+@pytest.mark.parametrize(
+    ("run", "finished", "decision", "reason"),
+    [
+        (None, False, _decision(), "unknown request"),
+        (None, True, _decision(), "finished"),
+        (
+            _Run(RunState.DECODING, "d0", "seed is set"),
+            False,
+            _decision(),
+            "not migratable: seed is set",
+        ),
+        (_Run(RunState.RELEASING, "d0"), False, _decision(), "already migrating"),
+        (_Run(RunState.RESUMING, "d1"), False, _decision(), "already migrating"),
+        (_Run(RunState.DECODING, "d1"), False, _decision(), "already on the target"),
+        (_Run(RunState.DECODING, "d2"), False, _decision(), "not on d0 (on d2)"),
+        (_Run(RunState.DECODING, "d0"), False, _decision(), None),
+        (_Run(RunState.DECODING, "d2"), False, _decision(source=""), None),
+    ],
+)
+def test_refusal(run: _Run | None, finished: bool, decision: Decision, reason: str | None) -> None:
+    assert refusal(run, decision, finished) == reason  # type: ignore[arg-type]
