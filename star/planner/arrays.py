@@ -178,18 +178,20 @@ def plan_arrays(arrays: ClusterArrays, params: PlannerParams) -> ArrayPlan:
     remaining = remaining_of(arrays, params.mode)
     kernels = _kernels()
     k = kernels.cutoffs(remaining, tau)
-    need = np.ones(n, dtype=np.bool_)
     if (
         params.mode.kind is ModeKind.PREDICTED
         and arrays.traces is not None
         and arrays.has_trace is not None
         and arrays.traces.shape[1] == tau.size
     ):
-        traces = np.array(arrays.traces, dtype=np.float64)
         need = ~arrays.has_trace
+        given = np.asarray(arrays.traces, dtype=np.float64)
+        traces = given.copy() if need.any() else given
     else:
+        need = np.ones(n, dtype=np.bool_)
         traces = np.empty((n, tau.size))
-    kernels.fill_traces(arrays.offsets, arrays.tokens, k, tau, need, traces)
+    if need.any():
+        kernels.fill_traces(arrays.offsets, arrays.tokens, k, tau, need, traces)
 
     work = traces @ beta
     mean = float(work.mean()) if n else 0.0
@@ -198,18 +200,21 @@ def plan_arrays(arrays: ClusterArrays, params: PlannerParams) -> ArrayPlan:
     over = work > bound + slack
     under = traces[:, 0] < bound - slack
     variance = kernels.weighted_variance(traces, beta)
-    empty = np.empty(0, dtype=np.intp)
-    nothing = ArrayPlan(
-        empty, empty, empty, np.empty(0), np.empty(0), work, mean, over, under,
-        variance, variance, traces, remaining,
-    )  # fmt: skip
+
+    def nothing() -> ArrayPlan:
+        empty = np.empty(0, dtype=np.intp)
+        return ArrayPlan(
+            empty, empty, empty, np.empty(0), np.empty(0), work, mean, over, under,
+            variance, variance, traces, remaining,
+        )  # fmt: skip
+
     # Algorithm 1 line 6: nothing to do unless some instance is overloaded.
     if params.mode.kind is ModeKind.NO_MIGRATION or params.max_migrations == 0:
-        return nothing
+        return nothing()
     sources = over & ~arrays.in_flight
     targets = under & ~arrays.in_flight
     if not sources.any() or not targets.any():
-        return nothing
+        return nothing()
     step = np.where(arrays.step_time_s > 0, arrays.step_time_s, params.default_step_time_s)
     rows, picked, values = kernels.select(
         traces,
@@ -233,7 +238,7 @@ def plan_arrays(arrays: ClusterArrays, params: PlannerParams) -> ArrayPlan:
     )
     chosen = rows >= 0
     if not chosen.any():
-        return nothing
+        return nothing()
     rows, picked, values = rows[chosen], picked[chosen], values[chosen]
     owners = np.searchsorted(arrays.offsets, rows, side="right") - 1
     after = traces.copy()

@@ -97,17 +97,20 @@ def weighted_variance(traces: FloatArray, beta: FloatArray) -> float:  # pragma:
     n, points = traces.shape
     if n == 0:
         return 0.0
+    # Row by row (the contiguous axis): means, then squared deviations.
+    mean = np.zeros(points)
+    for i in range(n):
+        for j in range(points):
+            mean[j] += traces[i, j]
+    mean /= n
+    acc = np.zeros(points)
+    for i in range(n):
+        for j in range(points):
+            d = traces[i, j] - mean[j]
+            acc[j] += d * d
     total = 0.0
     for j in range(points):
-        mean = 0.0
-        for i in range(n):
-            mean += traces[i, j]
-        mean /= n
-        acc = 0.0
-        for i in range(n):
-            d = traces[i, j] - mean
-            acc += d * d
-        total += beta[j] * acc
+        total += beta[j] * acc[j]
     return float(total / n)
 
 

@@ -63,6 +63,28 @@ def read_instances(
 
 
 @jit
+def _estimate(
+    r: float,
+    g: float,
+    z: float,
+    prior: FloatArray,
+    prior_step: float,
+    w0: float,
+    decay_tokens: float,
+    s0: float,
+    s_min: float,
+    max_output: float,
+) -> float:  # pragma: no cover - compiled
+    r = max(r, 1.0)
+    decay = math.exp(-g / decay_tokens)
+    w = w0 * decay
+    s = max(s_min, s0 * decay)
+    m = prior[min(int(g // prior_step), prior.size - 1)]
+    value = math.exp((1.0 - w) * math.log(r) + w * math.log(m) + s * z)
+    return float(min(max(value, 1.0), max(1.0, max_output - g)))
+
+
+@jit
 def noisy_estimate(
     true_remaining: FloatArray,
     generated: FloatArray,
@@ -77,16 +99,101 @@ def noisy_estimate(
 ) -> FloatArray:  # pragma: no cover - compiled
     """:func:`star.sim.predictor.noisy_estimate`, one request at a time."""
     out = np.empty(true_remaining.size)
-    last = prior.size - 1
     for q in range(true_remaining.size):
-        r = max(true_remaining[q], 1.0)
-        g = generated[q]
-        decay = math.exp(-g / decay_tokens)
-        w = w0 * decay
-        s = max(s_min, s0 * decay)
-        m = prior[min(int(g // prior_step), last)]
-        value = math.exp((1.0 - w) * math.log(r) + w * math.log(m) + s * z[q])
-        out[q] = min(max(value, 1.0), max(1.0, max_output - g))
+        out[q] = _estimate(
+            true_remaining[q], generated[q], z[q], prior, prior_step, w0, decay_tokens, s0,
+            s_min, max_output,
+        )  # fmt: skip
+    return out
+
+
+@jit
+def running_rows(
+    idx: IntArray,
+    batch: IntArray,
+    steps: IntArray,
+    tbase: IntArray,
+    gbase: IntArray,
+    output: IntArray,
+) -> tuple[IntArray, FloatArray, IntArray, IntArray]:  # pragma: no cover - compiled
+    """Owner, N, generated and true remaining of the running requests ``idx``
+    (instance by instance, ``batch[i]`` each), instance i being at ``steps[i]``."""
+    total = idx.size
+    owner = np.empty(total, dtype=np.int64)
+    tokens = np.empty(total)
+    generated = np.empty(total, dtype=np.int64)
+    true = np.empty(total, dtype=np.int64)
+    q = 0
+    for i in range(batch.size):
+        at = steps[i]
+        for _ in range(batch[i]):
+            r = idx[q]
+            owner[q] = i
+            g = gbase[r] + at
+            generated[q] = g
+            tokens[q] = float(tbase[r] + at)
+            true[q] = output[r] - g
+            q += 1
+    return owner, tokens, generated, true
+
+
+@jit
+def prediction_points(
+    idx: IntArray, generated: IntArray, every: int, noise_at: IntArray
+) -> tuple[IntArray, int]:  # pragma: no cover - compiled
+    """g at each request's last prediction (every k steps from g = 0), and how
+    many requests' noise must move forward to it (one normal draw each)."""
+    points = np.empty(idx.size, dtype=np.int64)
+    moved = 0
+    for q in range(idx.size):
+        p = (generated[q] // every) * every
+        points[q] = p
+        if p > noise_at[idx[q]]:
+            moved += 1
+    return points, moved
+
+
+@jit
+def predict(
+    idx: IntArray,
+    generated: IntArray,
+    points: IntArray,
+    eps: FloatArray,
+    z: FloatArray,
+    noise_at: IntArray,
+    output: IntArray,
+    correlation: float,
+    prior: FloatArray,
+    prior_step: float,
+    w0: float,
+    decay_tokens: float,
+    s0: float,
+    s_min: float,
+    max_output: float,
+) -> FloatArray:  # pragma: no cover - compiled
+    """R-hat of each running request now: the noisy prediction made at its last
+    prediction point, minus the tokens generated since.
+
+    :meth:`star.sim.predictor.NoiseState.advance` (the exact OU transition,
+    ``eps`` one normal per request that moves, in row order) followed by
+    :func:`star.sim.predictor.noisy_estimate`, fused.
+    """
+    out = np.empty(idx.size)
+    c = 0
+    for q in range(idx.size):
+        r = idx[q]
+        p = points[q]
+        gap = p - noise_at[r]
+        if gap > 0:
+            rho = math.exp(-gap / correlation)
+            z[r] = rho * z[r] + math.sqrt(1.0 - rho * rho) * eps[c]
+            c += 1
+            noise_at[r] = p
+        est = _estimate(
+            float(output[r] - p), float(p), z[r], prior, prior_step, w0, decay_tokens, s0,
+            s_min, max_output,
+        )  # fmt: skip
+        out[q] = max(est - float(generated[q] - p), 1.0)
     return out
 
 
@@ -98,4 +205,11 @@ def warm() -> float:
     ints = np.ones(2, dtype=np.int64)
     read_instances(1.0, np.zeros(2), ints, ints, ints, np.zeros(2), ints, 0.01, 1e-7)
     noisy_estimate(one, one, one, one, 128.0, 0.3, 1e4, 0.5, 0.05, 32768.0)
+    idx = np.array([0, 1], dtype=np.int64)
+    running_rows(idx, ints, ints, ints, ints, ints * 10)
+    points, moved = prediction_points(idx, ints * 25, 20, np.zeros(2, dtype=np.int64))
+    predict(
+        idx, ints * 25, points, np.ones(moved), np.zeros(2), np.zeros(2, dtype=np.int64),
+        ints * 100, 1000.0, one, 128.0, 0.3, 1e4, 0.5, 0.05, 32768.0,
+    )  # fmt: skip
     return time.perf_counter() - start

@@ -53,7 +53,7 @@ CORRELATION_TOKENS = 1_000.0
 PREDICT_LATENCY_S = 1.40e-3
 
 # The prior m(g) is tabulated every this many generated tokens.
-_PRIOR_STEP = 128
+PRIOR_STEP = 128
 
 
 class PriorMedian:
@@ -61,7 +61,7 @@ class PriorMedian:
 
     def __init__(self, outputs: npt.ArrayLike, max_output: int = MAX_OUTPUT_TOKENS) -> None:
         out = np.sort(np.asarray(outputs, dtype=np.float64))
-        grid = np.arange(0, max_output + _PRIOR_STEP, _PRIOR_STEP, dtype=np.float64)
+        grid = np.arange(0, max_output + PRIOR_STEP, PRIOR_STEP, dtype=np.float64)
         table = np.ones_like(grid)
         for i, g in enumerate(grid):
             lo = int(np.searchsorted(out, g, side="right"))
@@ -76,7 +76,7 @@ class PriorMedian:
 
     def __call__(self, generated: npt.ArrayLike) -> FloatArray:
         g = np.asarray(generated, dtype=np.float64)
-        idx = np.minimum((g // _PRIOR_STEP).astype(np.int64), self._table.size - 1)
+        idx = np.minimum((g // PRIOR_STEP).astype(np.int64), self._table.size - 1)
         out: FloatArray = self._table[idx]
         return out
 
@@ -98,7 +98,7 @@ def noisy_estimate(
     g = np.ascontiguousarray(generated, dtype=np.float64).reshape(-1)
     zz = np.ascontiguousarray(z, dtype=np.float64).reshape(-1)
     out: FloatArray = kernels.noisy_estimate(
-        r, g, zz, prior.table, float(_PRIOR_STEP), W0, LAMBDA_TOKENS, S0, S_MIN, float(max_output)
+        r, g, zz, prior.table, float(PRIOR_STEP), W0, LAMBDA_TOKENS, S0, S_MIN, float(max_output)
     )
     return out
 
@@ -116,6 +116,12 @@ class NoiseState:
         self._rng = rng
         self.z: FloatArray = rng.standard_normal(size)
         self.at: IntArray = np.zeros(size, dtype=np.int64)
+
+    def draw(self, count: int) -> FloatArray:
+        """``count`` standard normals from this state's generator (the fused
+        kernel :func:`star.sim.kernels.predict` advances z with them)."""
+        out: FloatArray = self._rng.standard_normal(count)
+        return out
 
     def advance(self, idx: IntArray, generated: IntArray) -> FloatArray:
         """z at ``generated`` for requests ``idx`` (g never moves backwards)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, replace
 from functools import cached_property
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -21,7 +22,14 @@ import numpy.typing as npt
 
 from star.planner import Instance, ModeKind, Request
 from star.planner.arrays import ClusterArrays, remaining_of
-from star.sim.predictor import noisy_estimate, prediction_points
+from star.sim.predictor import (
+    CORRELATION_TOKENS,
+    LAMBDA_TOKENS,
+    PRIOR_STEP,
+    S0,
+    S_MIN,
+    W0,
+)
 
 if TYPE_CHECKING:
     from star.sim.engine import Simulator
@@ -30,6 +38,13 @@ FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
 
 PREDICTING = (ModeKind.PREDICTED, ModeKind.BINS)
+
+
+def _kernels() -> ModuleType:
+    # numba takes ~0.5-1 s to import: imported by runs, not by ``import star.sim``.
+    from star.sim import kernels
+
+    return kernels
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,13 +69,10 @@ class Snapshot:
     """
 
     def __init__(self, sim: Simulator, now: float) -> None:
-        # numba kernels, imported here so that importing star.sim stays cheap.
-        from star.sim.kernels import read_instances
-
         self.sim = sim
         # Copies: the instance arrays keep changing during the tick.
         batch = np.frombuffer(sim.k, dtype=np.int64).copy()
-        self.steps, self.loads = read_instances(
+        self.steps, self.loads = _kernels().read_instances(
             now,
             np.frombuffer(sim.t0, dtype=np.float64),
             np.frombuffer(sim.S, dtype=np.int64),
@@ -81,16 +93,10 @@ class Snapshot:
         sim = self.sim
         total = int(self.offsets[-1])
         idx: IntArray = np.fromiter(itertools.chain.from_iterable(sim.running), np.int64, total)
-        owner: IntArray = np.repeat(np.arange(sim.n, dtype=np.int64), self.batch)
-        at = self.steps[owner]
-        generated = sim.gbase[idx] + at
-        return Rows(
-            idx,
-            owner,
-            (sim.tbase[idx] + at).astype(np.float64),
-            generated,
-            sim.output[idx] - generated,
+        owner, tokens, generated, true = _kernels().running_rows(
+            idx, self.batch, self.steps, sim.tbase, sim.gbase, sim.output
         )
+        return Rows(idx, owner, tokens, generated, true)
 
     @cached_property
     def incoming(self) -> Rows:
@@ -128,11 +134,27 @@ class Snapshot:
         rows = self.running
         if sim.cfg.predictor == "oracle":
             return rows.true_remaining.astype(np.float64)
-        gen = rows.generated
-        at = prediction_points(gen, sim.cfg.predict_every)
-        z = sim.noise.advance(rows.idx, at)
-        est = noisy_estimate(sim.output[rows.idx] - at, at, z, sim.prior, sim.cfg.max_output_tokens)
-        out: FloatArray = np.maximum(est - (gen - at), 1.0)
+        noise = sim.noise
+        points, moved = _kernels().prediction_points(
+            rows.idx, rows.generated, sim.cfg.predict_every, noise.at
+        )
+        out: FloatArray = _kernels().predict(
+            rows.idx,
+            rows.generated,
+            points,
+            noise.draw(moved),
+            noise.z,
+            noise.at,
+            sim.output,
+            CORRELATION_TOKENS,
+            sim.prior.table,
+            float(PRIOR_STEP),
+            W0,
+            LAMBDA_TOKENS,
+            S0,
+            S_MIN,
+            float(sim.cfg.max_output_tokens),
+        )
         return out
 
     @cached_property
