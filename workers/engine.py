@@ -46,6 +46,7 @@ from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 from vllm.v1.metrics.loggers import StatLoggerBase
 from vllm.v1.metrics.stats import IterationStats, MultiModalCacheStats, SchedulerStats
 
+from star.sampling import migration_blocker
 from star.settings import WorkerSettings
 from workers.protocol import (
     BadRequest,
@@ -54,17 +55,20 @@ from workers.protocol import (
     EngineFailed,
     GenerateRequest,
     HandoffInfo,
+    ReleaseRefused,
     TokenDelta,
-    Unsupported,
 )
-from workers.state import EngineStats, RunningRequest, is_migratable
+from workers.state import EngineStats, RunningRequest
 from workers.tap import QUALNAME as TAP_EXTENSION
 from workers.tap import TapClient
+from workers.vllm_ext import RELEASE_KEY, release_id
 
 log = structlog.get_logger(__name__)
 
 ROLES = ("prefill", "decode")
 GiB = 1 << 30
+RELEASE_TTL_S = 30
+"""A released request's blocks are freed after this long if no target reads them."""
 
 # Keys of ``Generate.sampling`` the worker owns: the output is streamed as deltas
 # of token ids (the proxy detokenises), and the KV handoff is set by role.
@@ -169,13 +173,17 @@ def build_engine_args(spec: EngineSpec, cpu: bool) -> AsyncEngineArgs:
     thread on a small machine (decode steps went from ~2 ms to ~1 s).
     """
     extra: dict[str, Any] = {}
-    # A failed KV pull (e.g. NIXL's 5 s handshake timeout on a loaded host)
-    # recomputes the prompt locally instead of failing the request.
+    # vLLM's NIXL connector, plus the D->D release (workers/vllm_ext.py, DESIGN §5).
     kv: dict[str, Any] = {
-        "kv_connector": "NixlConnector",
+        "kv_connector": "StarNixlConnector",
+        "kv_connector_module_path": "workers.vllm_ext",
         "kv_role": "kv_both",
+        # A failed KV pull (e.g. NIXL's 5 s handshake timeout on a loaded host)
+        # recomputes the prompt locally instead of failing the request.
         "kv_load_failure_policy": "recompute",
     }
+    if spec.role == "decode":
+        extra.update(bidirectional_kv_xfer=True, decoder_kv_blocks_ttl=RELEASE_TTL_S)
     if cpu:
         kv["kv_buffer_device"] = "cpu"
         extra["num_threads"] = 1
@@ -200,6 +208,7 @@ def build_engine_args(spec: EngineSpec, cpu: bool) -> AsyncEngineArgs:
         # Our stat logger replaces vLLM's periodic log lines.
         "disable_log_stats": True,
         "enable_log_requests": False,
+        "scheduler_cls": "workers.vllm_ext.StarScheduler",
         # The hidden-state tap (workers/tap.py); idle until install_tap().
         "worker_extension_cls": TAP_EXTENSION,
     }
@@ -399,9 +408,46 @@ class _Live:
     """A request the handle is streaming."""
 
     prompt_tokens: int
-    migratable: bool
+    blocker: str | None  # why it cannot migrate (None: it can)
     generated: int = 0
     started: bool = False  # produced a token: it is decoding, its KV is in place
+    release: asyncio.Future[HandoffInfo] | None = None  # a D->D release under way
+
+    @property
+    def migratable(self) -> bool:
+        return self.blocker is None
+
+
+def release_refusal(role: str, live: _Live | None, known: bool) -> str | None:
+    """Why a request cannot be released now (None: it can)."""
+    if role != "decode":
+        return "only a decode worker releases requests"
+    if live is None or not known:
+        return "unknown or finished request"
+    if live.blocker is not None:
+        return f"not migratable: {live.blocker}"
+    if not live.started:
+        return "not decoding yet"
+    if live.release is not None:
+        return "already releasing"
+    return None
+
+
+def handoff(live: _Live, params: Mapping[str, Any]) -> HandoffInfo:
+    """The HANDOFF of a released request: the connector's params and the tokens it covers."""
+    kv = {k: v for k, v in params.items() if k not in (RELEASE_KEY, "star_num_tokens")}
+    return HandoffInfo(kv_transfer_params=kv, num_tokens=live.prompt_tokens + live.generated)
+
+
+def _settle(live: _Live, result: HandoffInfo | ReleaseRefused) -> None:
+    fut = live.release
+    if fut is None or fut.done():
+        return
+    if isinstance(result, HandoffInfo):
+        fut.set_result(result)
+    else:
+        fut.set_exception(result)
+        fut.exception()  # retrieved: nobody may be waiting any more
 
 
 _BUILD_LOCK = threading.Lock()  # engines are built one at a time: the environment is global
@@ -518,7 +564,7 @@ class EngineHandle:
         prompt = list(request.prompt_token_ids)
         if not prompt:
             raise BadRequest("prompt_token_ids is empty")
-        live = _Live(prompt_tokens=len(prompt), migratable=is_migratable(request.sampling))
+        live = _Live(prompt_tokens=len(prompt), blocker=migration_blocker(request.sampling))
         self._live[rid] = live
         try:
             async with contextlib.aclosing(
@@ -530,6 +576,12 @@ class EngineHandle:
                     live.generated += len(new)
                     live.started = True
                     finished = bool(out.finished)
+                    if finished and (out.kv_transfer_params or {}).get(RELEASE_KEY) is not None:
+                        # Released (D->D): the stream ends here without a final delta.
+                        if new:
+                            yield TokenDelta(token_ids=new, num_prompt_tokens=live.prompt_tokens)
+                        _settle(live, handoff(live, out.kv_transfer_params or {}))
+                        return
                     yield TokenDelta(
                         token_ids=new,
                         finish_reason=(completion.finish_reason or "stop") if finished else None,
@@ -545,14 +597,29 @@ class EngineHandle:
             raise BadRequest(str(exc)) from exc
         finally:
             self._live.pop(rid, None)
+            _settle(live, ReleaseRefused("the request finished before it could be released"))
 
     async def abort(self, request_id: str) -> None:
         """Abort ``request_id`` in the engine (frees its KV); unknown ids are ignored."""
         await self.llm.abort(request_id)
 
     async def release(self, request_id: str, migration: str) -> HandoffInfo:
-        """D->D release (DESIGN §5): not implemented yet."""
-        raise Unsupported("D->D release is not implemented on this worker yet")
+        """Stop ``request_id`` at the next step boundary with its KV held (DESIGN §5.1).
+
+        Returns where the KV is held once the engine has released it; raises
+        :class:`ReleaseRefused` when it cannot be (see :func:`release_refusal`)
+        or when the request ends first. The proxy times the release out by
+        aborting the stream.
+        """
+        live = self._live.get(request_id)
+        internal = self.llm.output_processor.external_req_ids.get(request_id) or []
+        reason = release_refusal(self.role, live, bool(internal))
+        if reason is not None:
+            raise ReleaseRefused(reason)
+        assert live is not None
+        live.release = asyncio.get_running_loop().create_future()
+        await self.llm.engine_core.abort_requests_async([release_id(internal[-1], migration)])
+        return await asyncio.shield(live.release)
 
     # -- numbers --------------------------------------------------------------------------
 

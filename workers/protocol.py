@@ -46,6 +46,7 @@ class ErrorCode(enum.StrEnum):
     BAD_REQUEST = "bad_request"  # the engine refused the request (sampling, prompt)
     DUPLICATE_REQUEST = "duplicate_request"  # request id already running here
     UNSUPPORTED = "unsupported"  # e.g. Release before D->D migration exists
+    NOT_RELEASABLE = "not_releasable"  # Release refused: unknown, finished, not migratable, ...
     ENGINE_ERROR = "engine_error"  # the engine failed this request
     ENGINE_DEAD = "engine_dead"  # the engine is gone; the worker will exit
     SHUTTING_DOWN = "shutting_down"  # the worker is draining and takes no new streams
@@ -53,7 +54,12 @@ class ErrorCode(enum.StrEnum):
 
 
 REFUSAL_CODES = frozenset(
-    {ErrorCode.DUPLICATE_STREAM, ErrorCode.UNKNOWN_STREAM, ErrorCode.UNSUPPORTED}
+    {
+        ErrorCode.DUPLICATE_STREAM,
+        ErrorCode.UNKNOWN_STREAM,
+        ErrorCode.UNSUPPORTED,
+        ErrorCode.NOT_RELEASABLE,
+    }
 )
 """Codes of an Error that refuses one frame and leaves the open stream of that id alone."""
 
@@ -88,6 +94,12 @@ class Unsupported(WorkerError):
     """The worker does not implement this operation (yet)."""
 
     code = ErrorCode.UNSUPPORTED
+
+
+class ReleaseRefused(WorkerError):
+    """A Release the worker cannot do now; the stream goes on."""
+
+    code = ErrorCode.NOT_RELEASABLE
 
 
 class EngineFailed(WorkerError):

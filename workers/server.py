@@ -194,7 +194,8 @@ class _Connection:
         self.server.stream_closed()
         self.streams.pop(stream.id, None)
         aborted = stream.state is StreamState.ABORTING
-        stream.state = next_state(stream.state, StreamEvent.FINISH)
+        if stream.state is not StreamState.CLOSED:  # a Handoff may have closed it first
+            stream.state = next_state(stream.state, StreamEvent.FINISH)
         if task.cancelled():
             if aborted:
                 # Acknowledge the Abort so the proxy can forget the stream.
@@ -237,8 +238,10 @@ class _Connection:
                 stream.state = next_state(stream.state, StreamEvent.REFUSE)
                 await self.send(error_frame(stream.id, exc))
             return
-        if stream.state is StreamState.RELEASING:
-            stream.state = next_state(stream.state, StreamEvent.HANDOFF)
+        # The released stream's task may end (RELEASING -> CLOSED) before this runs.
+        if stream.state in (StreamState.RELEASING, StreamState.CLOSED):
+            if stream.state is StreamState.RELEASING:
+                stream.state = next_state(stream.state, StreamEvent.HANDOFF)
             await self.send(
                 Handoff(
                     stream=stream.id,

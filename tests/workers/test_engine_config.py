@@ -83,8 +83,15 @@ def test_engine_args_on_cpu(eng: ModuleType) -> None:
     spec = eng.EngineSpec(model="m", kv_cache_space_gib=0.5, engine_args={"enforce_eager": True})
     args = eng.build_engine_args(spec, cpu=True)
     kv = args.kv_transfer_config
-    assert (kv.kv_connector, kv.kv_role, kv.kv_buffer_device) == ("NixlConnector", "kv_both", "cpu")
-    assert kv.kv_connector_extra_config == {"num_threads": 1}
+    assert (kv.kv_connector, kv.kv_role, kv.kv_buffer_device) == ("StarNixlConnector", "kv_both", "cpu")
+    assert kv.kv_connector_module_path == "workers.vllm_ext"
+    assert args.scheduler_cls == "workers.vllm_ext.StarScheduler"
+    # A decode instance holds a released request's blocks for a D->D target (issue 6).
+    assert kv.kv_connector_extra_config == {
+        "num_threads": 1, "bidirectional_kv_xfer": True, "decoder_kv_blocks_ttl": eng.RELEASE_TTL_S,
+    }
+    prefill = eng.build_engine_args(eng.EngineSpec(model="m", role="prefill"), cpu=True)
+    assert prefill.kv_transfer_config.kv_connector_extra_config == {"num_threads": 1}
     assert args.kv_cache_memory_bytes == 512 * 1024 * 1024
     assert args.enable_logging_iteration_details is True
     assert args.enforce_eager is True and args.gpu_memory_utilization == 0.3
@@ -109,7 +116,7 @@ def test_engine_args_on_gpu_keep_vllm_defaults(eng: ModuleType) -> None:
 
     kv = args.kv_transfer_config
     assert kv.kv_buffer_device == KVTransferConfig().kv_buffer_device  # vLLM's default
-    assert kv.kv_connector_extra_config == {}
+    assert kv.kv_connector_extra_config == {"bidirectional_kv_xfer": True, "decoder_kv_blocks_ttl": eng.RELEASE_TTL_S}
     assert args.kv_cache_memory_bytes is None
 
 
@@ -123,8 +130,10 @@ def test_engine_args_merge_the_users_kv_config(eng: ModuleType) -> None:
         },
     )
     kv = eng.build_engine_args(spec, cpu=True).kv_transfer_config
-    assert kv.kv_connector == "NixlConnector"
-    assert kv.kv_connector_extra_config == {"num_threads": 2, "bidirectional_kv_xfer": True}
+    assert kv.kv_connector == "StarNixlConnector"
+    assert kv.kv_connector_extra_config == {
+        "num_threads": 2, "bidirectional_kv_xfer": True, "decoder_kv_blocks_ttl": eng.RELEASE_TTL_S,
+    }
 
 
 def test_engine_args_reject_unknown_keys(eng: ModuleType) -> None:

@@ -1,0 +1,177 @@
+"""vLLM extensions for the D->D release (DESIGN §5.1), registered through vLLM's own config.
+
+Paper §5.4 "Overlap migration with decode computation": the source stops a
+request at a step boundary with its KV blocks held, the target pulls them
+through NIXL while both engines keep decoding their other requests, and the
+source frees them on NIXL's read notification. No fork of vLLM:
+
+* :class:`StarScheduler` (engine argument ``scheduler_cls``) reads an abort of
+  ``"star-release:<internal id>"`` (sent with ``engine_core.abort_requests_async``,
+  the one front-end call that reaches the scheduler) as "release this request".
+  At the end of the next step in which the request is running it finishes it
+  with ``FINISHED_LENGTH_CAPPED`` -- the KV of every token but the last sampled
+  one is in place -- so the connector holds its blocks, and sends one final
+  output on the request's own stream: no new tokens, ``finish_reason=length``
+  and the connector's ``kv_transfer_params`` (``do_remote_decode``, remote
+  block ids, ``remote_num_tokens``, ``star_release`` = the migration id).
+* :class:`StarNixlConnector` (``kv_connector="StarNixlConnector"``,
+  ``kv_connector_module_path="workers.vllm_ext"``) decides which finished
+  requests keep their blocks on a decode instance: only a release does (for
+  ``decoder_kv_blocks_ttl`` s at most; NIXL's read notification frees them
+  sooner). vLLM's own ``bidirectional_kv_xfer`` would hold every finished
+  request's blocks; a D->D target (``do_remote_decode`` params, the "turn-2
+  readback" path of ``pull_scheduler.py``) frees its blocks when it finishes
+  instead of holding them as a prefill node would.
+
+Both classes run in the engine-core process. See docs/vllm-notes.md §4.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPullConnector
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+
+RELEASE_PREFIX = "star-release:"
+"""An aborted id ``RELEASE_PREFIX + internal_id [+ "|" + migration]`` asks for a release."""
+
+RELEASE_KEY = "star_release"
+"""Key of ``kv_transfer_params`` marking a released request (value: the migration id)."""
+
+
+def release_id(internal_id: str, migration: str) -> str:
+    """The id to abort to release ``internal_id`` for ``migration``."""
+    return f"{RELEASE_PREFIX}{internal_id}|{migration}"
+
+
+def parse_release_id(marked: str) -> tuple[str, str] | None:
+    """``(internal_id, migration)`` of a marked id, None for a plain one."""
+    if not marked.startswith(RELEASE_PREFIX):
+        return None
+    body = marked[len(RELEASE_PREFIX) :]
+    internal, _, migration = body.rpartition("|")
+    if not internal:
+        internal, migration = body, ""
+    return internal, migration
+
+
+class StarScheduler(Scheduler):
+    """vLLM's scheduler plus the release of a running request at a step boundary."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.star_pending: dict[str, str] = {}  # internal id -> migration id
+
+    def finish_requests(
+        self, request_ids: str | Iterable[str] | None, finished_status: RequestStatus
+    ) -> list[Request]:
+        if request_ids is None or finished_status != RequestStatus.FINISHED_ABORTED:
+            return super().finish_requests(request_ids, finished_status)
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        plain: list[str] = []
+        for rid in ids:
+            marked = parse_release_id(rid)
+            if marked is None:
+                plain.append(rid)
+            elif marked[0] in self.requests:
+                self.star_pending[marked[0]] = marked[1]
+            # An unknown id: the request already ended; its stream says so.
+        if plain:
+            for rid in plain:
+                self.star_pending.pop(rid, None)  # a real abort wins over a release
+            return super().finish_requests(plain, finished_status)
+        return []
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> dict[int, EngineCoreOutputs]:
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        if self.star_pending:
+            self._star_release(outputs)
+        return outputs
+
+    def _star_release(self, outputs: dict[int, EngineCoreOutputs]) -> None:
+        """Release every pending request that is running now (this is a step boundary)."""
+        for rid, migration in list(self.star_pending.items()):
+            request = self.requests.get(rid)
+            if request is None or request.is_finished():
+                del self.star_pending[rid]  # it finished on its own: nothing to release
+                continue
+            if request.status != RequestStatus.RUNNING or request.num_output_tokens == 0:
+                continue  # waiting (KV pull, preempted): release once it runs again
+            del self.star_pending[rid]
+            self.running = [r for r in self.running if r is not request]
+            if isinstance(self.connector, StarNixlConnector):
+                self.connector.track_release(rid)
+            request.kv_transfer_params = {RELEASE_KEY: migration}
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            kv_params, _ = self._free_request(request)
+            if kv_params is not None:
+                kv_params[RELEASE_KEY] = migration
+                kv_params["star_num_tokens"] = request.num_tokens
+            final = EngineCoreOutput(
+                request_id=rid,
+                new_token_ids=[],
+                finish_reason=request.get_finished_reason(),
+                events=request.take_events(),
+                kv_transfer_params=kv_params,
+                trace_headers=request.trace_headers,
+            )
+            eco = outputs.get(request.client_index)
+            if eco is None:
+                outputs[request.client_index] = EngineCoreOutputs(outputs=[final])
+            else:
+                eco.outputs.append(final)
+
+
+def is_release(params: dict[str, Any]) -> bool:
+    """Whether ``kv_transfer_params`` are the marker :class:`StarScheduler` sets on a release."""
+    return RELEASE_KEY in params and "remote_block_ids" not in params
+
+
+class StarNixlConnector(NixlPullConnector):
+    """vLLM's NIXL (pull) connector; only a released request holds its blocks on a decode node."""
+
+    def track_release(self, request_id: str) -> None:
+        """Have the worker side track a released request's blocks (lease, read notification).
+
+        vLLM's NIXL worker honours a send lease only for requests announced in
+        ``reqs_in_batch``, which it fills for prefill-node requests; a decode
+        request released here must be announced too, or the target's read
+        notification is dropped as "unrecognized" and the blocks never free.
+        """
+        assert self.connector_scheduler is not None
+        self.connector_scheduler._reqs_in_batch.add(request_id)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        sched = self.connector_scheduler
+        assert sched is not None
+        params = request.kv_transfer_params
+        if not sched.is_bidirectional_kv_xfer_enabled or not params or is_release(params):
+            # A prefill node (vLLM's P->D) or a release: vLLM holds the blocks.
+            return sched.request_finished(request, block_ids)
+        if params.get("do_remote_prefill"):
+            # A P->D decode request that never pulled: vLLM tells the prefill to free.
+            return sched.request_finished(request, block_ids)
+        if params.get("do_remote_decode") and not params.get("_remote_blocks_processed"):
+            # A D->D target that ended before its pull was scheduled: tell the
+            # source to free its blocks now (an empty read notifies it).
+            sched._reqs_need_recv[request.request_id] = (request, [], (), False)
+            params["_remote_blocks_processed"] = True
+        # A decode request that ended: free its blocks now.
+        sched._stop_heartbeat(request.request_id)
+        sched._reqs_not_processed.add(request.request_id)
+        return False, None
