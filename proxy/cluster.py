@@ -31,8 +31,10 @@ from proxy.backend import (
     RequestRejected,
     TokenBatch,
 )
+from proxy.migration import DecodeRun, Migrator
 from proxy.upstream import ConnectionLost, WorkerClient, WorkerPool
 from star.bus import Bus, Subscriber
+from star.sampling import migration_blocker
 from star.wire import Abort, Error, Event, EventKind, Generate, Report, Tokens
 
 log = structlog.get_logger(__name__)
@@ -139,6 +141,8 @@ class ClusterBackend:
         self.origin = origin
         self.events = events
         self.owned: dict[str, str] = {}  # request id -> decode instance
+        self.runs: dict[str, DecodeRun] = {}  # request id -> its decode run
+        self.migrator = Migrator(self.runs, self.decode_address, self._emit, origin)
 
     def health(self) -> dict[str, Any]:
         prefill = self.directory.members("prefill")
@@ -216,47 +220,45 @@ class ClusterBackend:
                 await _abort(client, stream.id)
 
     async def _decode(self, req: GenerationRequest, sampling: dict[str, Any], kv_params: dict[str, Any]) -> AsyncIterator[TokenBatch]:
+        """Decode on the chosen instance; migrations re-route it (:mod:`proxy.migration`)."""
         member = await self.pick_reachable("decode", self.policy, len(req.prompt_token_ids))
-        client = await self._connect(member)
-        stream = client.open()
-        finished = False
-        generated = 0
-        outcome = "aborted"
-        self.owned[req.request_id] = member.instance
+        run = DecodeRun(self, req, sampling, None if req.migratable else migration_blocker(sampling) or "not migratable")
+        self.runs[req.request_id] = run
         self._emit(Event(EventKind.DISPATCHED, time.time(), self.origin, request=req.request_id, instance=member.instance))
+        outcome = "aborted"
         try:
-            await client.send(Generate(stream.id, req.request_id, list(req.prompt_token_ids), sampling, kv_params))
-            while True:
-                msg = await stream.next()
-                if isinstance(msg, Error):
-                    outcome = "error"
-                    raise _error(msg, member.instance)
-                if not isinstance(msg, Tokens):
-                    continue
-                generated += len(msg.token_ids)
-                finish = msg.finish_reason
-                if finish is not None:
-                    finished = True
-                    outcome = finish
-                    reason = finish if finish in ("stop", "length", "abort") else "stop"
-                    yield TokenBatch(list(msg.token_ids), reason, msg.stop_reason)  # type: ignore[arg-type]
-                    return
-                if msg.token_ids:
-                    yield TokenBatch(list(msg.token_ids))
+            await run.start(member.instance, member.address, kv_params)
+            async for batch in run.run():
+                if batch.finish_reason is not None:
+                    outcome = batch.finish_reason
+                yield batch
         except ConnectionLost as exc:
             outcome = "error"
-            raise BackendError(f"decode instance {member.instance} went away: {exc}") from exc
+            raise BackendError(f"decode instance {run.instance or member.instance} went away: {exc}") from exc
+        except BackendError:
+            outcome = "error"
+            raise
         finally:
-            stream.close()
+            self.runs.pop(req.request_id, None)
             self.owned.pop(req.request_id, None)
-            if not finished:
-                await _abort(client, stream.id)
+            self.migrator.finished_request(req.request_id)
             self._emit(
                 Event(
                     EventKind.FINISHED, time.time(), self.origin, request=req.request_id,
-                    instance=member.instance, detail=outcome, data={"generated": generated},
+                    instance=run.where or member.instance, detail=outcome,
+                    data={"generated": len(run.generated), "migrations": run.migrations, "recoveries": run.recoveries},
                 )
             )
+
+    def emit_event(self, event: Event) -> None:
+        self._emit(event)
+
+    def decode_address(self, instance: str) -> str | None:
+        """Address of a live decode instance (None: not live)."""
+        for m in self.directory.members("decode"):
+            if m.instance == instance:
+                return m.address
+        return None
 
 
 def _error(msg: Error, instance: str) -> BackendError:

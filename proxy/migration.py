@@ -150,6 +150,7 @@ class DecodeRun:
         self.recoveries = 0
         self.last_token_s = 0.0
         self.handoff_s = 0.0
+        self.where = ""  # the instance of the latest leg (kept after it closes)
         self.source: tuple[str, str] | None = None  # (instance, address) of the last source
 
     @property
@@ -188,6 +189,7 @@ class DecodeRun:
             continuation(self.sampling, len(self.generated)) if self.generated else self.sampling
         )
         self.leg = _Leg(instance, address, client, stream)
+        self.where = instance
         self.owner.owned[self.req.request_id] = instance
         await client.send(Generate(stream.id, self.req.request_id, prompt, sampling, kv))
 

@@ -11,6 +11,7 @@ import structlog
 from proxy.app import ProxyApp, create_server
 from proxy.cluster import ClusterBackend, Directory
 from proxy.http import HttpServer
+from proxy.migration import follow_decisions
 from proxy.tokenizer import ModelCard
 from proxy.upstream import WorkerPool
 from star.bus import Bus
@@ -34,6 +35,7 @@ class ProxyService(Service):
         self.pool = WorkerPool()
         self.server: HttpServer | None = None
         self.directory: Directory | None = None
+        self.backend: ClusterBackend | None = None
         self.events: asyncio.Queue[Event] = asyncio.Queue(maxsize=10_000)
 
     async def startup(self) -> None:
@@ -42,6 +44,7 @@ class ProxyService(Service):
         await self.bus.retrying("PING", self.bus.redis.ping)
         self.directory = Directory(self.bus, self.settings.scheduler.staleness_s)
         backend = ClusterBackend(self.directory, self.pool, self.settings.proxy.dispatch, f"proxy:{self.node}", self.events)
+        self.backend = backend
         app = ProxyApp(backend, [card], self.settings.proxy)
         self.server = create_server(app, self.settings.proxy)
         await self.server.start()
@@ -52,6 +55,8 @@ class ProxyService(Service):
         self.spawn(self.directory.follow_reports(), "reports")
         self.spawn(self.directory.poll_load(), "load")
         self.spawn(self._publish_events(), "events")
+        assert self.bus is not None and self.backend is not None
+        self.spawn(follow_decisions(self.bus, self.backend.migrator), "decisions")
         await self.wait_exit()
 
     async def _publish_events(self) -> None:

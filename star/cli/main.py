@@ -25,6 +25,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "star.cli.scheduler",
     "star.cli.bench",
     "star.cli.plan",
+    "star.cli.migrate",
     "star.cli.model",
     "star.cli.predictor",
     "star.cli.simulate",
