@@ -8,18 +8,16 @@ with the last-layer hidden state of each scheduled request's last token, in
 the input batch's request order.
 
 Every ``every`` steps (paper Table 5: k = 20) the wrapper takes those rows for
-the requests that are decoding (a partial prefill's row is discarded by vLLM
-and skipped here), and
-
-* runs the length predictor on all of them in one batch, keeping R-hat and
-  the tokens generated at that moment per request (``star_tap_predictions``),
-  and/or
-* keeps the hidden states themselves for data collection
-  (``star_tap_drain``), together with every request's first row (the last
-  prompt token, zero tokens generated: the prompt-only sample).
-
-On the other steps the wrapper only increments a counter. Results cross the
-process boundary as plain lists, floats and bytes (vLLM msgpacks them).
+all requests that are decoding (a partial prefill's row is discarded by vLLM
+and skipped here), plus, on any step, the row of each request whose prompt
+completes in that step (zero tokens generated: the prompt-only sample; found
+with one vectorised comparison). With a predictor it runs the MLP on them in
+one batch and serves, per request, R-hat = T - generated, where T is an
+exponential average over the request's rounds of the predicted final length
+R-hat_i + generated_i (weight ``alpha`` from the checkpoint on the newest;
+``star_tap_predictions``). In collection mode it keeps the hidden states
+themselves (``star_tap_drain``). With neither, the wrapper does nothing but
+count steps.
 
 The rows carry vLLM's *internal* request ids (the caller's id plus
 ``-`` and 8 random characters); :func:`external_id` maps them back.
@@ -63,7 +61,8 @@ class _TapState:
         self.predict_rows = 0
         self.samples: list[tuple[str, int, int]] = []  # (req id, prompt tokens, generated)
         self.hidden: list[Any] = []  # float32 CPU tensors, rows matching ``samples``
-        self.seen: set[str] = set()
+        self.totals: dict[str, float] = {}  # smoothed predicted final length per request
+        self.alpha = float(predictor.config.alpha) if predictor is not None else 1.0
 
 
 class HiddenStateTap:
@@ -99,7 +98,7 @@ class HiddenStateTap:
             def compute_logits(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
                 tap: _TapState = self._star_tap
                 tap.calls += 1
-                if tap.calls % tap.every == 0 or tap.collect:
+                if tap.predictor is not None or tap.collect:
                     self._star_tap_take(tap, hidden_states)
                 return original(hidden_states, *args, **kwargs)
 
@@ -112,45 +111,52 @@ class HiddenStateTap:
         return {"hidden_size": hidden_size, "predictor": predictor is not None}
 
     def _star_tap_take(self, tap: _TapState, hidden_states: Any) -> None:
+        import numpy as np
         import torch
 
         runner = self.model_runner
         batch = runner.input_batch
         n = int(batch.num_reqs)
-        if int(hidden_states.shape[0]) < n:  # not the sampling call of a step
+        if n == 0 or int(hidden_states.shape[0]) < n:  # not the sampling call of a step
             return
-        discard = runner.discard_request_mask.np[:n]
-        rows: list[int] = []
-        ids: list[str] = []
-        meta: list[tuple[str, int, int]] = []
+        t0 = time.perf_counter()
+        keep = ~runner.discard_request_mask.np[:n]  # a partial prefill samples nothing
         due = tap.calls % tap.every == 0
-        for i, rid in enumerate(batch.req_ids[:n]):
-            if rid is None or discard[i]:
-                continue
-            if not due and rid in tap.seen:
-                continue
-            req = runner.requests[rid]
-            prompt = int(req.num_prompt_tokens)
-            rows.append(i)
-            ids.append(rid)
-            meta.append((rid, prompt, int(req.num_tokens) - prompt))
-        if not rows:
-            return
+        if not due:
+            # Only requests whose prompt completes in this step (their first row,
+            # zero tokens generated): one vectorised comparison per step.
+            keep = keep & (batch.num_computed_tokens_cpu[:n] < batch.num_prompt_tokens[:n])
+            if not keep.any():
+                return
+        rows = np.flatnonzero(keep).tolist()
+        ids = [batch.req_ids[i] for i in rows]
+        prompt = batch.num_prompt_tokens[rows].tolist()
+        generated = [
+            int(runner.requests[rid].num_tokens) - p for rid, p in zip(ids, prompt, strict=True)
+        ]
         with torch.inference_mode():
             picked = hidden_states[rows].detach().float()
-            if tap.predictor is not None and due:
-                t0 = time.perf_counter()
+            if tap.predictor is not None:
                 out = tap.predictor.predict(picked).tolist()
+                # The served R-hat: an exponential average over rounds of the
+                # predicted final length (R-hat + generated), minus what is
+                # generated now; alpha = 1 is the last round alone.
+                alpha = tap.alpha
+                totals = tap.totals if not due else {}
+                for rid, r, g in zip(ids, out, generated, strict=True):
+                    prev = tap.totals.get(rid)
+                    total = r + g if prev is None else (1 - alpha) * prev + alpha * (r + g)
+                    totals[rid] = total
+                    tap.predictions[rid] = (max(total - g, 0.0), g)
+                if due:  # every running request was in this round: forget the rest
+                    tap.totals = totals
+                    tap.predictions = {rid: tap.predictions[rid] for rid in totals}
                 tap.predict_s += time.perf_counter() - t0
                 tap.predict_batches += 1
                 tap.predict_rows += len(rows)
-                tap.predictions = {
-                    rid: (float(r), m[2]) for rid, r, m in zip(ids, out, meta, strict=True)
-                }
             if tap.collect:
                 tap.hidden.append(picked.cpu())
-                tap.samples.extend(meta)
-                tap.seen.update(ids)
+                tap.samples.extend(zip(ids, prompt, generated, strict=True))
 
     def star_tap_predictions(self) -> dict[str, Any]:
         """The last prediction round: ``{"requests": {id: [R-hat, generated]}, timing...}``."""
@@ -282,6 +288,6 @@ async def start_tap(engine: Any, every: int, checkpoint: str = "") -> str | None
         "length predictor installed",
         checkpoint=str(path),
         every=every,
-        metrics=ckpt.metadata.get("metrics", {}).get("mlp"),
+        metrics=ckpt.metadata.get("metrics", {}).get("mlp-ema"),
     )
     return str(path)

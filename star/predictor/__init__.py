@@ -1,0 +1,8 @@
+"""The LLM-native length predictor (paper §4, DESIGN §6).
+
+``model`` (the MLP and its checkpoint), ``dataset`` (safetensors shards +
+index), ``collect`` (rows from a real engine through the hidden-state tap in
+``workers/tap.py``), ``train`` (split, L1/AdamW, early stopping, grid search)
+and ``evaluate`` (MAE/NMAE/Kendall tau by bucket, baselines, plot). The CLI is
+``star predictor``; see ``docs/predictor.md``.
+"""

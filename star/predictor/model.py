@@ -40,8 +40,11 @@ class PredictorConfig:
     hidden_sizes: tuple[int, ...] = (2048, 512, 64)
     log_target: bool = False
     target_scale: float = 100.0
+    alpha: float = 1.0  # the served R-hat's smoothing over rounds (1 = the last round alone)
 
     def __post_init__(self) -> None:
+        if not 0.0 < self.alpha <= 1.0:
+            raise ValueError(f"alpha must be in (0, 1], got {self.alpha}")
         if self.input_dim < 1:
             raise ValueError(f"input_dim must be >= 1, got {self.input_dim}")
         if any(h < 1 for h in self.hidden_sizes):
@@ -56,6 +59,7 @@ class PredictorConfig:
             hidden_sizes=tuple(int(h) for h in data["hidden_sizes"]),
             log_target=bool(data.get("log_target", False)),
             target_scale=float(data.get("target_scale", 100.0)),
+            alpha=float(data.get("alpha", 1.0)),
         )
 
 

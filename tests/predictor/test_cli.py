@@ -60,6 +60,7 @@ def test_train_then_eval(data_dir: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert ckpt.metadata["model"] == "synthetic-test"
     assert ckpt.metadata["data"]["hash"] == DataDir(data_dir).data_hash()
     assert set(ckpt.metadata["metrics"]) == {
+        "mlp-ema",
         "mlp",
         "constant",
         "prompt-only",

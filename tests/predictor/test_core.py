@@ -1,0 +1,283 @@
+"""The predictor's sans-engine parts: checkpoint, data directory, split, training, metrics."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from star.model import tiny_model_path
+from star.predictor import evaluate as ev
+from star.predictor import train as tr
+from star.predictor.dataset import DataDir, DatasetError, Samples
+from star.predictor.model import (
+    CheckpointError,
+    PredictorConfig,
+    build_mlp,
+    default_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+from tests.predictor.helpers import synthetic
+from workers.tap import external_id
+
+# -- model and checkpoint ---------------------------------------------------------------
+
+
+def test_default_mlp_has_the_papers_shape() -> None:
+    model = build_mlp(3584, (2048, 512, 64))
+    widths = [m.out_features for m in model.net if isinstance(m, torch.nn.Linear)]
+    assert widths == [2048, 512, 64, 1]
+    # Paper §5.3: "8.4 M parameters" for d = 3584.
+    assert 8.3e6 < model.num_parameters() < 8.5e6
+
+
+@pytest.mark.parametrize("log_target", [False, True])
+def test_encode_decode_round_trip(log_target: bool) -> None:
+    model = build_mlp(4, (8,), log_target=log_target, target_scale=50.0)
+    remaining = torch.tensor([0.0, 1.0, 37.0, 1500.0])
+    assert torch.allclose(model.decode(model.encode(remaining)), remaining, rtol=1e-5, atol=1e-3)
+
+
+def test_decode_never_negative() -> None:
+    model = build_mlp(4, (8,))
+    assert float(model.decode(torch.tensor([-3.0])).item()) == 0.0
+
+
+def test_checkpoint_round_trip(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = build_mlp(6, (16, 4), log_target=True, target_scale=80.0)
+    model.set_normalisation(torch.arange(6.0), torch.full((6,), 2.0))
+    save_checkpoint(model, tmp_path / "ck", {"model": "m", "hidden_size": 6})
+    loaded = load_checkpoint(tmp_path / "ck")
+    assert loaded.config == model.config
+    assert loaded.metadata["model"] == "m"
+    x = torch.randn(5, 6)
+    assert torch.equal(loaded.model.predict(x), model.predict(x))
+    # Either file of the pair names the checkpoint too.
+    assert load_checkpoint(tmp_path / "ck" / "predictor.json").config == model.config
+
+
+def test_missing_and_bad_checkpoints_say_what_is_wrong(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="no predictor checkpoint"):
+        load_checkpoint(tmp_path / "nothing")
+    save_checkpoint(build_mlp(3, (4,)), tmp_path, {})
+    meta = json.loads((tmp_path / "predictor.json").read_text())
+    meta["config"]["input_dim"] = 5
+    (tmp_path / "predictor.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="bad predictor checkpoint"):
+        load_checkpoint(tmp_path)
+    meta["format"] = 99
+    (tmp_path / "predictor.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="unknown format"):
+        load_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"input_dim": 0},
+        {"input_dim": 4, "hidden_sizes": (0,)},
+        {"input_dim": 4, "target_scale": 0.0},
+    ],
+)
+def test_bad_configs_are_refused(bad: dict[str, object]) -> None:
+    with pytest.raises(ValueError):
+        PredictorConfig(**bad)  # type: ignore[arg-type]
+
+
+def test_shipped_predictor_fits_the_tiny_model_and_beat_its_baselines() -> None:
+    path = default_checkpoint(tiny_model_path())
+    assert path is not None, "star/model/tiny/predictor/ is missing"
+    ckpt = load_checkpoint(path)
+    hidden = json.loads((tiny_model_path() / "config.json").read_text())["hidden_size"]
+    assert ckpt.config.input_dim == hidden == ckpt.metadata["hidden_size"]
+    assert ckpt.metadata["model"] == "tiny"
+    m = ckpt.metadata["metrics"]
+    # What the worker serves beats both baselines on held-out prompts.
+    assert m["mlp-ema"]["mae"] < m["constant"]["mae"]
+    assert m["mlp-ema"]["mae"] < m["prompt-only"]["mae"]
+    assert len(ckpt.metadata["data"]["hash"]) == 64
+
+
+# -- data directory -------------------------------------------------------------------
+
+
+META = {"model": "m", "hidden_size": 8, "workload": "synthetic", "seed": 0, "every": 20}
+
+
+def test_data_dir_writes_shards_and_resumes(tmp_path: Path) -> None:
+    s = synthetic(requests=10)
+    first, second = s.take(s.request < 5), s.take(s.request >= 5)
+    d = DataDir(tmp_path)
+    d.start(META)
+    d.append(first, 5, [{"n": i} for i in range(5)])
+    digest = d.data_hash()
+    # A new handle on the same directory resumes where the first left off.
+    again = DataDir(tmp_path)
+    again.start(META)
+    assert again.next_request == 5 and again.rows == len(first)
+    again.append(second, 10, [{"n": i} for i in range(5, 10)])
+    loaded = DataDir(tmp_path).load()
+    assert len(loaded) == len(s)
+    assert np.array_equal(loaded.hidden, s.hidden)
+    assert np.array_equal(loaded.remaining, s.remaining)
+    assert DataDir(tmp_path).data_hash() != digest
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "index.json",
+        "shard-00000.safetensors",
+        "shard-00001.safetensors",
+    ]
+
+
+def test_resume_with_other_settings_is_refused(tmp_path: Path) -> None:
+    DataDir(tmp_path).start(META)
+    with pytest.raises(DatasetError, match="every"):
+        DataDir(tmp_path).start({**META, "every": 5})
+
+
+def test_loading_nothing_says_how_to_collect(tmp_path: Path) -> None:
+    with pytest.raises(DatasetError, match="star predictor collect"):
+        DataDir(tmp_path).load()
+
+
+# -- split and training -----------------------------------------------------------------
+
+
+def test_split_is_by_prompt_70_15_15() -> None:
+    s = synthetic(requests=200)
+    ids = tr.split_ids(s, seed=3)
+    for p in np.unique(s.prompt):
+        assert len(set(ids[s.prompt == p].tolist())) == 1  # a prompt (so a request) in one split
+    prompts = [len(np.unique(s.prompt[ids == i])) for i in range(3)]
+    assert prompts == [70, 15, 15]
+    assert np.array_equal(ids, tr.split_ids(s, seed=3))
+
+
+@pytest.fixture
+def one_thread() -> object:
+    """One torch thread: two fight each other on a loaded 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_training_learns_a_planted_signal_and_stops_early() -> None:
+    data = tr.split(synthetic(requests=200), seed=0)
+    cfg = tr.TrainConfig(hidden_sizes=(16,), lr=1e-2, batch_size=128, max_epochs=25, patience=4)
+    best, results = tr.search([cfg], data, progress=False)
+    assert best is results[0]
+    rows = ev.evaluate(best.model, data["test"], data["train"])
+    overall = ev.summary(rows)
+    # Feature 0 carries remaining/100 +- 5 tokens: far better than any baseline.
+    assert overall["mlp"]["mae"] < 25
+    assert overall["mlp"]["mae"] < overall["constant"]["mae"] / 3
+    assert overall["mlp"]["kendall_tau"] > 0.8
+    assert best.epochs <= 25 and best.best_epoch <= best.epochs
+    assert best.epochs - best.best_epoch <= cfg.patience
+
+
+def test_training_needs_rows() -> None:
+    empty = Samples.concat([], dim=4)
+    with pytest.raises(ValueError, match="need rows"):
+        tr.search([tr.TrainConfig()], {"train": empty, "val": empty, "test": empty}, progress=False)
+
+
+def test_default_grid_varies_shape_lr_and_batch() -> None:
+    grid = tr.default_grid(tr.TrainConfig())
+    assert len({(c.hidden_sizes, c.lr, c.batch_size) for c in grid}) == len(grid) == 4
+    assert {c.hidden_sizes for c in grid} == {(2048, 512, 64), (512, 64)}
+
+
+# -- metrics and baselines -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("pred", "true", "mae", "nmae", "tau"),
+    [
+        ([1, 2, 3], [1, 2, 3], 0.0, 0.0, 1.0),
+        ([3, 2, 1], [1, 2, 3], 4 / 3, 2 / 3, -1.0),
+        ([10, 10, 10], [5, 10, 15], 10 / 3, 1 / 3, math.nan),
+    ],
+)
+def test_metrics(pred: list[float], true: list[float], mae: float, nmae: float, tau: float) -> None:
+    got = ev.metrics(np.array(pred, float), np.array(true, float))
+    assert got[0] == pytest.approx(mae) and got[1] == pytest.approx(nmae)
+    assert (math.isnan(got[2]) and math.isnan(tau)) or got[2] == pytest.approx(tau)
+
+
+def test_smoothing_averages_the_predicted_final_length() -> None:
+    s = synthetic(requests=1, every=20)
+    order = np.argsort(s.generated)
+    g = s.generated[order].astype(float)
+    # Rows predicting final lengths 100, 200, 300, ...: the served R-hat
+    # averages them with weight alpha on the newest.
+    pred = np.empty(len(s))
+    pred[order] = 100.0 * (np.arange(len(s)) + 1) - g
+    out = ev.smoothed(s, pred, 0.5)[order]
+    assert out[0] == pytest.approx(100.0)
+    assert out[1] == pytest.approx(150.0 - g[1])
+    assert out[2] == pytest.approx(0.5 * 150.0 + 0.5 * 300.0 - g[2])
+    assert np.array_equal(ev.smoothed(s, pred, 1.0), np.maximum(pred, 0.0))
+
+
+def test_prompt_only_ages_the_first_prediction() -> None:
+    s = synthetic(requests=2)
+    pred = np.full(len(s), 999.0)
+    first = s.request == 0
+    pred[np.flatnonzero(first)[0]] = 50.0  # request 0's progress-0 row says 50
+    out = ev.prompt_only(s, pred)
+    g = s.generated[first]
+    assert np.array_equal(out[first], np.maximum(50.0 - g, 1.0))
+
+
+@pytest.mark.parametrize(
+    ("bins", "values", "mids"),
+    [
+        (2, [0, 10, 24.9, 25, 99, 500], [12.5, 12.5, 12.5, 62.5, 62.5, 62.5]),
+        (4, [0, 12.5, 30, 60], [6.25, 18.75, 37.5, 75.0]),
+    ],
+)
+def test_bins_scale_the_papers_edges(bins: int, values: list[float], mids: list[float]) -> None:
+    edges = ev.bin_edges(bins, 100.0)
+    assert edges[0] == 0 and edges[-1] == 100
+    assert np.allclose(ev.quantise(np.array(values, float), edges), mids)
+
+
+def test_buckets_partition_rows() -> None:
+    s = synthetic(requests=50)
+    got = dict(ev.buckets(s))
+    progress = sum(m for k, m in got.items() if k.startswith("progress"))
+    length = sum(m for k, m in got.items() if k.startswith("length"))
+    assert np.all(progress == 1) and np.all(length == 1)
+    assert np.array_equal(got["progress 0"], s.generated == 0)
+
+
+def test_json_rows_have_the_issue_keys() -> None:
+    s = synthetic(requests=40)
+    rows = ev.as_dicts(ev.evaluate(build_mlp(8, (4,)), s, s))
+    assert {tuple(sorted(r)) for r in rows} == {
+        ("bucket", "kendall_tau", "mae", "nmae", "predictor", "samples")
+    }
+    assert {r["predictor"] for r in rows} == {
+        "mlp-ema",
+        "mlp",
+        "constant",
+        "prompt-only",
+        "bins:6",
+        "bins:4",
+        "bins:2",
+    }
+    json.dumps(rows, allow_nan=False)  # NaN became null
+
+
+def test_external_id_strips_vllms_suffix() -> None:
+    assert external_id("req-1-abcd1234") == "req-1"
+    assert external_id("plain") == "plain"
+    assert external_id("a-short") == "a-short"
