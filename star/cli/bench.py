@@ -17,6 +17,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "proxy": ("benchmarks.proxy", "proxy relay throughput and added latency per token"),
     "predictor": ("benchmarks.predictor", "length-predictor MLP latency at batch 1/10/64 (CPU, and GPU if present)"),
     "serve": ("benchmarks.serve", "load generator for a live proxy: Poisson arrivals, TTFT/TPOT/E2E, goodput"),
+    "migration": ("benchmarks.migration", "D->D handoff stall as the client sees it, KV bytes moved, co-running slowdown"),
 }
 
 
