@@ -14,7 +14,7 @@ from tests.conftest import bus_settings, redis_settings
 from tests.redis_server import RedisServer
 
 
-def star(*args: str, env: dict[str, str] | None = None, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+def star(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         ["star", *args], capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
     )
