@@ -37,7 +37,7 @@ def request_bytes(
     return ("\r\n".join(lines) + "\r\n\r\n").encode() + (body or b"")
 
 
-async def exchange(port: int, data: bytes, wait_s: float = 5.0) -> bytes:
+async def exchange(port: int, data: bytes, wait_s: float = 30.0) -> bytes:
     """Send ``data``, read until the server closes (or ``wait_s`` passes)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
@@ -55,7 +55,7 @@ async def exchange(port: int, data: bytes, wait_s: float = 5.0) -> bytes:
             await writer.wait_closed()
 
 
-async def until(predicate: Callable[[], bool], wait_s: float = 2.0) -> None:
+async def until(predicate: Callable[[], bool], wait_s: float = 30.0) -> None:
     """Poll ``predicate`` (state owned by the code under test has no event to wait on)."""
     async with asyncio.timeout(wait_s):
         while not predicate():  # noqa: ASYNC110

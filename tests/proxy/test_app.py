@@ -23,7 +23,7 @@ ANSWER = "Héllo wörld, 你好 😀! The answer is 42."
 
 
 def client(proxy: Proxy, key: str = "none") -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=proxy.base_url, api_key=key, max_retries=0, timeout=10)
+    return openai.AsyncOpenAI(base_url=proxy.base_url, api_key=key, max_retries=0, timeout=60)
 
 
 async def post(proxy: Proxy, path: str, payload: dict[str, object], **headers: str) -> list:
@@ -212,7 +212,7 @@ async def test_client_disconnect_cancels_the_backend_generator(make_proxy: Proxy
         assert got[1].choices[0].delta.content
         await stream.close()
     (call,) = proxy.backend.calls
-    async with asyncio.timeout(2):
+    async with asyncio.timeout(30):
         await call.done.wait()
     assert call.outcome == "cancelled"
     assert proxy.app.active == 0 and proxy.server.active == 0
@@ -227,7 +227,7 @@ async def test_disconnect_while_waiting_for_a_non_streaming_answer(
     await until(lambda: bool(proxy.backend.calls) and proxy.backend.calls[0].sent >= 1)
     writer.close()
     await writer.wait_closed()
-    async with asyncio.timeout(2):
+    async with asyncio.timeout(30):
         await proxy.backend.calls[0].done.wait()
     assert proxy.backend.calls[0].outcome == "cancelled"
 
@@ -315,7 +315,7 @@ async def test_graceful_shutdown_lets_streams_finish(make_proxy: ProxyFactory) -
     async with client(proxy) as c:
         stream = await c.completions.create(model="tiny", prompt="x", max_tokens=100, stream=True)
         first = await anext(aiter(stream))
-        shutdown = asyncio.create_task(proxy.server.shutdown(timeout_s=5))
+        shutdown = asyncio.create_task(proxy.server.shutdown(timeout_s=120))
         rest = [ch async for ch in stream]
     await shutdown
     text = first.choices[0].text + "".join(ch.choices[0].text for ch in rest if ch.choices)
