@@ -7,10 +7,16 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from star.bus import Bus
 from star.settings import BusSettings, RedisSettings
 from tests.redis_server import RedisServer
+
+# Wall-clock checks make property tests flaky on a loaded CI machine: no per-example
+# deadline and no "generation too slow" health check (tests' own settings() inherit this).
+settings.register_profile("star", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("star")
 
 
 @pytest.fixture(scope="session")
