@@ -64,7 +64,7 @@ class FakeEngine:
         raise Unsupported("no D->D release in the fake")
 
     async def wait_idle(self) -> None:
-        async with asyncio.timeout(5):
+        async with asyncio.timeout(30):
             if self.live:
                 await self.idle.wait()
 
@@ -93,7 +93,7 @@ class Client:
         self.writer.write(data)
         await self.writer.drain()
 
-    async def recv(self, within_s: float = 5.0) -> Message:
+    async def recv(self, within_s: float = 30.0) -> Message:
         """The next frame; raises EOFError when the worker closed the connection."""
         async with asyncio.timeout(within_s):
             while not self.pending:

@@ -132,10 +132,10 @@ async def test_disconnect_aborts_every_open_stream(server: TokenServer, engine: 
     await c.close()
     await engine.wait_idle()
     assert sorted(engine.aborted) == ["req-1", "req-2"]
-    async with asyncio.timeout(5):
+    async with asyncio.timeout(30):
         await server.wait_idle()
-    await asyncio.sleep(0.05)  # the connection handler runs its finally after the streams
-    assert server.connections == 0
+        while server.connections:  # the connection handler runs its finally after the streams
+            await asyncio.sleep(0.01)
 
 
 @pytest.mark.parametrize(
@@ -187,7 +187,7 @@ async def test_oversized_frame_closes_the_connection(client: Client, server: Tok
     with pytest.raises(EOFError):
         while True:
             await client.recv()
-    async with asyncio.timeout(5):
+    async with asyncio.timeout(30):
         await server.wait_idle()
 
 
@@ -234,7 +234,7 @@ async def test_shutdown_drains_then_aborts(server: TokenServer, engine: FakeEngi
     assert await c.recv() == HELLO
     await c.send(gen(1, 3), gen(2, 10_000))
     await c.recv()
-    await server.shutdown(drain_timeout=0.3)
+    await server.shutdown(drain_timeout=3.0)  # req-1 needs ~10 ms, req-2 over 20 s
     await engine.wait_idle()
     assert engine.finished == ["req-1"]
     assert engine.aborted == ["req-2"]
@@ -244,7 +244,7 @@ async def test_shutdown_drains_then_aborts(server: TokenServer, engine: FakeEngi
 async def test_no_new_streams_while_draining(server: TokenServer, client: Client) -> None:
     await client.send(gen(1, 10_000))
     await client.recv()
-    drain = asyncio.create_task(server.shutdown(drain_timeout=1.0))
+    drain = asyncio.create_task(server.shutdown(drain_timeout=3.0))  # req-1 needs over 20 s
     await asyncio.sleep(0.05)
     await client.send(gen(2, 3))
     while True:
