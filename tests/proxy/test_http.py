@@ -348,7 +348,14 @@ async def test_slow_reader_applies_backpressure(serve) -> None:
     await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", server.port))
     reader, writer = await asyncio.open_connection(sock=sock, limit=2**20)
     writer.write(request_bytes("GET", "/big", headers={"connection": "close"}))
-    await asyncio.sleep(0.3)  # read nothing: kernel buffers fill, then ours
+    # Read nothing: kernel buffers fill, then ours, and the producer is held back.
+    # Wait for production to stall (a slow machine may take longer than 0.3 s).
+    await until(lambda: produced > 0)
+    last = -1
+    async with asyncio.timeout(60):
+        while produced != last:
+            last = produced
+            await asyncio.sleep(0.3)
     (conn,) = server._connections
     assert conn.transport is not None
     assert produced < 20_000
