@@ -104,9 +104,10 @@ class Launcher:
             if child.proc is not None:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     child.proc.wait(5)
-        # SIGKILL is asynchronous: return once no member of any group is left.
+        # SIGKILL is asynchronous: return once no member of any group is left
+        # (a killed process on a loaded host can take seconds to be reaped).
         groups = {c.proc.pid for c in self.children if c.proc is not None}
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         while group_members(groups) and time.monotonic() < deadline:
             time.sleep(0.05)
 
