@@ -55,6 +55,7 @@ def time_mlp(
         "dim": dim,
         "batch": batch,
         "params": model.num_parameters(),
+        "hidden": list(hidden),
         "median_ms": statistics.median(times),
         "p90_ms": times[int(0.9 * (len(times) - 1))],
     }
@@ -112,6 +113,18 @@ async def engine_overhead(
     }
 
 
+def _shipped_shape() -> tuple[int, tuple[int, ...]] | None:
+    """(d, hidden widths) of the predictor shipped with the tiny model, if any."""
+    from star.model import tiny_model_path
+    from star.predictor.model import default_checkpoint, load_checkpoint
+
+    path = default_checkpoint(tiny_model_path())
+    if path is None:
+        return None
+    cfg = load_checkpoint(path).config
+    return cfg.input_dim, cfg.hidden_sizes
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dims", default=f"{TINY_DIM},{PAPER_DIM}", help="hidden sizes (default %(default)s)"
@@ -162,8 +175,12 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() and not args.no_gpu else [])
     hidden = (2048, 512, 64)
+    shapes: list[tuple[int, tuple[int, ...]]] = [(d, hidden) for d in dims]
+    shipped = _shipped_shape()
+    if shipped is not None and shipped not in shapes and shipped[0] in dims:
+        shapes.append(shipped)  # the tiny model's own predictor
     rows = [
-        time_mlp(d, b, dev, args.repeats, hidden) for dev in devices for d in dims for b in batches
+        time_mlp(d, b, dev, args.repeats, h) for dev in devices for d, h in shapes for b in batches
     ]
     overhead = None
     if args.engine:
@@ -182,13 +199,12 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"mlp": rows, "engine": overhead}, indent=1))
         return 0
-    print(
-        f"MLP d -> {' -> '.join(map(str, hidden))} -> 1, torch {torch.__version__}, CPU threads {args.threads}"
-    )
-    print(f"{'device':<7}{'d':>6}{'params':>11}{'batch':>7}{'median ms':>11}{'p90 ms':>9}")
+    print(f"torch {torch.__version__}, CPU threads {args.threads}")
+    print(f"{'device':<7}{'MLP':<20}{'params':>11}{'batch':>7}{'median ms':>11}{'p90 ms':>9}")
     for r in rows:
         print(
-            f"{r['device']:<7}{r['dim']:>6}{r['params']:>11,}{r['batch']:>7}{r['median_ms']:>11.3f}{r['p90_ms']:>9.3f}"
+            f"{r['device']:<7}{'-'.join(map(str, [r['dim'], *r['hidden'], 1])):<20}{r['params']:>11,}"
+            f"{r['batch']:>7}{r['median_ms']:>11.3f}{r['p90_ms']:>9.3f}"
         )
     print("paper (GPU, d=3584): 1.33 ms at batch 1, 2.4 ms at batch 10")
     if overhead is not None:
