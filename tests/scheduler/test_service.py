@@ -205,6 +205,7 @@ async def test_standby_takes_over_after_sigkill(cluster: Cluster, bus: Bus) -> N
         # The standby stamps its LEADER event when it wins the lock, so the
         # test's own polling delay does not count.
         takeover = new.ts - killed_at
+        print(f"\nstandby took over {takeover:.2f} s after SIGKILL (lock ttl 1.5 s)")
         assert takeover <= 8.0, f"takeover took {takeover:.2f}s (lock ttl 1.5 s)"
         assert int(new.data["fence"]) > first_fence
         # Only the standby remains; its decisions carry the new fence.
