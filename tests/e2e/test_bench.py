@@ -42,7 +42,7 @@ def test_star_bench_serve_reports_latencies_and_goodput(cluster: LocalCluster) -
         ],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,  # item limit 900 s; vLLM imports alone take minutes under load
         check=False,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -95,7 +95,7 @@ def test_vllm_bench_serve_client_against_the_proxy(cluster: LocalCluster, tmp_pa
         ],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,  # item limit 900 s; vLLM imports alone take minutes under load
         env=env,
         check=False,
     )
