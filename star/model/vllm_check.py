@@ -96,7 +96,11 @@ class CheckReport:
 
 
 def check(
-    model_dir: Path, prompts_per_size: int = 8, samples: int = 4, compare_hf: bool = True
+    model_dir: Path,
+    prompts_per_size: int = 8,
+    samples: int = 4,
+    compare_hf: bool = True,
+    eager: bool = False,
 ) -> CheckReport:
     """Run the checks and measurements (starts vLLM in this process: call under ``__main__``)."""
     # vLLM on CPU refuses to start without a KV cache size; 1 GiB holds about
@@ -113,6 +117,7 @@ def check(
         max_model_len=4096,
         gpu_memory_utilization=0.3,
         seed=0,
+        enforce_eager=eager,
     )
     load_s = time.perf_counter() - start
 
@@ -244,12 +249,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--samples", type=int, default=4, help="samples per prompt (default: %(default)s)"
     )
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
+    parser.add_argument(
+        "--eager",
+        action="store_true",
+        help="skip torch.compile (enforce_eager): starts in seconds instead of minutes on a small CPU",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     """Run :func:`check` from parsed arguments and print the report."""
     report = check(
-        args.model, prompts_per_size=args.prompts, samples=args.samples, compare_hf=not args.no_hf
+        args.model,
+        prompts_per_size=args.prompts,
+        samples=args.samples,
+        compare_hf=not args.no_hf,
+        eager=args.eager,
     )
     print_report(report)
     return 0 if report.ok else 1
