@@ -276,11 +276,16 @@ class DecodeRun:
                             self._on_refused("finished")
                         self.fire(RunEvent.FINISH)
                         await self._close_leg(abort=False)
-                        reason = (
-                            msg.finish_reason
-                            if msg.finish_reason in ("stop", "length", "abort")
-                            else "stop"
-                        )
+                        reason = msg.finish_reason
+                        if reason not in ("stop", "length", "abort"):
+                            # vLLM's "error" (e.g. a KV load that failed with no
+                            # recompute): the client gets an error event, not a
+                            # silently truncated "stop".
+                            raise BackendError(
+                                f"decode instance {leg.instance} ended the request "
+                                f"with finish reason {reason!r}",
+                                code="engine_error",
+                            )
                         yield TokenBatch(list(msg.token_ids), reason, msg.stop_reason)  # type: ignore[arg-type]
                         return
                     if msg.token_ids:

@@ -61,12 +61,13 @@ class WorkerClient:
 
     async def connect(self, timeout_s: float = 5.0) -> Hello:
         host, _, port = self.address.rpartition(":")
-        self._reader, self._writer = await asyncio.wait_for(
+        reader, self._writer = await asyncio.wait_for(
             asyncio.open_connection(host, int(port)), timeout_s
         )
+        self._reader = reader
         decoder = FrameDecoder()
         while True:
-            data = await asyncio.wait_for(self._reader.read(65536), timeout_s)
+            data = await asyncio.wait_for(reader.read(65536), timeout_s)
             if not data:
                 raise ConnectionLost(f"worker {self.address} closed before Hello")
             decoder.feed(data)

@@ -90,8 +90,8 @@ async def bus(cluster: Cluster) -> AsyncIterator[Bus]:
     await b.close()
 
 
-async def wait_for(sub: Subscriber, pred: object, timeout: float) -> list[object]:
-    deadline = time.monotonic() + timeout
+async def wait_for(sub: Subscriber, pred: object, within_s: float) -> list[object]:
+    deadline = time.monotonic() + within_s
     seen: list[object] = []
     while time.monotonic() < deadline:
         for e in await sub.read(block_ms=100):
@@ -108,7 +108,7 @@ async def test_imbalance_yields_decision_load_view_and_expiry(cluster: Cluster, 
     reporter = asyncio.create_task(cluster.report_forever(bus))
     cluster.start("solo", STAR_SCHEDULER_METRICS_PORT=str(port))
     try:
-        got = await wait_for(decisions, lambda m: isinstance(m, Decision), timeout=60)
+        got = await wait_for(decisions, lambda m: isinstance(m, Decision), within_s=60)
         d = got[-1]
         assert isinstance(d, Decision)
         assert d.source == "a" and d.target in {"b", "c"} and d.request.startswith("a-r")
@@ -146,7 +146,7 @@ async def test_imbalance_yields_decision_load_view_and_expiry(cluster: Cluster, 
             assert m["outcome"] in {"in flight", "expired"}, m
 
         # Nobody executes it: the decision expires after decision_timeout_s.
-        await wait_for(events, lambda m: isinstance(m, Event) and m.event is EventKind.EXPIRED and m.migration == d.id, timeout=30)
+        await wait_for(events, lambda m: isinstance(m, Event) and m.event is EventKind.EXPIRED and m.migration == d.id, within_s=30)
 
         body = await asyncio.to_thread(lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode())
         assert "star_scheduler_tick_seconds_count" in body
@@ -164,10 +164,10 @@ async def test_instance_whose_reports_stop_goes_stale(cluster: Cluster, bus: Bus
     reporter = asyncio.create_task(cluster.report_forever(bus))
     cluster.start("solo")
     try:
-        await wait_for(events, lambda m: isinstance(m, Event) and m.event is EventKind.LEADER, timeout=60)
+        await wait_for(events, lambda m: isinstance(m, Event) and m.event is EventKind.LEADER, within_s=60)
         await asyncio.sleep(0.5)
         del cluster.reporting["c"]
-        await wait_for(events, lambda m: isinstance(m, Event) and m.event is EventKind.INSTANCE_STALE and m.instance == "c", timeout=30)
+        await wait_for(events, lambda m: isinstance(m, Event) and m.event is EventKind.INSTANCE_STALE and m.instance == "c", within_s=30)
         # The load view is rewritten every tick; wait for the first one after "c" went stale.
         deadline = time.monotonic() + 30
         while set(view := await bus.read_load()) != {"a", "b"} and time.monotonic() < deadline:  # noqa: ASYNC110 (state in Redis)
@@ -188,18 +188,18 @@ async def test_standby_takes_over_after_sigkill(cluster: Cluster, bus: Bus) -> N
     ttl = {"STAR_SCHEDULER_LOCK_TTL_S": "1.5"}
     procs = {"n1": cluster.start("n1", **ttl), "n2": cluster.start("n2", **ttl)}
     try:
-        first = await wait_for(events, lambda m: isinstance(m, Event) and m.event is EventKind.LEADER, timeout=60)
+        first = await wait_for(events, lambda m: isinstance(m, Event) and m.event is EventKind.LEADER, within_s=60)
         leader_event = first[-1]
         assert isinstance(leader_event, Event)
         leader = leader_event.origin.split(":", 1)[1]
         standby = "n2" if leader == "n1" else "n1"
         first_fence = int(leader_event.data["fence"])
-        await wait_for(decisions, lambda m: isinstance(m, Decision), timeout=60)
+        await wait_for(decisions, lambda m: isinstance(m, Decision), within_s=60)
         await asyncio.sleep(1.0)  # let the standby's view warm up
 
         procs[leader].send_signal(signal.SIGKILL)
         killed_at = time.time()
-        got = await wait_for(events, lambda m: isinstance(m, Event) and m.event is EventKind.LEADER and m.origin == f"scheduler:{standby}", timeout=30)
+        got = await wait_for(events, lambda m: isinstance(m, Event) and m.event is EventKind.LEADER and m.origin == f"scheduler:{standby}", within_s=30)
         new = got[-1]
         assert isinstance(new, Event)
         # The standby stamps its LEADER event when it wins the lock, so the
@@ -209,7 +209,7 @@ async def test_standby_takes_over_after_sigkill(cluster: Cluster, bus: Bus) -> N
         assert takeover <= 8.0, f"takeover took {takeover:.2f}s (lock ttl 1.5 s)"
         assert int(new.data["fence"]) > first_fence
         # Only the standby remains; its decisions carry the new fence.
-        later = await wait_for(decisions, lambda m: isinstance(m, Decision) and m.fence > first_fence, timeout=30)
+        later = await wait_for(decisions, lambda m: isinstance(m, Decision) and m.fence > first_fence, within_s=30)
         assert all(isinstance(m, Decision) for m in later)
     finally:
         reporter.cancel()
