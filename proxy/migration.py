@@ -41,7 +41,7 @@ import structlog
 
 from proxy.backend import BackendError, GenerationRequest, TokenBatch
 from proxy.upstream import ConnectionLost, Stream, WorkerClient
-from star.bus import Bus, Subscriber
+from star.bus import Bus, BusUnavailable, Subscriber
 from star.sampling import continuation
 from star.wire import Abort, Decision, Error, Event, EventKind, Generate, Handoff, Release, Tokens
 
@@ -442,7 +442,14 @@ async def follow_decisions(bus: Bus, migrator: Migrator, start: str = "$") -> No
     """Read ``star:decisions`` in order and apply each (runs until cancelled)."""
     sub = Subscriber(bus, "decisions", Decision, start=start)
     while True:
-        for entry in await sub.read():
+        try:
+            batch = await sub.read()
+        except BusUnavailable as exc:
+            # Keep serving: streams go on without migrations until Redis is back,
+            # and reading resumes after the last decision seen.
+            log.error("decisions unreadable; retrying", error=str(exc))
+            continue
+        for entry in batch:
             decision = entry.msg
             assert isinstance(decision, Decision)
             try:

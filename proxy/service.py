@@ -14,7 +14,7 @@ from proxy.http import HttpServer
 from proxy.migration import follow_decisions
 from proxy.tokenizer import ModelCard
 from proxy.upstream import WorkerPool
-from star.bus import Bus
+from star.bus import Bus, BusUnavailable
 from star.process import Service
 from star.settings import Settings
 from star.wire import Event
@@ -63,7 +63,12 @@ class ProxyService(Service):
         assert self.bus is not None
         while True:
             event = await self.events.get()
-            await self.bus.publish("events", event)
+            while True:
+                try:
+                    await self.bus.publish("events", event)
+                    break
+                except BusUnavailable as exc:  # keep the event and keep serving
+                    log.error("events unpublishable; retrying", error=str(exc), queued=self.events.qsize())
 
     async def drain(self) -> None:
         if self.server is not None:

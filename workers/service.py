@@ -15,7 +15,7 @@ import time
 
 import structlog
 
-from star.bus import Bus
+from star.bus import Bus, BusUnavailable
 from star.process import Service
 from star.settings import Settings
 from star.wire import Event, EventKind, Hello
@@ -88,7 +88,12 @@ class WorkerService(Service):
                 delta=sched.delta,
                 horizon=sched.horizon,
             )
-            await self.bus.publish("reports", report)
+            try:
+                await self.bus.publish("reports", report)
+            except BusUnavailable as exc:
+                # Never stop an engine that holds running requests over Redis:
+                # this report is dropped, the next one is fresher anyway.
+                log.error("report unpublishable; retrying with the next", error=str(exc))
             previous = stats
 
     async def drain(self) -> None:
