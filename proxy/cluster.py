@@ -33,7 +33,7 @@ from proxy.backend import (
 )
 from proxy.migration import DecodeRun, Migrator
 from proxy.upstream import ConnectionLost, WorkerClient, WorkerPool
-from star.bus import Bus, Subscriber
+from star.bus import Bus, BusUnavailable, Subscriber
 from star.sampling import migration_blocker
 from star.wire import Abort, Error, Event, EventKind, Generate, Report, Tokens
 
@@ -88,7 +88,13 @@ class Directory:
         start = f"{int((time.time() - self.staleness_s) * 1000)}-0"
         sub = Subscriber(self.bus, "reports", Report, start=start)
         while True:
-            for entry in await sub.read():
+            try:
+                batch = await sub.read()
+            except BusUnavailable as exc:
+                # Keep serving on the last view; reports age out by staleness.
+                log.error("reports unreadable; retrying", error=str(exc))
+                continue
+            for entry in batch:
                 report = entry.msg
                 assert isinstance(report, Report)
                 self._reports[report.instance] = (time.monotonic(), report)
@@ -96,7 +102,11 @@ class Directory:
 
     async def poll_load(self, interval_s: float = 0.25) -> None:
         while True:
-            view = await self.bus.read_load()
+            try:
+                view = await self.bus.read_load()
+            except BusUnavailable as exc:
+                log.error("dispatch view unreadable; retrying", error=str(exc))
+                continue
             now, wall = time.monotonic(), time.time()
             for name, e in view.items():
                 if wall - e.ts <= self.staleness_s:
@@ -116,7 +126,21 @@ class Directory:
         for name, m in fresh_load.items():
             if name in out or not self._reports:
                 out[name] = m  # the scheduler's view (with booked moves) wins
-        return [m for m in out.values() if m.role == role and self._down.get(m.address, 0.0) <= now]
+        live = [m for m in out.values() if m.role == role and self._down.get(m.address, 0.0) <= now]
+        if live:
+            return live
+        # Nothing fresh: reports can lag far behind on a starved host or while
+        # Redis is unreachable. Instances last heard of that have not refused a
+        # connection are still worth trying; a dead one is marked down on the
+        # first refused connection, and only then is the answer 503.
+        last = [
+            Member(r.instance, r.role, r.address, r.used_tokens, r.capacity_tokens, float(r.used_tokens), len(r.requests))
+            for _t, r in self._reports.values()
+        ]
+        stale = [m for m in last if m.role == role and self._down.get(m.address, 0.0) <= now]
+        if stale:
+            log.warning("no fresh reports; dispatching on the last known instances", role=role, instances=[m.instance for m in stale])
+        return stale
 
     def pick(self, role: str, policy: str, tokens: int) -> Member:
         members = self.members(role)

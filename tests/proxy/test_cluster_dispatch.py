@@ -90,3 +90,20 @@ async def test_prefill_too() -> None:
         dead={"h:1"},
     )
     assert (await b.pick_reachable("prefill", "current-load", 10)).instance == "prefill-1"
+
+
+async def test_stale_reports_are_tried_when_nothing_is_fresh() -> None:
+    # Reports lag on a starved host or while Redis is down: the last known
+    # instances are still tried, and a dead one is dropped at its first refusal.
+    b, pool = backend(
+        [report("decode-0", "decode", "h:1", 0), report("decode-1", "decode", "h:2", 500)],
+        dead={"h:1"},
+    )
+    long_ago = time.monotonic() - 3600
+    for name, (_t, r) in list(b.directory._reports.items()):
+        b.directory._reports[name] = (long_ago, r)
+    assert (await b.pick_reachable("decode", "current-load", 10)).instance == "decode-1"
+    assert pool.tried == ["h:1", "h:2"]
+    # A fresh report wins over stale ones again.
+    b.directory._reports["decode-2"] = (time.monotonic(), report("decode-2", "decode", "h:3", 900))
+    assert [m.instance for m in b.directory.members("decode")] == ["decode-2"]
