@@ -30,7 +30,6 @@ import os
 import statistics
 import sys
 import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,8 +37,9 @@ from typing import Any
 import httpx
 
 from star.bus import Bus
+from star.cli.migrate import manual_decision
 from star.settings import BusSettings, RedisSettings
-from star.wire import Decision, Event, EventKind, decode
+from star.wire import Event, EventKind
 
 MODEL = "star-tiny"
 
@@ -67,22 +67,10 @@ class Trial:
     window: tuple[float, float] = (0.0, 0.0)
 
 
-async def _events(bus: Bus, request: str) -> list[Event]:
-    out = []
-    for _id, raw in await bus.tail("events", 20_000):
-        try:
-            msg = decode(raw[b"body"])
-        except Exception:
-            continue
-        if isinstance(msg, Event) and msg.request == request:
-            out.append(msg)
-    return out
-
-
 async def _wait(bus: Bus, request: str, kind: EventKind, within_s: float = 60.0) -> Event:
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
-        for ev in await _events(bus, request):
+        for ev in await bus.request_events(request):
             if ev.event is kind:
                 return ev
         await asyncio.sleep(0.05)
@@ -127,20 +115,7 @@ async def _trial(
         trial.request = rid
         trial.source = (await _wait(bus, rid, EventKind.DISPATCHED)).instance
         trial.target = "decode-1" if trial.source == "decode-0" else "decode-0"
-        await bus.publish(
-            "decisions",
-            Decision(
-                id=f"bench-{uuid.uuid4().hex[:10]}",
-                request=rid,
-                source=trial.source,
-                target=trial.target,
-                tick=0,
-                delta_v=0.0,
-                mode="manual",
-                ts=time.time(),
-                origin="manual",
-            ),
-        )
+        await bus.publish("decisions", manual_decision(rid, trial.source, trial.target))
 
     await _stream(
         url,
@@ -150,7 +125,7 @@ async def _trial(
         on_chunk,
     )
     await _wait(bus, trial.request, EventKind.FINISHED)  # the last event of a request
-    evs = await _events(bus, trial.request)
+    evs = await bus.request_events(trial.request)
     start = next(e for e in evs if e.event is EventKind.MIGRATING)
     resumed = next(e for e in evs if e.event is EventKind.RESUMED)
     released = next(e for e in evs if e.event is EventKind.RELEASED)

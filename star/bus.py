@@ -33,7 +33,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from star.settings import BusSettings, RedisSettings
-from star.wire import LoadEntry, Message, Report, WireError, decode, decode_as, encode
+from star.wire import Event, LoadEntry, Message, Report, WireError, decode, decode_as, encode
 
 log = structlog.get_logger(__name__)
 
@@ -314,6 +314,21 @@ class Bus:
                 continue
             latest[report.instance] = report
         return latest
+
+    async def request_events(self, request: str, count: int = 20_000) -> list[Event]:
+        """The events of ``request`` among the last ``count`` entries, oldest first.
+
+        Undecodable entries are skipped (a consumer group dead-letters them).
+        """
+        out: list[Event] = []
+        for _entry_id, raw in await self.tail("events", count):
+            try:
+                msg = decode(raw.get(b"body", b""))
+            except WireError:
+                continue
+            if isinstance(msg, Event) and msg.request == request:
+                out.append(msg)
+        return out
 
     # -- dispatch view (hash) ------------------------------------------------------
 

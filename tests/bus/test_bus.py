@@ -242,3 +242,14 @@ async def test_publish_retry_after_lost_reply_does_not_duplicate(bus: Bus) -> No
     assert calls == 1  # the retry found the entry instead of re-sending
     rows = await bus.redis.xrange(bus.keys.decisions)
     assert [r[0].decode() for r in rows] == [entry]
+
+
+async def test_request_events_are_one_requests_events_in_order(bus: Bus) -> None:
+    await bus.publish("events", Event(EventKind.DISPATCHED, 1.0, "proxy:p", request="a", instance="d0"))
+    await bus.publish("events", Event(EventKind.DISPATCHED, 2.0, "proxy:p", request="b", instance="d1"))
+    await bus.redis.xadd(bus.keys.stream("events"), {"kind": "event", "body": b"\xc1 not msgpack"})
+    await bus.redis.xadd(bus.keys.stream("events"), {"kind": "event"})  # no body
+    await bus.publish("events", Event(EventKind.FINISHED, 3.0, "proxy:p", request="a", instance="d0"))
+    got = await bus.request_events("a")
+    assert [(e.event, e.ts) for e in got] == [(EventKind.DISPATCHED, 1.0), (EventKind.FINISHED, 3.0)]
+    assert await bus.request_events("nobody") == []

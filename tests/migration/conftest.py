@@ -16,7 +16,6 @@ import json
 import os
 import tempfile
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +28,7 @@ import pytest_asyncio
 from star.bus import Bus
 from star.cli.up import LocalCluster, group_members
 from star.settings import BusSettings, RedisSettings
-from star.wire import Decision, Event, Report, decode
+from star.wire import Event, Report
 
 DECODE = ("decode-0", "decode-1")
 TTL_S = 20
@@ -79,43 +78,17 @@ async def bus(fleet: LocalCluster) -> AsyncIterator[Bus]:
     await b.close()
 
 
-async def events_of(bus: Bus, request: str) -> list[Event]:
-    out = []
-    for _id, raw in await bus.tail("events", 20_000):
-        try:
-            msg = decode(raw[b"body"])
-        except Exception:
-            continue
-        if isinstance(msg, Event) and msg.request == request:
-            out.append(msg)
-    return out
-
-
 async def wait_event(
     bus: Bus, request: str, pred: Callable[[Event], bool], what: str, within_s: float = 60.0
 ) -> Event:
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
-        for ev in await events_of(bus, request):
+        for ev in await bus.request_events(request):
             if pred(ev):
                 return ev
         await asyncio.sleep(0.05)
-    seen = [(e.event.value, e.detail) for e in await events_of(bus, request)]
+    seen = [(e.event.value, e.detail) for e in await bus.request_events(request)]
     raise AssertionError(f"no {what} event for {request} within {within_s} s; saw {seen}")
-
-
-def decision(request: str, source: str, target: str) -> Decision:
-    return Decision(
-        id=f"test-{uuid.uuid4().hex[:10]}",
-        request=request,
-        source=source,
-        target=target,
-        tick=0,
-        delta_v=0.0,
-        mode="manual",
-        ts=time.time(),
-        origin="manual",
-    )
 
 
 @dataclass

@@ -22,7 +22,7 @@ import pytest
 
 from proxy.upstream import WorkerClient
 from star.bus import Bus
-from star.cli.migrate import migrate
+from star.cli.migrate import manual_decision, migrate
 from star.cli.up import LocalCluster
 from star.model.task import Prompt
 from star.settings import BusSettings, RedisSettings, load_settings
@@ -31,8 +31,6 @@ from tests.migration.conftest import (
     DECODE,
     Completion,
     complete,
-    decision,
-    events_of,
     ghost,
     proxy_sees,
     wait_event,
@@ -72,7 +70,7 @@ async def dispatched_to(bus: Bus, request: str) -> str:
 async def all_events(bus: Bus, request: str) -> list[Event]:
     """Every event of a finished request: ``finished`` is its last, published in order."""
     await wait_event(bus, request, lambda e: e.event is EventKind.FINISHED, "finished")
-    return await events_of(bus, request)
+    return await bus.request_events(request)
 
 
 def first_unique(text: str, start: int) -> str:
@@ -130,7 +128,7 @@ async def migrate_at(
                 settings = load_settings(env={"STAR_REDIS_URL": fleet.redis_url})
                 await migrate(settings, request, target)
             else:
-                await bus.publish("decisions", decision(request, source, target))
+                await bus.publish("decisions", manual_decision(request, source, target))
             path.append(target)
 
     driver = asyncio.create_task(drive())
@@ -238,7 +236,7 @@ async def test_stop_strings_and_budget_across_a_handoff(fleet: LocalCluster, bus
     async def on_chunk(c: Completion) -> None:
         if c.chunks == 20:
             source = await dispatched_to(bus, c.id)
-            await bus.publish("decisions", d := decision(c.id, source, other(source)))
+            await bus.publish("decisions", d := manual_decision(c.id, source, other(source)))
             sent.append(d.id)
 
     got = await complete(fleet, p, MAX_TOKENS, on_chunk, stop=[stop], chat=True)
@@ -253,14 +251,14 @@ async def test_stop_strings_and_budget_across_a_handoff(fleet: LocalCluster, bus
 async def test_refusals_leave_the_stream_alone(fleet: LocalCluster, bus: Bus) -> None:
     finished = await complete(fleet, prompt(4), 8)
     await all_events(bus, finished.id)  # the proxy has forgotten it
-    await bus.publish("decisions", d := decision(finished.id, DECODE[0], DECODE[1]))
+    await bus.publish("decisions", d := manual_decision(finished.id, DECODE[0], DECODE[1]))
     await wait_event(
         bus,
         finished.id,
         lambda e: e.event is EventKind.REFUSED and e.detail == "finished",
         "refused",
     )
-    await bus.publish("decisions", decision("cmpl-nobody", DECODE[0], DECODE[1]))
+    await bus.publish("decisions", manual_decision("cmpl-nobody", DECODE[0], DECODE[1]))
     await wait_event(
         bus,
         "cmpl-nobody",
@@ -275,7 +273,7 @@ async def test_refusals_leave_the_stream_alone(fleet: LocalCluster, bus: Bus) ->
     async def on_chunk(c: Completion) -> None:
         if c.chunks == 20:
             source = await dispatched_to(bus, c.id)
-            await bus.publish("decisions", decision(c.id, source, other(source)))
+            await bus.publish("decisions", manual_decision(c.id, source, other(source)))
 
     got = await complete(fleet, p, MAX_TOKENS, on_chunk, presence_penalty=0.5)
     assert_same(got, ref)
@@ -292,9 +290,9 @@ async def test_already_migrating_is_refused_and_the_first_goes_on(
     async def on_chunk(c: Completion) -> None:
         if c.chunks == 25:
             source = await dispatched_to(bus, c.id)
-            await bus.publish("decisions", decision(c.id, source, "decode-9"))
-            await bus.publish("decisions", decision(c.id, source, other(source)))
-            await bus.publish("decisions", decision(c.id, source, other(source)))
+            await bus.publish("decisions", manual_decision(c.id, source, "decode-9"))
+            await bus.publish("decisions", manual_decision(c.id, source, other(source)))
+            await bus.publish("decisions", manual_decision(c.id, source, other(source)))
 
     got = await complete(fleet, p, MAX_TOKENS, on_chunk)
     assert_same(got, ref)
@@ -320,7 +318,7 @@ async def test_target_dead_continues_on_the_source_by_recompute(
             source = await dispatched_to(bus, c.id)
             await ghost(bus, "decode-ghost", dead)
             await proxy_sees(fleet, "decode-ghost")
-            await bus.publish("decisions", decision(c.id, source, "decode-ghost"))
+            await bus.publish("decisions", manual_decision(c.id, source, "decode-ghost"))
 
     got = await complete(fleet, p, MAX_TOKENS, on_chunk)
     assert_same(got, ref)
@@ -395,7 +393,7 @@ async def test_the_loop_closed_scheduler_migrates_an_imbalanced_load(
             start_new_session=True,
         )
         moved = await wait_any_resumed(bus, rids, within_s=180)
-        decisions = [e for e in await events_of(bus, moved) if e.event is EventKind.MIGRATING]
+        decisions = [e for e in await bus.request_events(moved) if e.event is EventKind.MIGRATING]
         assert decisions[0].data["origin"] == "scheduler"
         results = await asyncio.gather(*tasks)
         assert all(r.usage.get("completion_tokens") == 1200 for r in results)
@@ -427,7 +425,7 @@ async def wait_any_resumed(bus: Bus, rids: list[str], within_s: float) -> str:
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
         for rid in rids:
-            if any(e.event is EventKind.RESUMED for e in await events_of(bus, rid)):
+            if any(e.event is EventKind.RESUMED for e in await bus.request_events(rid)):
                 return rid
         await asyncio.sleep(0.2)
     raise AssertionError(f"no scheduler-driven migration within {within_s} s")
