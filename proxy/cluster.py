@@ -142,6 +142,25 @@ class Directory:
             log.warning("no fresh reports; dispatching on the last known instances", role=role, instances=[m.instance for m in stale])
         return stale
 
+    def address(self, role: str, instance: str) -> str | None:
+        """Address of ``instance`` as a migration target (None: not a live ``role`` instance).
+
+        The rule of :meth:`members` for one instance: a fresh one, or, when its
+        reports lag (a starved host, Redis unreachable), the last known address
+        of an instance that has not refused a connection since. A target that
+        turns out to be dead costs an ABORTED_DST and a recompute, and is marked
+        down on the refused connection.
+        """
+        for m in self.members(role):
+            if m.instance == instance:
+                return m.address
+        now = time.monotonic()
+        known = self._reports.get(instance)
+        if known is None or known[1].role != role or self._down.get(known[1].address, 0.0) > now:
+            return None
+        log.warning("no fresh report; using the last known address", role=role, instance=instance)
+        return known[1].address
+
     def pick(self, role: str, policy: str, tokens: int) -> Member:
         members = self.members(role)
         if not members:
@@ -278,11 +297,8 @@ class ClusterBackend:
         self._emit(event)
 
     def decode_address(self, instance: str) -> str | None:
-        """Address of a live decode instance (None: not live)."""
-        for m in self.directory.members("decode"):
-            if m.instance == instance:
-                return m.address
-        return None
+        """Address of a live decode instance (None: not live; see :meth:`Directory.address`)."""
+        return self.directory.address("decode", instance)
 
 
 def _error(msg: Error, instance: str) -> BackendError:

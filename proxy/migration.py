@@ -223,6 +223,7 @@ class DecodeRun:
                 await self._open(instance, address, None)
             except (OSError, ConnectionLost, TimeoutError) as exc:
                 exclude.add(instance)
+                self.owner.directory.mark_down(address)
                 log.warning("recovery target unreachable", instance=instance, error=str(exc))
                 continue
             self.fire(RunEvent.RECOVERED)
@@ -346,6 +347,7 @@ class DecodeRun:
         try:
             await self._open(cmd.decision.target, cmd.address, kv)
         except (OSError, ConnectionLost, TimeoutError) as exc:
+            self.owner.directory.mark_down(cmd.address)
             await self._target_lost(f"target unreachable: {exc}")
 
     def _on_resumed(self) -> None:

@@ -117,3 +117,37 @@ def _decision(source: str = "d0", target: str = "d1") -> Decision:
 )
 def test_refusal(run: _Run | None, finished: bool, decision: Decision, reason: str | None) -> None:
     assert refusal(run, decision, finished) == reason  # type: ignore[arg-type]
+
+
+def test_a_target_with_lagging_reports_is_still_a_live_decode_instance() -> None:
+    """The Migrator's liveness rule is dispatch's: last known unless it refused a connection."""
+    from types import SimpleNamespace
+
+    from proxy.cluster import ClusterBackend, Directory
+    from star.wire import Report
+
+    def report(instance: str, role: str, address: str) -> Report:
+        return Report(instance, role, 1, time.time(), address, 10_000, 0, 512, 0.01, 32, [0.0], [])
+
+    bus = SimpleNamespace(keys=SimpleNamespace(reports="t:reports"))
+    directory = Directory(bus, staleness_s=15)  # type: ignore[arg-type]
+    now = time.monotonic()
+    directory._reports = {
+        "decode-0": (now - 3600, report("decode-0", "decode", "h:1")),  # reports lag
+        "decode-1": (now, report("decode-1", "decode", "h:2")),
+        "prefill-0": (now, report("prefill-0", "prefill", "h:3")),
+    }
+    backend = ClusterBackend(directory, SimpleNamespace(), "current-load", "test")  # type: ignore[arg-type]
+    assert [m.instance for m in directory.members("decode")] == ["decode-1"]
+    assert backend.decode_address("decode-1") == "h:2"
+    assert backend.decode_address("decode-0") == "h:1"
+    assert backend.decode_address("prefill-0") is None
+    assert backend.decode_address("decode-9") is None
+    directory.mark_down("h:1")  # it refused a connection
+    assert backend.decode_address("decode-0") is None
+    assert (
+        backend.migrator.apply(
+            Decision("d1", "cmpl-x", "decode-1", "decode-0", 0, 0.0, "m", time.time())
+        )
+        == "unknown request"
+    )
