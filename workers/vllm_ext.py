@@ -21,7 +21,8 @@ source frees them on NIXL's read notification. No fork of vLLM:
   sooner). vLLM's own ``bidirectional_kv_xfer`` would hold every finished
   request's blocks; a D->D target (``do_remote_decode`` params, the "turn-2
   readback" path of ``pull_scheduler.py``) frees its blocks when it finishes
-  instead of holding them as a prefill node would.
+  instead of holding them as a prefill node would, and recomputes when its
+  one pull failed (:func:`readback_tried`).
 
 Both classes run in the engine-core process. See docs/vllm-notes.md §4.
 """
@@ -135,6 +136,21 @@ def is_release(params: dict[str, Any]) -> bool:
     return RELEASE_KEY in params and "remote_block_ids" not in params
 
 
+def readback_tried(params: dict[str, Any] | None) -> bool:
+    """Whether a D->D target already tried its one pull of the source's blocks.
+
+    vLLM marks the turn-2 readback ``_remote_blocks_processed`` when it
+    queues the read. A read that failed (source gone, NIXL error, or declined
+    because the source's hold expired) sends the request back to the waiting
+    queue with no KV, and vLLM 0.32 then asks the connector again: it would
+    answer "load asynchronously" for a read it never issues a second time,
+    and the request would wait for remote KV forever.
+    """
+    return bool(
+        params and params.get("do_remote_decode") and params.get("_remote_blocks_processed")
+    )
+
+
 class StarNixlConnector(NixlPullConnector):
     """vLLM's NIXL (pull) connector; only a released request holds its blocks on a decode node."""
 
@@ -148,6 +164,14 @@ class StarNixlConnector(NixlPullConnector):
         """
         assert self.connector_scheduler is not None
         self.connector_scheduler._reqs_in_batch.add(request_id)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        if readback_tried(request.kv_transfer_params):
+            # ABORTED pull (DESIGN §5.4): recompute prompt + generated tokens here.
+            return 0, False
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
 
     def request_finished(
         self, request: Request, block_ids: list[int]

@@ -151,3 +151,13 @@ def test_a_target_with_lagging_reports_is_still_a_live_decode_instance() -> None
         )
         == "unknown request"
     )
+
+
+def test_a_failed_readback_is_recomputed_not_awaited_again() -> None:
+    from workers.vllm_ext import readback_tried
+
+    readback = {"do_remote_decode": True, "remote_block_ids": [[1, 2]], "remote_engine_id": "e"}
+    assert not readback_tried(readback)  # the first time: pull
+    assert readback_tried({**readback, "_remote_blocks_processed": True})  # again: recompute
+    assert not readback_tried({"do_remote_prefill": False, "_remote_blocks_processed": True})
+    assert not readback_tried(None)
