@@ -12,8 +12,10 @@ process groups and is bounded in time.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import signal
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -66,8 +68,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         cluster.wait_ready(600)
         yield cluster
     finally:
+        groups = set(pids.values()) | set(cluster.pids().values())  # restarted ones too
         cluster.stop(timeout_s=10)
-        leftovers = group_members(set(pids.values()))
+        leftovers = group_members(groups)
         assert not leftovers, f"processes left behind (pid, pgid, name): {leftovers}"
 
 
@@ -203,3 +206,73 @@ async def proxy_sees(fleet: LocalCluster, instance: str, within_s: float = 30.0)
                 return
             await asyncio.sleep(0.05)
     raise AssertionError(f"the proxy does not list {instance} within {within_s} s")
+
+
+def kill(fleet: LocalCluster, name: str) -> None:
+    """SIGKILL ``name``'s whole process group (vLLM's engine processes too); no cleanup runs."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(fleet.pids()[name], signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def engine_paused(fleet: LocalCluster, name: str) -> Iterator[list[int]]:
+    """SIGSTOP the vLLM engine processes of worker ``name`` (not its token server).
+
+    The worker still accepts connections and requests, but its engine neither
+    steps nor moves KV (NIXL lives in the engine processes) until the block
+    exits, which always SIGCONTs them.
+    """
+    leader = fleet.pids()[name]
+    pids = [pid for pid, _g, _n in group_members({leader}) if pid != leader]
+    assert pids, f"{name} has no engine processes"
+    try:
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        yield pids
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+
+def restart(fleet: LocalCluster, name: str) -> None:
+    """Start ``name`` again with its argv (after :func:`kill` or a crash); returns at once.
+
+    The killed child's log is kept as ``<name>.<n>.log``. Workers are bound
+    to a core by the fleet's own rule (``LocalCluster.start``).
+    """
+    children = fleet.launcher.children
+    old = next(c for c in children if c.name == name)
+    assert old.proc is not None
+    kill(fleet, name)
+    old.proc.wait(60)
+    deadline = time.monotonic() + 60
+    while group_members({old.proc.pid}) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    n = sum(1 for _ in fleet.run_dir.glob(f"{name}.*.log")) + 1
+    with contextlib.suppress(OSError):
+        old.log.rename(fleet.run_dir / f"{name}.{n}.log")
+    children.remove(old)
+    extra: dict[str, str] = {}
+    workers = [f"prefill-{i}" for i in range(fleet.prefill)] + [
+        f"decode-{i}" for i in range(fleet.decode)
+    ]
+    if name in workers and "VLLM_CPU_OMP_THREADS_BIND" not in fleet.env:
+        cores = sorted(os.sched_getaffinity(0))
+        extra["VLLM_CPU_OMP_THREADS_BIND"] = str(cores[workers.index(name) % len(cores)])
+    fleet.launcher.start(name, old.argv, extra)
+
+
+async def wait_new_worker(
+    bus: Bus, fleet: LocalCluster, name: str, old_address: str, within_s: float = 600.0
+) -> str:
+    """Wait until a restarted worker reports (a new address) and the proxy lists it."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        fleet.check()  # it died again: say why
+        report = (await bus.latest_reports()).get(name)
+        if report is not None and report.address != old_address:
+            await proxy_sees(fleet, name, max(deadline - time.monotonic(), 30.0))
+            return report.address
+        await asyncio.sleep(0.5)
+    raise AssertionError(f"{name} did not come back within {within_s} s; logs in {fleet.run_dir}")

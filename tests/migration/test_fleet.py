@@ -55,6 +55,7 @@ pytestmark = [
 ]
 
 MAX_TOKENS = 1000  # long enough that a decision lands before the request ends
+PULL_AFTER = 96  # chunks before a hop, so the target pulls (see migrate_at)
 
 
 def prompt(n: int) -> str:
@@ -99,18 +100,26 @@ async def migrate_at(
 ) -> tuple[Completion, list[str]]:
     """Stream ``p`` and move it ``hops`` times between the two decode instances.
 
-    The hops are driven by events, not by the client's chunk count (which lags
-    generation when the test process is starved): the first as soon as the
-    client has a token (the request is decoding), each next one as soon as the
-    previous one has resumed on its target. ``MAX_TOKENS`` leaves the request
-    far longer than the handoffs take.
+    Each hop waits for the previous one to have resumed on its target, and
+    for ``PULL_AFTER`` more chunks (each at least one token) at the client:
+    vLLM recomputes a handoff under ``kv_recompute_threshold`` (64) tokens
+    instead of pulling it, so an earlier hop would not move KV through NIXL.
+    The client's count lags generation on a starved test process, which only
+    delays a hop; ``MAX_TOKENS`` leaves the request far longer than the hops.
     """
     path: list[str] = []
+    seen: list[Completion] = []
     started: asyncio.Future[str] = asyncio.get_running_loop().create_future()
 
     async def on_chunk(c: Completion) -> None:
+        if not seen:
+            seen.append(c)
         if c.id and not started.done():
             started.set_result(c.id)
+
+    async def chunks_reach(n: int) -> None:
+        while seen[0].chunks < n:  # noqa: ASYNC110 - the client's own count, no event
+            await asyncio.sleep(0.05)
 
     async def drive() -> None:
         request = await started
@@ -123,6 +132,7 @@ async def migrate_at(
                     lambda e: e.event is EventKind.RESUMED and e.instance == path[-1],
                     "resumed",
                 )
+            await chunks_reach(seen[0].chunks + PULL_AFTER if hop else PULL_AFTER)
             source, target = path[-1], other(path[-1])
             if manual_cli:
                 settings = load_settings(env={"STAR_REDIS_URL": fleet.redis_url})
@@ -196,8 +206,10 @@ async def test_engine_release_and_nixl_pull_equal_one_engine(fleet: LocalCluster
 
 async def test_migrated_once_equals_unmigrated(fleet: LocalCluster, bus: Bus) -> None:
     p = prompt(1)
-    ref = await complete(fleet, p, MAX_TOKENS)
     got, path = await migrate_at(bus, fleet, p, 1, manual_cli=True)
+    # The reference runs after: had it run first, the target could hold the
+    # whole sequence in its prefix cache and pull nothing through NIXL.
+    ref = await complete(fleet, p, MAX_TOKENS)
     assert_same(got, ref)
     evs = await all_events(bus, got.id)
     kinds = [(e.event, e.instance) for e in evs]
@@ -212,8 +224,8 @@ async def test_migrated_once_equals_unmigrated(fleet: LocalCluster, bus: Bus) ->
 
 async def test_migrated_twice_and_back_equals_unmigrated(fleet: LocalCluster, bus: Bus) -> None:
     p = prompt(2)
-    ref = await complete(fleet, p, MAX_TOKENS)
     got, path = await migrate_at(bus, fleet, p, 3)
+    ref = await complete(fleet, p, MAX_TOKENS)  # after: see test_migrated_once_equals_unmigrated
     assert_same(got, ref)
     assert path[0] == path[2] != path[1] == path[3]
     resumed = [e for e in await all_events(bus, got.id) if e.event is EventKind.RESUMED]
