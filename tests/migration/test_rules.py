@@ -153,6 +153,7 @@ def test_a_target_with_lagging_reports_is_still_a_live_decode_instance() -> None
     )
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # importing vLLM (torch.jit)
 def test_a_failed_readback_is_recomputed_not_awaited_again() -> None:
     from workers.vllm_ext import readback_tried
 
