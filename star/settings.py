@@ -187,7 +187,11 @@ class PredictorSettings:
 
     checkpoint: str = _opt("", "predictor checkpoint (empty = the one shipped with the model, if any)")
     every_k: int = _opt(20, "predict every k decode steps (paper Table 5)", positive)
-    hidden_sizes: tuple[int, ...] = _opt((2048, 512, 64), "MLP hidden layer widths")
+    hidden_sizes: tuple[int, ...] = _opt(
+        (2048, 512, 64),
+        "MLP hidden widths `star predictor train` fits (its --hidden overrides; a checkpoint keeps its own)",
+        lambda v: None if v and all(w >= 1 for w in v) else "must be one or more widths >= 1",
+    )
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ def _sizes(text: str) -> tuple[int, ...]:
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from star.cli.common import add_settings_args
     from star.model import tiny_model_path
 
     parser = sub.add_parser(
@@ -101,8 +102,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     t.add_argument(
         "--hidden",
         type=_sizes,
-        default=(2048, 512, 64),
-        help="hidden widths (default: 2048,512,64)",
+        default=None,
+        help="hidden widths, e.g. 256,64 (default: the setting predictor.hidden_sizes, 2048,512,64)",
     )
     t.add_argument(
         "--lr", type=float, default=1e-3, help="AdamW learning rate (default: %(default)s)"
@@ -120,12 +121,19 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     t.add_argument(
         "--log-target", action="store_true", help="regress log1p of the remaining length"
     )
+    t.add_argument(
+        "--no-uncertainty",
+        action="store_true",
+        help="one output only (the paper's MLP): no error-scale output, the served R-hat "
+        "then averages rounds with equal weights",
+    )
     t.add_argument("--no-search", action="store_true", help="train only the given configuration")
     t.add_argument("--seed", type=int, default=0, help="split and init seed (default: %(default)s)")
     t.add_argument(
         "--threads", type=int, default=1, help="torch CPU threads (default: %(default)s)"
     )
     t.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_settings_args(t)
     t.set_defaults(func=run_train)
 
     e = inner.add_parser(
@@ -192,11 +200,18 @@ def _load(data_dir: Path) -> Any:
 def run_train(args: argparse.Namespace) -> int:
     import torch
 
+    from star.cli.common import settings_from_args
     from star.predictor import evaluate as ev
     from star.predictor import train as tr
     from star.predictor.dataset import DatasetError
     from star.predictor.model import save_checkpoint
+    from star.settings import SettingsError
 
+    try:
+        # --hidden wins over predictor.hidden_sizes (file < env < --set).
+        settings = settings_from_args(args, {"predictor.hidden_sizes": args.hidden})
+    except SettingsError as exc:
+        return _err(str(exc))
     torch.set_num_threads(args.threads)
     try:
         data, samples = _load(args.data)
@@ -204,12 +219,13 @@ def run_train(args: argparse.Namespace) -> int:
         return _err(str(exc))
     splits = tr.split(samples, args.seed)
     base = tr.TrainConfig(
-        hidden_sizes=args.hidden,
+        hidden_sizes=settings.predictor.hidden_sizes,
         lr=args.lr,
         batch_size=args.batch_size,
         max_epochs=args.max_epochs,
         patience=args.patience,
         log_target=args.log_target,
+        uncertainty=not args.no_uncertainty,
         seed=args.seed,
     )
     configs = [base] if args.no_search else tr.default_grid(base)
@@ -223,8 +239,8 @@ def run_train(args: argparse.Namespace) -> int:
         print(
             f"{r.config.label():<36}{r.val_mae:>9.1f}{r.epochs:>8}{r.best_epoch:>6}{r.seconds:>7.0f}{mark}"
         )
-    rows = ev.evaluate(best.model, splits["test"], splits["train"])
     meta = data.index["meta"]
+    rows = ev.evaluate(best.model, splits["test"], splits["train"], _max_tokens(meta))
     out = args.out or args.data / "predictor"
     save_checkpoint(
         best.model,
@@ -246,6 +262,12 @@ def run_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _max_tokens(meta: dict[str, Any]) -> int | None:
+    """The max_tokens the data was collected with (None: not recorded)."""
+    value = meta.get("max_tokens")
+    return int(value) if value is not None else None
+
+
 def run_eval(args: argparse.Namespace) -> int:
     from star.predictor import evaluate as ev
     from star.predictor import train as tr
@@ -262,12 +284,20 @@ def run_eval(args: argparse.Namespace) -> int:
             f"checkpoint expects hidden size {ckpt.config.input_dim}, the data has {samples.dim}"
         )
     splits = tr.split(samples, int(ckpt.metadata.get("split_seed", 0)))
-    rows = ev.evaluate(ckpt.model, splits["test"], splits["train"])
+    max_tokens = _max_tokens(data.index["meta"])
+    preds = ev.predictions(ckpt.model, splits["test"], splits["train"], max_tokens)
+    rows = ev.evaluate(ckpt.model, splits["test"], splits["train"], max_tokens, preds)
     if args.json:
         print(json.dumps(ev.as_dicts(rows), indent=1))
     else:
-        print(f"test split: {len(splits['test'])} rows; MAE in tokens")
+        cfg = ckpt.config
+        print(
+            f"test split: {len(splits['test'])} rows; MAE in tokens; served fusion "
+            f"decay {cfg.decay:g}, power {cfg.power:g}, first weight {cfg.first_weight:g}"
+            f"{'' if cfg.uncertainty else ' (no error-scale output: equal weights)'}"
+        )
         print(ev.format_table(rows))
+        print(ev.clip_note(preds, splits["test"], max_tokens))
     if args.plot is not None:
         ev.plot(rows, args.plot, title=f"length predictor, {data.index['meta']['model']}")
         if not args.json:

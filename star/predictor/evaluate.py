@@ -2,25 +2,32 @@
 
 Metrics per bucket: MAE (tokens), NMAE (MAE / mean true remaining length in
 the bucket) and Kendall's tau between predicted and true remaining lengths.
-Buckets: all rows; by progress (tokens already generated: the paper's Fig. 7
-shows the MAE falling as generation proceeds); by the request's true final
-length.
+Buckets: all rows; by progress (tokens already generated); by the request's
+true final length; and by progress over the long answers only (final length
+>= :data:`LONG`), the paper's Fig. 7, which follows requests of one length
+(30-32K tokens) as they generate. The plain progress buckets hold different
+requests: only long answers reach the late ones.
 
 Predictors in the same table:
 
-* ``mlp-ema``: what the worker serves (``workers/tap.py``): the MLP's
-  predicted final length (R-hat + tokens generated) averaged exponentially
-  over the request's rounds so far (weight ``alpha`` on the newest, chosen on
-  the validation split by training), minus the tokens generated now.
+* ``mlp-fused``: what the worker serves (``workers/tap.py``): the MLP's
+  predicted final length (R-hat + tokens generated) fused over the request's
+  rounds so far, each round weighted by the MLP's own error scale
+  (:func:`star.predictor.model.fuse_step`; decay and power chosen on the
+  validation split by training), minus the tokens generated now.
 * ``mlp``: the trained MLP on each row alone (the paper's predictor).
 * ``constant``: the training set's mean remaining length, for every row.
 * ``prompt-only``: the MLP's prediction at progress 0 (the last prompt token)
   kept for the whole request, aged by the tokens generated since
   (R-hat(g) = max(R-hat(0) - g, 1)): what a predictor that only sees the
   prompt can know.
-* ``bins:K`` (K = 2, 4, 6): the MLP's prediction quantised to the midpoint of
+* ``bins:K`` (K = 2, 4, 6): the served prediction quantised to the midpoint of
   its bin, with the paper's Table 4 edges (fractions of its 32K range) scaled
   to this data's longest answer (:func:`bin_edges`).
+
+Every predictor is held to the hard bound R-hat <= max_tokens - generated
+(the worker knows each request's ``max_tokens``; :func:`clip`) when the data's
+``max_tokens`` is given; :func:`clip_note` says how many served rows it moved.
 """
 
 from __future__ import annotations
@@ -40,6 +47,8 @@ FloatArray = npt.NDArray[np.float64]
 
 PROGRESS_EDGES = (0, 1, 50, 100, 200, 400)
 LENGTH_EDGES = (0, 50, 100, 200, 400, 800)
+LONG = 400
+"""Final length (tokens) from which an answer counts as long (the Fig. 7 buckets)."""
 
 
 @dataclass(frozen=True)
@@ -104,11 +113,16 @@ def _buckets(
 
 
 def buckets(samples: Samples) -> list[tuple[str, npt.NDArray[np.bool_]]]:
-    """(label, row mask): all, by tokens generated, by true final length."""
+    """(label, row mask): all, by tokens generated, by true final length, long by progress."""
+    long = samples.final >= LONG
     return [
         ("all", np.ones(len(samples), dtype=bool)),
         *_buckets(samples.generated, PROGRESS_EDGES, "progress"),
         *_buckets(samples.final, LENGTH_EDGES, "length"),
+        *(
+            (f"long {label}", mask & long)
+            for label, mask in _buckets(samples.generated, PROGRESS_EDGES, "progress")
+        ),
     ]
 
 
@@ -127,14 +141,21 @@ def quantise(pred: FloatArray, edges: FloatArray) -> FloatArray:
     return out
 
 
-def mlp_predictions(model: LengthPredictor, samples: Samples, batch: int = 4096) -> FloatArray:
+def mlp_predictions(
+    model: LengthPredictor, samples: Samples, batch: int = 4096
+) -> tuple[FloatArray, FloatArray]:
+    """(R-hat, sigma) in tokens per row (sigma = 1 without the uncertainty output)."""
     import torch
 
-    out = []
+    preds, sigmas = [], []
     for start in range(0, len(samples), batch):
         x = torch.from_numpy(samples.hidden[start : start + batch])
-        out.append(model.predict(x).double().numpy())
-    return np.concatenate(out) if out else np.zeros(0)
+        r, sig = model.predict_with_sigma(x)
+        preds.append(r.double().numpy())
+        sigmas.append(sig.double().numpy())
+    if not preds:
+        return np.zeros(0), np.zeros(0)
+    return np.concatenate(preds), np.concatenate(sigmas)
 
 
 def prompt_only(samples: Samples, pred: FloatArray) -> FloatArray:
@@ -155,47 +176,101 @@ def prompt_only(samples: Samples, pred: FloatArray) -> FloatArray:
     return out
 
 
-def smoothed(samples: Samples, pred: FloatArray, alpha: float) -> FloatArray:
-    """What the worker serves: an exponential average of the predicted final length.
+def fused(
+    samples: Samples,
+    pred: FloatArray,
+    sigma: FloatArray,
+    decay: float,
+    power: float,
+    first_weight: float = 1.0,
+) -> FloatArray:
+    """What the worker serves: each request's rounds fused in order of progress.
 
-    Over a request's rows in order of progress, T = R-hat + generated is
-    averaged with weight ``alpha`` on the newest row; the served R-hat is
-    T - generated (at least 0). ``alpha = 1`` gives the rows' own predictions.
+    :func:`star.predictor.model.fuse_step` over a request's rows sorted by
+    tokens generated (the worker sees them in that order). ``decay = 0`` gives
+    the rows' own predictions.
     """
+    from star.predictor.model import fuse_step
+
     out = np.empty(len(samples))
-    totals: dict[int, float] = {}
+    state: dict[int, tuple[float, float]] = {}
     for i in np.lexsort((samples.generated, samples.request)).tolist():
-        r, g = int(samples.request[i]), float(samples.generated[i])
-        prev = totals.get(r)
-        total = pred[i] + g if prev is None else (1 - alpha) * prev + alpha * (pred[i] + g)
-        totals[r] = total
-        out[i] = max(total - g, 0.0)
+        r = int(samples.request[i])
+        state[r], out[i] = fuse_step(
+            state.get(r),
+            float(pred[i]),
+            float(sigma[i]),
+            int(samples.generated[i]),
+            decay,
+            power,
+            first_weight,
+        )
     return out
 
 
-def predictions(model: LengthPredictor, test: Samples, train: Samples) -> dict[str, FloatArray]:
-    """Every predictor's R-hat for every test row (bins quantise the served ``mlp-ema``)."""
-    mlp = mlp_predictions(model, test)
-    served = smoothed(test, mlp, model.config.alpha)
+def clip(pred: FloatArray, samples: Samples, max_tokens: int | None) -> FloatArray:
+    """The hard bound: a request cannot run past ``max_tokens``, so R-hat <= max_tokens - generated."""
+    if max_tokens is None:
+        return pred
+    out: FloatArray = np.minimum(pred, float(max_tokens) - samples.generated)
+    return out
+
+
+def predictions(
+    model: LengthPredictor, test: Samples, train: Samples, max_tokens: int | None = None
+) -> dict[str, FloatArray]:
+    """Every predictor's R-hat for every test row (bins quantise the served ``mlp-fused``).
+
+    With ``max_tokens`` every prediction is clipped to the hard bound; the
+    served one before clipping is under the key ``unclipped`` (not a column).
+    """
+    mlp, sigma = mlp_predictions(model, test)
+    cfg = model.config
+    served = fused(test, mlp, sigma, cfg.decay, cfg.power, cfg.first_weight)
     longest = float(max(train.final.max(initial=1), test.final.max(initial=1)))
     out = {
-        "mlp-ema": served,
+        "mlp-fused": served,
         "mlp": mlp,
         "constant": np.full(len(test), float(np.mean(train.remaining))),
         "prompt-only": prompt_only(test, mlp),
     }
     for k in (6, 4, 2):
         out[f"bins:{k}"] = quantise(served, bin_edges(k, longest))
+    out = {name: clip(p, test, max_tokens) for name, p in out.items()}
+    out["unclipped"] = served
     return out
 
 
-def evaluate(model: LengthPredictor, test: Samples, train: Samples) -> list[Row]:
+def clip_note(preds: dict[str, FloatArray], test: Samples, max_tokens: int | None) -> str:
+    """One line: how the hard bound changed the served predictions."""
+    if max_tokens is None:
+        return "no hard bound applied (the data does not record max_tokens)"
+    served, raw = preds["mlp-fused"], preds["unclipped"]
+    moved = int(np.count_nonzero(served != raw))
+    true = test.remaining.astype(np.float64)
+    return (
+        f"hard bound R-hat <= max_tokens - generated (max_tokens {max_tokens}) moved {moved} of "
+        f"{len(served)} served predictions; served MAE {np.mean(np.abs(served - true)):.1f} "
+        f"clipped, {np.mean(np.abs(raw - true)):.1f} unclipped"
+    )
+
+
+def evaluate(
+    model: LengthPredictor,
+    test: Samples,
+    train: Samples,
+    max_tokens: int | None = None,
+    preds: dict[str, FloatArray] | None = None,
+) -> list[Row]:
     """The whole table: every predictor x every bucket."""
-    preds = predictions(model, test, train)
+    if preds is None:
+        preds = predictions(model, test, train, max_tokens)
     true = test.remaining.astype(np.float64)
     rows = []
     for label, mask in buckets(test):
         for name, pred in preds.items():
+            if name == "unclipped":
+                continue
             mae, nmae, tau = metrics(pred[mask], true[mask])
             rows.append(Row(name, label, mae, nmae, tau, int(mask.sum())))
     return rows
@@ -220,7 +295,7 @@ def format_table(rows: Sequence[Row]) -> str:
     labels = list(dict.fromkeys(r.bucket for r in rows))
     at = {(r.predictor, r.bucket): r for r in rows}
     head = (
-        f"{'bucket':<16}{'rows':>7}"
+        f"{'bucket':<22}{'rows':>7}"
         + "".join(f"{n:>12}" for n in names)
         + f"{'nmae':>10}{'tau':>9}"
     )
@@ -231,7 +306,7 @@ def format_table(rows: Sequence[Row]) -> str:
             continue
         cells = "".join(f"{at[(n, label)].mae:>12.1f}" for n in names)
         lines.append(
-            f"{label:<16}{first.samples:>7}{cells}{first.nmae:>10.3f}{first.kendall_tau:>9.3f}"
+            f"{label:<22}{first.samples:>7}{cells}{first.nmae:>10.3f}{first.kendall_tau:>9.3f}"
         )
     return "\n".join(lines)
 
@@ -250,20 +325,27 @@ def plot(rows: Sequence[Row], out: Path, title: str = "") -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4))
     names = list(dict.fromkeys(r.predictor for r in rows))
-    for ax, prefix in zip(axes, ("progress", "length"), strict=True):
+    xlabels = {
+        "progress": "tokens generated (all answers)",
+        "length": "true final length",
+        "long progress": f"tokens generated (answers of >= {LONG} tokens, cf. Fig. 7)",
+    }
+    for ax, (prefix, xlabel) in zip(axes, xlabels.items(), strict=True):
         for name in names:
             sel = [
-                r for r in rows if r.predictor == name and r.bucket.startswith(prefix) and r.samples
+                r
+                for r in rows
+                if r.predictor == name and r.bucket.startswith(prefix + " ") and r.samples
             ]
             ax.plot(
-                [r.bucket.split(" ", 1)[1] for r in sel],
+                [r.bucket.rsplit(" ", 1)[1] for r in sel],
                 [r.mae for r in sel],
                 marker="o",
                 label=name,
             )
-        ax.set_xlabel("tokens generated" if prefix == "progress" else "true final length")
+        ax.set_xlabel(xlabel)
         ax.set_ylabel("MAE (tokens)")
         ax.grid(alpha=0.3)
     axes[0].legend()

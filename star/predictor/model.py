@@ -7,6 +7,12 @@ per-feature mean and standard deviation, kept in the module as buffers so a
 checkpoint is self-contained. The output is the remaining length in units of
 ``target_scale`` tokens, or ``log1p`` of it with ``log_target``.
 
+With ``uncertainty`` the last layer has a second output, the log of a
+Laplace scale b of the first one's error (in the target's encoding) (trained with the Laplace negative
+log-likelihood next to the L1 loss, :mod:`star.predictor.train`): how much
+this row's hidden state says about the remaining length. The served R-hat
+fuses a request's rounds with weights from it (:func:`fuse_step`).
+
 A checkpoint is two files side by side: ``predictor.safetensors`` (weights
 and buffers) and ``predictor.json`` (:class:`PredictorConfig` plus metadata:
 the model it belongs to, hidden size, data hash, metrics).
@@ -40,11 +46,22 @@ class PredictorConfig:
     hidden_sizes: tuple[int, ...] = (2048, 512, 64)
     log_target: bool = False
     target_scale: float = 100.0
-    alpha: float = 1.0  # the served R-hat's smoothing over rounds (1 = the last round alone)
+    uncertainty: bool = False  # a second output: log Laplace scale of the first's error
+    # How the served R-hat fuses a request's rounds (fuse_step): the past's
+    # weight decays by ``decay`` per round (0 = the last round alone, the
+    # paper's predictor) and a round weighs sigma ** -power (sigma from the
+    # uncertainty output; without it every round weighs 1).
+    decay: float = 0.0
+    power: float = 2.0
+    first_weight: float = 1.0  # the first round's (the prompt's) weight is multiplied by this
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.alpha <= 1.0:
-            raise ValueError(f"alpha must be in (0, 1], got {self.alpha}")
+        if self.first_weight <= 0:
+            raise ValueError(f"first_weight must be > 0, got {self.first_weight}")
+        if not 0.0 <= self.decay <= 1.0:
+            raise ValueError(f"decay must be in [0, 1], got {self.decay}")
+        if self.power < 0:
+            raise ValueError(f"power must be >= 0, got {self.power}")
         if self.input_dim < 1:
             raise ValueError(f"input_dim must be >= 1, got {self.input_dim}")
         if any(h < 1 for h in self.hidden_sizes):
@@ -52,14 +69,34 @@ class PredictorConfig:
         if self.target_scale <= 0:
             raise ValueError(f"target_scale must be > 0, got {self.target_scale}")
 
+    @property
+    def outputs(self) -> int:
+        return 2 if self.uncertainty else 1
+
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> PredictorConfig:
+        if "decay" in data:
+            decay = float(data["decay"])
+            power = float(data.get("power", 2.0))
+            first_weight = float(data.get("first_weight", 1.0))
+        else:
+            # Checkpoints from before fusion served an exponential average with
+            # weight alpha on the newest round; with equal weights, the past
+            # fading by 1 - alpha and the first round at 1 / alpha (its
+            # steady-state weight) the fusion is exactly that average.
+            alpha = float(data.get("alpha", 1.0))
+            if not 0.0 < alpha <= 1.0:
+                raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+            decay, power, first_weight = 1.0 - alpha, 0.0, 1.0 / alpha
         return cls(
             input_dim=int(data["input_dim"]),
             hidden_sizes=tuple(int(h) for h in data["hidden_sizes"]),
             log_target=bool(data.get("log_target", False)),
             target_scale=float(data.get("target_scale", 100.0)),
-            alpha=float(data.get("alpha", 1.0)),
+            uncertainty=bool(data.get("uncertainty", False)),
+            decay=decay,
+            power=power,
+            first_weight=first_weight,
         )
 
 
@@ -78,7 +115,7 @@ class LengthPredictor(nn.Module):
         for h in config.hidden_sizes:
             layers += [nn.Linear(width, h), nn.ReLU()]
             width = h
-        layers.append(nn.Linear(width, 1))
+        layers.append(nn.Linear(width, config.outputs))
         self.net = nn.Sequential(*layers)
         self.register_buffer("mean", torch.zeros(config.input_dim))
         self.register_buffer("std", torch.ones(config.input_dim))
@@ -87,10 +124,14 @@ class LengthPredictor(nn.Module):
         self.mean.copy_(mean)
         self.std.copy_(torch.clamp(std, min=1e-6))
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The raw output (the training target's encoding), shape (batch,)."""
-        out: torch.Tensor = self.net((hidden - self.mean) / self.std).squeeze(-1)
+    def forward_all(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Every raw output, shape (batch, outputs): the encoded R-hat, then log b."""
+        out: torch.Tensor = self.net((hidden - self.mean) / self.std)
         return out
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The raw R-hat output (the training target's encoding), shape (batch,)."""
+        return self.forward_all(hidden)[:, 0]
 
     def encode(self, remaining: torch.Tensor) -> torch.Tensor:
         """Remaining lengths (tokens) -> the output's encoding."""
@@ -108,8 +149,116 @@ class LengthPredictor(nn.Module):
         param = self.mean
         return self.decode(self(hidden.to(device=param.device, dtype=param.dtype)))
 
+    @torch.inference_mode()
+    def predict_with_sigma(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(R-hat, sigma) in tokens; sigma is 1 for every row without the uncertainty output."""
+        param = self.mean
+        raw = self.forward_all(hidden.to(device=param.device, dtype=param.dtype))
+        r_hat = self.decode(raw[:, 0])
+        if not self.config.uncertainty:
+            return r_hat, torch.ones_like(r_hat)
+        return r_hat, self.sigma(raw[:, 0], raw[:, 1])
+
+    def sigma(self, raw: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
+        """The error scale in tokens of R-hat = decode(raw), from the scale output log b.
+
+        b is in the target's encoding; in tokens it is b * dR/draw: b * target_scale
+        for a linear target, b * (R-hat + target_scale) for the log target.
+        """
+        b = torch.exp(log_b)
+        if self.config.log_target:
+            return b * (self.decode(raw) + self.config.target_scale)
+        return b * self.config.target_scale
+
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+def fuse_step(
+    state: tuple[float, float] | None,
+    r_hat: float,
+    sigma: float,
+    generated: int,
+    decay: float,
+    power: float,
+    first_weight: float = 1.0,
+) -> tuple[tuple[float, float], float]:
+    """One round of the served R-hat: (new state, R-hat to serve).
+
+    A request's final length T = R-hat + generated is a constant, and every
+    round is a noisy look at it. The estimate is a weighted mean over the
+    rounds so far, a round weighing ``sigma ** -power`` (the first, usually the
+    prompt's row, ``first_weight`` times that) and the past fading by
+    ``decay`` per round (state: the sums of weights and of weighted T). With
+    ``decay = 0`` it is the last round alone; with constant weights it tends
+    to an exponential average with weight ``1 - decay`` on the newest round.
+    """
+    w = max(sigma, 1e-6) ** -power
+    if state is None:
+        w *= first_weight
+        weight, total = w, w * (r_hat + generated)
+    else:
+        weight = decay * state[0] + w
+        total = decay * state[1] + w * (r_hat + generated)
+    return (weight, total), max(total / weight - generated, 0.0)
+
+
+class FastPredictor:
+    """The MLP for the engine's hot path: inference only, few tensor operations.
+
+    The input standardisation is folded into the first layer (W' = W / std,
+    b' = b - W' mean), each layer is one ``addmm`` (+ an in-place ReLU) on
+    pre-transposed weights, and the output decoding happens in numpy on the
+    few rows that come back. :meth:`__call__` gives (R-hat, sigma) in tokens,
+    the same numbers as
+    :meth:`LengthPredictor.predict_with_sigma` up to float rounding.
+    """
+
+    def __init__(self, model: LengthPredictor, device: str | torch.device | None = None) -> None:
+        cfg = model.config
+        linears = [m for m in model.net if isinstance(m, nn.Linear)]
+        with torch.no_grad():
+            first = linears[0]
+            w0 = first.weight / model.std[None, :]
+            b0 = first.bias - w0 @ model.mean
+            params = [(w0, b0)] + [(m.weight, m.bias) for m in linears[1:]]
+            dev = device if device is not None else model.mean.device
+            self.layers = [
+                (w.detach().t().contiguous().to(dev), b.detach().contiguous().to(dev))
+                for w, b in params
+            ]
+        self.dtype = self.layers[0][0].dtype
+        self.uncertainty = cfg.uncertainty
+        self.log_target = cfg.log_target
+        self.scale = float(cfg.target_scale)
+        self.config = cfg
+
+    def raw(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The raw outputs (batch, outputs) of a (batch, d) tensor on the model's device."""
+        with torch.inference_mode():
+            h = hidden if hidden.dtype == self.dtype else hidden.to(self.dtype)
+            last = len(self.layers) - 1
+            for i, (wt, b) in enumerate(self.layers):
+                h = torch.addmm(b, h, wt)
+                if i < last:
+                    h.relu_()
+            return h
+
+    def __call__(self, hidden: torch.Tensor) -> tuple[Any, Any]:
+        """(R-hat, sigma) in tokens, float32 numpy arrays (sigma = 1 without the scale output)."""
+        import numpy as np
+
+        raw = self.raw(hidden).cpu().numpy()
+        r_hat = raw[:, 0].copy()
+        if self.log_target:
+            np.expm1(r_hat, out=r_hat)
+        r_hat *= self.scale
+        np.maximum(r_hat, 0.0, out=r_hat)
+        if not self.uncertainty:
+            return r_hat, np.ones_like(r_hat)
+        sigma = np.exp(raw[:, 1])
+        sigma *= (r_hat + self.scale) if self.log_target else self.scale
+        return r_hat, sigma
 
 
 @dataclass

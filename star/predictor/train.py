@@ -10,6 +10,13 @@
   size, as the paper did ("we tune the hyperparameters ... using grid
   search"): every configuration trains to early stopping and the one with the
   lowest validation MAE wins. The test split is only read by the evaluation.
+* With ``uncertainty`` (the default of ``star predictor train``) the MLP has a
+  second output, log b, trained with the Laplace negative log-likelihood
+  |y - mu| / b + log b of the first output's (detached) error in the
+  target's encoding, so that it learns how far off each row's R-hat tends to
+  be while the first output is fitted by the L1 loss alone. Then the served fusion over rounds
+  (``decay``, ``power``: :func:`star.predictor.model.fuse_step`) is chosen on
+  the validation split.
 """
 
 from __future__ import annotations
@@ -43,11 +50,13 @@ class TrainConfig:
     max_epochs: int = 200
     patience: int = 10
     log_target: bool = False
+    uncertainty: bool = False
     seed: int = 0
 
     def label(self) -> str:
         shape = "-".join(map(str, self.hidden_sizes))
-        return f"{shape} lr={self.lr:g} bs={self.batch_size}{' log' if self.log_target else ''}"
+        flags = (" log" if self.log_target else "") + (" +b" if self.uncertainty else "")
+        return f"{shape} lr={self.lr:g} bs={self.batch_size}{flags}"
 
 
 def default_grid(base: TrainConfig) -> list[TrainConfig]:
@@ -119,7 +128,7 @@ def train_one(
     xv = torch.from_numpy(val.hidden)
     yv = torch.from_numpy(val.remaining.astype(np.float32))
     model = LengthPredictor(
-        PredictorConfig(train.dim, cfg.hidden_sizes, cfg.log_target, target_scale)
+        PredictorConfig(train.dim, cfg.hidden_sizes, cfg.log_target, target_scale, cfg.uncertainty)
     )
     model.set_normalisation(x.mean(0), x.std(0))
     target = model.encode(y)
@@ -134,7 +143,12 @@ def train_one(
         model.train()
         order = torch.randperm(len(train), generator=gen)
         for idx in order.split(cfg.batch_size):  # type: ignore[no-untyped-call]
-            loss = torch.nn.functional.l1_loss(model(x[idx]), target[idx])
+            out = model.forward_all(x[idx])
+            err = (out[:, 0] - target[idx]).abs()
+            loss = err.mean()
+            if cfg.uncertainty:  # Laplace NLL of the (detached) error: the scale alone
+                log_b = out[:, 1]
+                loss = loss + (err.detach() * torch.exp(-log_b) + log_b).mean()
             opt.zero_grad(set_to_none=True)
             loss.backward()  # type: ignore[no-untyped-call]
             opt.step()
@@ -171,21 +185,34 @@ def search(
         for cfg in bar:
             results.append(train_one(cfg, train, val, scale, bar))
     best = min(results, key=lambda r: r.val_mae)
-    best.model.config = choose_alpha(best.model, val)
+    best.model.config = choose_fusion(best.model, val)
     return best, results
 
 
-ALPHAS = (1.0, 0.7, 0.5, 0.35, 0.25)
+DECAYS = (0.0, 0.3, 0.5, 0.7, 0.8, 0.9, 1.0)
+POWERS = (0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0)
+FIRST_WEIGHTS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
 
 
-def choose_alpha(model: LengthPredictor, val: Samples) -> PredictorConfig:
-    """The config with the smoothing weight that serves the lowest validation MAE."""
-    from star.predictor.evaluate import mlp_predictions, smoothed
+def choose_fusion(model: LengthPredictor, val: Samples) -> PredictorConfig:
+    """The config with the fusion (decay, power, first weight) that serves the lowest validation MAE.
 
-    pred = mlp_predictions(model, val)
+    Without the uncertainty output every round weighs the same and the power
+    is moot. Ties go to the first in grid order (the simpler fusion).
+    """
+    from star.predictor.evaluate import fused, mlp_predictions
+
+    pred, sigma = mlp_predictions(model, val)
     true = val.remaining.astype(np.float64)
-    maes = {a: float(np.mean(np.abs(smoothed(val, pred, a) - true))) for a in ALPHAS}
-    return dataclasses.replace(model.config, alpha=min(maes, key=lambda a: maes[a]))
+    powers = POWERS if model.config.uncertainty else (model.config.power,)
+    maes = {
+        (d, p, f): float(np.mean(np.abs(fused(val, pred, sigma, d, p, f) - true)))
+        for d in DECAYS
+        for p in powers
+        for f in FIRST_WEIGHTS
+    }
+    decay, power, first = min(maes, key=lambda k: maes[k])
+    return dataclasses.replace(model.config, decay=decay, power=power, first_weight=first)
 
 
 def describe(result: TrainResult) -> dict[str, Any]:

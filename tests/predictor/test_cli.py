@@ -60,7 +60,7 @@ def test_train_then_eval(data_dir: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert ckpt.metadata["model"] == "synthetic-test"
     assert ckpt.metadata["data"]["hash"] == DataDir(data_dir).data_hash()
     assert set(ckpt.metadata["metrics"]) == {
-        "mlp-ema",
+        "mlp-fused",
         "mlp",
         "constant",
         "prompt-only",
@@ -82,6 +82,19 @@ def test_train_then_eval(data_dir: Path, capsys: pytest.CaptureFixture[str]) -> 
     table = capsys.readouterr().out
     assert "progress 0" in table and "prompt-only" in table
     assert png.stat().st_size > 1000
+
+
+def test_train_widths_come_from_the_settings_unless_given(
+    data_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = ["predictor", "train", str(data_dir), "--no-search", "--max-epochs", "2", "--quiet"]
+    assert main([*base, "--set", "predictor.hidden_sizes=8,4"]) == 0
+    assert load_checkpoint(data_dir / "predictor").config.hidden_sizes == (8, 4)
+    assert main([*base, "--set", "predictor.hidden_sizes=8,4", "--hidden", "6"]) == 0
+    assert load_checkpoint(data_dir / "predictor").config.hidden_sizes == (6,)
+    capsys.readouterr()
+    assert main([*base, "--set", "predictor.hidden_sizes=0"]) == 2
+    assert "predictor.hidden_sizes" in capsys.readouterr().err
 
 
 def test_eval_without_checkpoint_or_data_fails_clearly(

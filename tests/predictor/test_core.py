@@ -83,11 +83,46 @@ def test_missing_and_bad_checkpoints_say_what_is_wrong(tmp_path: Path) -> None:
         {"input_dim": 0},
         {"input_dim": 4, "hidden_sizes": (0,)},
         {"input_dim": 4, "target_scale": 0.0},
+        {"input_dim": 4, "decay": 1.5},
+        {"input_dim": 4, "power": -1.0},
+        {"input_dim": 4, "first_weight": 0.0},
     ],
 )
 def test_bad_configs_are_refused(bad: dict[str, object]) -> None:
     with pytest.raises(ValueError):
         PredictorConfig(**bad)  # type: ignore[arg-type]
+
+
+def test_checkpoints_from_before_fusion_load_as_their_average() -> None:
+    # A format-1 checkpoint without "decay" had an EMA with weight alpha on the newest round.
+    old = PredictorConfig.from_dict({"input_dim": 4, "hidden_sizes": [4], "alpha": 0.25})
+    assert old.decay == pytest.approx(0.75) and not old.uncertainty
+    s = synthetic(requests=3)
+    pred = np.random.default_rng(0).uniform(0, 300, len(s))
+    want = np.empty(len(s))  # the average those checkpoints served
+    totals: dict[int, float] = {}
+    for i in np.lexsort((s.generated, s.request)).tolist():
+        r, g = int(s.request[i]), float(s.generated[i])
+        t = pred[i] + g
+        totals[r] = t if r not in totals else 0.75 * totals[r] + 0.25 * t
+        want[i] = max(totals[r] - g, 0.0)
+    got = ev.fused(s, pred, np.ones(len(s)), old.decay, old.power, old.first_weight)
+    assert np.allclose(got, want)
+    assert PredictorConfig.from_dict({"input_dim": 4, "hidden_sizes": [4]}).decay == 0.0
+    with pytest.raises(ValueError, match="alpha"):
+        PredictorConfig.from_dict({"input_dim": 4, "hidden_sizes": [4], "alpha": 0.0})
+
+
+def test_uncertainty_checkpoint_round_trip(tmp_path: Path) -> None:
+    model = build_mlp(6, (8,), log_target=True, uncertainty=True, decay=0.5, power=3.0)
+    widths = [m.out_features for m in model.net if isinstance(m, torch.nn.Linear)]
+    assert widths == [8, 2]
+    save_checkpoint(model, tmp_path, {"model": "m"})
+    loaded = load_checkpoint(tmp_path)
+    assert loaded.config == model.config
+    x = torch.randn(5, 6)
+    for a, b in zip(loaded.model.predict_with_sigma(x), model.predict_with_sigma(x), strict=True):
+        assert torch.equal(a, b)
 
 
 def test_shipped_predictor_fits_the_tiny_model_and_beat_its_baselines() -> None:
@@ -99,8 +134,9 @@ def test_shipped_predictor_fits_the_tiny_model_and_beat_its_baselines() -> None:
     assert ckpt.metadata["model"] == "tiny"
     m = ckpt.metadata["metrics"]
     # What the worker serves beats both baselines on held-out prompts.
-    assert m["mlp-ema"]["mae"] < m["constant"]["mae"]
-    assert m["mlp-ema"]["mae"] < m["prompt-only"]["mae"]
+    assert m["mlp-fused"]["mae"] < m["constant"]["mae"]
+    assert m["mlp-fused"]["mae"] < m["prompt-only"]["mae"]
+    assert ckpt.config.uncertainty and 0.0 <= ckpt.config.decay <= 1.0
     assert len(ckpt.metadata["data"]["hash"]) == 64
 
 
@@ -183,6 +219,32 @@ def test_training_learns_a_planted_signal_and_stops_early() -> None:
     assert best.epochs - best.best_epoch <= cfg.patience
 
 
+@pytest.mark.usefixtures("one_thread")
+def test_the_scale_output_learns_which_rows_to_trust() -> None:
+    s = synthetic(requests=200)
+    rng = np.random.default_rng(1)
+    # Half the rows (feature 1 > 0) carry remaining/100 with +-100 tokens of noise.
+    noisy = s.hidden[:, 1] > 0
+    s.hidden[noisy, 0] += rng.normal(scale=1.0, size=int(noisy.sum())).astype(np.float32)
+    data = tr.split(s, seed=0)
+    cfg = tr.TrainConfig(
+        hidden_sizes=(16,), lr=1e-2, batch_size=128, max_epochs=25, patience=4, uncertainty=True
+    )
+    best, _ = tr.search([cfg], data, progress=False)
+    test = data["test"]
+    pred, sigma = ev.mlp_predictions(best.model, test)
+    rough = test.hidden[:, 1] > 0
+    assert np.median(sigma[rough]) > 2 * np.median(sigma[~rough])
+    err = np.abs(pred - test.remaining)
+    assert err[rough].mean() > 2 * err[~rough].mean()
+    # The fusion chosen on validation is a valid one, and served beats the row alone.
+    cfg = best.model.config
+    assert cfg.decay in tr.DECAYS and cfg.power in tr.POWERS
+    assert cfg.first_weight in tr.FIRST_WEIGHTS
+    summary = ev.summary(ev.evaluate(best.model, test, data["train"]))
+    assert summary["mlp-fused"]["mae"] < summary["mlp"]["mae"]
+
+
 def test_training_needs_rows() -> None:
     empty = Samples.concat([], dim=4)
     with pytest.raises(ValueError, match="need rows"):
@@ -212,19 +274,41 @@ def test_metrics(pred: list[float], true: list[float], mae: float, nmae: float, 
     assert (math.isnan(got[2]) and math.isnan(tau)) or got[2] == pytest.approx(tau)
 
 
-def test_smoothing_averages_the_predicted_final_length() -> None:
+def test_fusion_with_equal_weights_averages_the_predicted_final_length() -> None:
     s = synthetic(requests=1, every=20)
     order = np.argsort(s.generated)
     g = s.generated[order].astype(float)
-    # Rows predicting final lengths 100, 200, 300, ...: the served R-hat
-    # averages them with weight alpha on the newest.
+    # Rows predicting final lengths 100, 200, 300, ...: with equal weights the
+    # served R-hat is their mean, the past fading by ``decay`` per round.
     pred = np.empty(len(s))
     pred[order] = 100.0 * (np.arange(len(s)) + 1) - g
-    out = ev.smoothed(s, pred, 0.5)[order]
+    ones = np.ones(len(s))
+    out = ev.fused(s, pred, ones, 0.5, 2.0)[order]
     assert out[0] == pytest.approx(100.0)
-    assert out[1] == pytest.approx(150.0 - g[1])
-    assert out[2] == pytest.approx(0.5 * 150.0 + 0.5 * 300.0 - g[2])
-    assert np.array_equal(ev.smoothed(s, pred, 1.0), np.maximum(pred, 0.0))
+    assert out[1] == pytest.approx((0.5 * 100.0 + 200.0) / 1.5 - g[1])
+    assert out[2] == pytest.approx((0.25 * 100.0 + 0.5 * 200.0 + 300.0) / 1.75 - g[2])
+    assert np.array_equal(ev.fused(s, pred, ones, 0.0, 2.0), np.maximum(pred, 0.0))
+
+
+def test_fusion_trusts_the_rounds_with_small_sigma() -> None:
+    s = synthetic(requests=1, every=20)
+    order = np.argsort(s.generated)
+    g = s.generated[order].astype(float)
+    pred = np.empty(len(s))
+    pred[order] = 500.0 - g  # every round: final length 500 ...
+    sigma = np.full(len(s), 1.0)
+    pred[order[1]] = 5000.0 - g[1]  # ... but one, unsure of itself, says 5000
+    sigma[order[1]] = 1000.0
+    out = ev.fused(s, pred, sigma, 1.0, 2.0)[order]
+    assert np.allclose(out[2:] + g[2:], 500.0, atol=0.01)
+
+
+def test_clip_is_the_max_tokens_bound() -> None:
+    s = synthetic(requests=3)
+    pred = np.full(len(s), 300.0)
+    out = ev.clip(pred, s, 250)
+    assert np.array_equal(out, np.minimum(300.0, 250.0 - s.generated))
+    assert ev.clip(pred, s, None) is pred
 
 
 def test_prompt_only_ages_the_first_prediction() -> None:
@@ -252,10 +336,13 @@ def test_bins_scale_the_papers_edges(bins: int, values: list[float], mids: list[
 
 def test_buckets_partition_rows() -> None:
     s = synthetic(requests=50)
+    s.final[s.request < 10] += ev.LONG  # some long answers
     got = dict(ev.buckets(s))
     progress = sum(m for k, m in got.items() if k.startswith("progress"))
     length = sum(m for k, m in got.items() if k.startswith("length"))
+    long = np.sum([m for k, m in got.items() if k.startswith("long progress")], axis=0)
     assert np.all(progress == 1) and np.all(length == 1)
+    assert np.array_equal(long, s.final >= ev.LONG) and long.any()
     assert np.array_equal(got["progress 0"], s.generated == 0)
 
 
@@ -266,7 +353,7 @@ def test_json_rows_have_the_issue_keys() -> None:
         ("bucket", "kendall_tau", "mae", "nmae", "predictor", "samples")
     }
     assert {r["predictor"] for r in rows} == {
-        "mlp-ema",
+        "mlp-fused",
         "mlp",
         "constant",
         "prompt-only",
