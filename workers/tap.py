@@ -12,12 +12,24 @@ all requests that are decoding (a partial prefill's row is discarded by vLLM
 and skipped here), plus, on any step, the row of each request whose prompt
 completes in that step (zero tokens generated: the prompt-only sample; found
 with one vectorised comparison). With a predictor it runs the MLP on them in
-one batch and serves, per request, R-hat = T - generated, where T is an
-exponential average over the request's rounds of the predicted final length
-R-hat_i + generated_i (weight ``alpha`` from the checkpoint on the newest;
-``star_tap_predictions``). In collection mode it keeps the hidden states
-themselves (``star_tap_drain``). With neither, the wrapper does nothing but
-count steps.
+one batch (:class:`star.predictor.model.FastPredictor`: a few ``addmm`` calls,
+no copy of the rows when every request is decoding) and serves, per request,
+R-hat = T - generated, where T is the request's predicted final length
+R-hat_i + generated_i fused over its rounds, each round weighted by the
+MLP's own error scale (:func:`star.predictor.model.fuse_step`, ``decay`` and
+``power`` from the checkpoint), and never more than the request can still
+produce: R-hat <= min(max_tokens, max_model_len - prompt) - generated, a hard
+bound the worker knows (``star_tap_predictions``). In collection mode it keeps
+the hidden states themselves (``star_tap_drain``). With neither, the wrapper
+does nothing but count steps.
+
+The predictor's time is measured inside the wrapper: the rounds
+(``predict_s``) and the one comparison on the other steps (``check_s``), in
+wall-clock time. With ``profile`` (``star bench predictor --engine``) the tap
+also times every model step in the worker (``execute_model`` +
+``sample_tokens``, which contain it), in wall-clock and in the thread's CPU
+time, and counts its own CPU time: ratios measured in one process, the CPU
+one not inflated by a machine shared with other work.
 
 The rows carry vLLM's *internal* request ids (the caller's id plus
 ``-`` and 8 random characters); :func:`external_id` maps them back.
@@ -34,6 +46,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import structlog
 
 log = structlog.get_logger(__name__)
@@ -50,19 +63,31 @@ def external_id(internal: str) -> str:
 class _TapState:
     """What the wrapper keeps between calls (one per worker process)."""
 
-    def __init__(self, every: int, predictor: Any, collect: bool) -> None:
+    def __init__(self, every: int, predictor: Any, collect: bool, device: Any = None) -> None:
+        from star.predictor.model import FastPredictor
+
         self.every = every
         self.predictor = predictor  # star.predictor.model.LengthPredictor or None
+        self.fast = FastPredictor(predictor, device) if predictor is not None else None
+        self.decay = float(predictor.config.decay) if predictor is not None else 0.0
+        self.power = float(predictor.config.power) if predictor is not None else 0.0
+        self.first_weight = float(predictor.config.first_weight) if predictor is not None else 1.0
         self.collect = collect
+        self.active = predictor is not None or collect
         self.calls = 0
-        self.predictions: dict[str, tuple[float, int]] = {}
+        self.predictions: dict[str, tuple[float, int]] = {}  # id -> (R-hat, generated)
+        self.fusion: dict[str, tuple[float, float]] = {}  # id -> fuse_step's state
+        self.caps: dict[str, int] = {}  # id -> most output tokens it may still reach
         self.predict_s = 0.0
+        self.check_s = 0.0
         self.predict_batches = 0
         self.predict_rows = 0
+        self.profile = False
+        self.tap_cpu_s = 0.0  # with profile: the tap's own thread CPU time
+        self.step_cpu_s = 0.0  # with profile: the model steps' thread CPU time (tap included)
+        self.step_s = 0.0  # with profile: the model steps' wall-clock time in the worker
         self.samples: list[tuple[str, int, int]] = []  # (req id, prompt tokens, generated)
         self.hidden: list[Any] = []  # float32 CPU tensors, rows matching ``samples``
-        self.totals: dict[str, float] = {}  # smoothed predicted final length per request
-        self.alpha = float(predictor.config.alpha) if predictor is not None else 1.0
 
 
 class HiddenStateTap:
@@ -71,38 +96,55 @@ class HiddenStateTap:
     model_runner: Any  # provided by vLLM's worker class
 
     def star_tap_install(
-        self, every: int, checkpoint: str = "", collect: bool = False
+        self, every: int, checkpoint: str = "", collect: bool = False, profile: bool = False
     ) -> dict[str, Any]:
         """Wrap ``compute_logits``; load the predictor at ``checkpoint`` (empty: none).
 
         Installing again replaces the settings (the wrapper is installed once).
+        ``profile`` also counts thread CPU time (see the module's docstring).
         Returns ``{"hidden_size": d, "predictor": bool}``.
         """
         import torch
 
         if every < 1:
             raise ValueError(f"every must be >= 1, got {every}")
+        runner = self.model_runner
         predictor = None
         if checkpoint:
             from star.predictor.model import load_checkpoint
 
             predictor = load_checkpoint(checkpoint).model.eval()
-        runner = self.model_runner
         model = runner.model
-        state = _TapState(every, predictor, collect)
+        state = _TapState(every, predictor, collect, getattr(runner, "device", None))
+        state.profile = profile
         existing = getattr(self, "_star_tap", None)
         self._star_tap = state
         if existing is None:
             original = model.compute_logits
+            clock = time.perf_counter
+            cpu = time.thread_time
 
             def compute_logits(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
                 tap: _TapState = self._star_tap
                 tap.calls += 1
-                if tap.predictor is not None or tap.collect:
-                    self._star_tap_take(tap, hidden_states)
+                if tap.active:
+                    c0 = cpu() if tap.profile else 0.0
+                    t0 = clock()
+                    if self._star_tap_take(tap, hidden_states):
+                        tap.predict_s += clock() - t0
+                    else:
+                        tap.check_s += clock() - t0
+                    if tap.profile:
+                        tap.tap_cpu_s += cpu() - c0
                 return original(hidden_states, *args, **kwargs)
 
             model.compute_logits = compute_logits
+        if profile and not getattr(self, "_star_tap_steps_timed", False):
+            # Time the model steps too (only once asked: no cost otherwise).
+            self._star_tap_steps_timed = True
+            for name in ("execute_model", "sample_tokens"):
+                if hasattr(runner, name):
+                    setattr(runner, name, self._star_tap_step_timer(getattr(runner, name)))
         hidden_size = int(runner.model_config.get_hidden_size())
         if predictor is not None and predictor.input_dim != hidden_size:
             raise ValueError(
@@ -110,62 +152,143 @@ class HiddenStateTap:
             )
         return {"hidden_size": hidden_size, "predictor": predictor is not None}
 
-    def _star_tap_take(self, tap: _TapState, hidden_states: Any) -> None:
-        import numpy as np
+    def _star_tap_step_timer(self, method: Any) -> Any:
+        """``method`` adding its wall and thread CPU time to ``step_s``/``step_cpu_s`` under profile."""
+        cpu = time.thread_time
+        clock = time.perf_counter
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            tap: _TapState = self._star_tap
+            if not tap.profile:
+                return method(*args, **kwargs)
+            c0, t0 = cpu(), clock()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                tap.step_s += clock() - t0
+                tap.step_cpu_s += cpu() - c0
+
+        return timed
+
+    def _star_tap_cap(self, rid: str) -> int:
+        """Most output tokens request ``rid`` can reach: max_tokens, and the model length."""
+        runner = self.model_runner
+        req = runner.requests[rid]
+        cap = int(runner.max_model_len) - int(req.num_prompt_tokens)
+        params = req.sampling_params
+        if params is not None and params.max_tokens is not None:
+            cap = min(cap, int(params.max_tokens))
+        return cap
+
+    def _star_tap_take(self, tap: _TapState, hidden_states: Any) -> bool:
+        """Take this step's rows if any are due; returns whether a round ran."""
+        runner = self.model_runner
+        batch = runner.input_batch
+        n = batch.num_reqs
+        if n == 0 or hidden_states.shape[0] < n:  # not the sampling call of a step
+            return False
+        if tap.calls % tap.every:
+            # Not a round: only requests whose prompt completes in this step
+            # (their first row, zero tokens generated), found with one
+            # vectorised comparison; a partial prefill (discarded) samples nothing.
+            keep = batch.num_computed_tokens_cpu[:n] < batch.num_prompt_tokens[:n]
+            if not keep.any():
+                return False
+            keep &= ~runner.discard_request_mask.np[:n]
+            due = False
+        else:
+            keep = ~runner.discard_request_mask.np[:n]
+            due = True
+        return self._star_tap_round(tap, hidden_states, np.flatnonzero(keep), due)
+
+    def _star_tap_round(self, tap: _TapState, hidden_states: Any, rows: Any, due: bool) -> bool:
+        """One round on the rows ``rows`` of this step: predict, and/or collect."""
         import torch
 
         runner = self.model_runner
         batch = runner.input_batch
-        n = int(batch.num_reqs)
-        if n == 0 or int(hidden_states.shape[0]) < n:  # not the sampling call of a step
-            return
-        t0 = time.perf_counter()
-        keep = ~runner.discard_request_mask.np[:n]  # a partial prefill samples nothing
-        due = tap.calls % tap.every == 0
-        if not due:
-            # Only requests whose prompt completes in this step (their first row,
-            # zero tokens generated): one vectorised comparison per step.
-            keep = keep & (batch.num_computed_tokens_cpu[:n] < batch.num_prompt_tokens[:n])
-            if not keep.any():
-                return
-        rows = np.flatnonzero(keep).tolist()
-        ids = [batch.req_ids[i] for i in rows]
-        prompt = batch.num_prompt_tokens[rows].tolist()
-        generated = [
-            int(runner.requests[rid].num_tokens) - p for rid, p in zip(ids, prompt, strict=True)
-        ]
-        with torch.inference_mode():
-            picked = hidden_states[rows].detach().float()
-            if tap.predictor is not None:
-                out = tap.predictor.predict(picked).tolist()
-                # The served R-hat: an exponential average over rounds of the
-                # predicted final length (R-hat + generated), minus what is
-                # generated now; alpha = 1 is the last round alone.
-                alpha = tap.alpha
-                totals = tap.totals if not due else {}
-                for rid, r, g in zip(ids, out, generated, strict=True):
-                    prev = tap.totals.get(rid)
-                    total = r + g if prev is None else (1 - alpha) * prev + alpha * (r + g)
-                    totals[rid] = total
-                    tap.predictions[rid] = (max(total - g, 0.0), g)
-                if due:  # every running request was in this round: forget the rest
-                    tap.totals = totals
-                    tap.predictions = {rid: tap.predictions[rid] for rid in totals}
-                tap.predict_s += time.perf_counter() - t0
-                tap.predict_batches += 1
-                tap.predict_rows += len(rows)
-            if tap.collect:
-                tap.hidden.append(picked.cpu())
-                tap.samples.extend(zip(ids, prompt, generated, strict=True))
+        n = batch.num_reqs
+        if len(rows) == 0:
+            return False
+        if len(rows) == n:
+            picked = hidden_states[:n]  # a view: every request is in this round
+        else:
+            index = torch.from_numpy(rows).to(hidden_states.device, non_blocking=True)
+            picked = hidden_states.index_select(0, index)
+        # Tokens generated so far (the step's own token is not sampled yet).
+        prompt = batch.num_prompt_tokens[rows]
+        generated = batch.num_tokens_no_spec[rows] - prompt
+        req_ids = batch.req_ids
+        ids = [req_ids[i] for i in rows.tolist()]
+        if tap.fast is not None:
+            r_hat, sigma = tap.fast(picked)
+            self._star_tap_serve(tap, due, ids, r_hat, sigma, generated)
+            tap.predict_batches += 1
+            tap.predict_rows += len(ids)
+        if tap.collect:
+            with torch.inference_mode():
+                tap.hidden.append(picked.detach().float().cpu().clone())
+            tap.samples.extend(zip(ids, prompt.tolist(), generated.tolist(), strict=True))
+        return True
+
+    def _star_tap_serve(
+        self,
+        tap: _TapState,
+        due: bool,
+        ids: list[str],
+        r_hat: Any,
+        sigma: Any,
+        generated: Any,
+    ) -> None:
+        """Fuse one round into each request's served R-hat (hard-bounded by its cap).
+
+        :func:`star.predictor.model.fuse_step` on numpy vectors: the fusion
+        state (sum of weights, sum of weighted final lengths) per request.
+        """
+        old = tap.fusion
+        caps = tap.caps
+        prev = [old.get(rid) for rid in ids]
+        cap = np.array(
+            [caps[rid] if rid in caps else self._star_tap_cap(rid) for rid in ids],
+            dtype=np.float64,
+        )
+        g = generated.astype(np.float64)
+        w = np.maximum(sigma.astype(np.float64), 1e-6) ** -tap.power
+        if tap.first_weight != 1.0:  # a request's first round (usually its prompt's row)
+            w[[p is None for p in prev]] *= tap.first_weight
+        weight = tap.decay * np.array([p[0] if p else 0.0 for p in prev]) + w
+        total = tap.decay * np.array([p[1] if p else 0.0 for p in prev]) + w * (r_hat + g)
+        served = np.maximum(np.minimum(total / weight, cap) - g, 0.0)
+        fusion = dict(zip(ids, zip(weight.tolist(), total.tolist(), strict=True), strict=True))
+        preds = dict(zip(ids, zip(served.tolist(), generated.tolist(), strict=True), strict=True))
+        new_caps = dict(zip(ids, cap.astype(np.int64).tolist(), strict=True))
+        if due:
+            # A round holds every running request: finished ones are forgotten.
+            tap.fusion, tap.predictions, tap.caps = fusion, preds, new_caps
+        else:  # a prompt-completion round only adds
+            tap.fusion.update(fusion)
+            tap.predictions.update(preds)
+            tap.caps.update(new_caps)
 
     def star_tap_predictions(self) -> dict[str, Any]:
         """The last prediction round: ``{"requests": {id: [R-hat, generated]}, timing...}``."""
         tap: _TapState | None = getattr(self, "_star_tap", None)
         if tap is None:
-            return {"requests": {}, "predict_s": 0.0, "batches": 0, "rows": 0, "steps": 0}
+            return {
+                "requests": {},
+                "predict_s": 0.0,
+                "check_s": 0.0,
+                "batches": 0,
+                "rows": 0,
+                "steps": 0,
+            }
         return {
             "requests": {rid: [r, g] for rid, (r, g) in tap.predictions.items()},
             "predict_s": tap.predict_s,
+            "check_s": tap.check_s,
+            "tap_cpu_s": tap.tap_cpu_s,
+            "step_cpu_s": tap.step_cpu_s,
+            "step_s": tap.step_s,
             "batches": tap.predict_batches,
             "rows": tap.predict_rows,
             "steps": tap.calls,
@@ -197,15 +320,24 @@ class HiddenStateTap:
 class TapTiming:
     """Predictor cost so far, as the engine's worker measured it."""
 
-    predict_s: float = 0.0
+    predict_s: float = 0.0  # in prediction rounds (row selection, MLP, fusion)
     batches: int = 0
     rows: int = 0
     steps: int = 0
+    check_s: float = 0.0  # on the other steps (is a prompt completing?)
+    tap_cpu_s: float = 0.0  # with profile: the tap's thread CPU time
+    step_cpu_s: float = 0.0  # with profile: the model steps' thread CPU time (tap included)
+    step_s: float = 0.0  # with profile: the model steps' wall-clock time in the worker
 
     @property
     def mean_batch_s(self) -> float:
         """Mean time of one prediction round (all running requests in one batch)."""
         return self.predict_s / self.batches if self.batches else 0.0
+
+    @property
+    def total_s(self) -> float:
+        """All the time the tap added to the engine's steps."""
+        return self.predict_s + self.check_s
 
 
 class TapClient:
@@ -219,10 +351,12 @@ class TapClient:
         self.has_predictor = False
         self.timing = TapTiming()
 
-    async def install(self, every: int, checkpoint: str = "", collect: bool = False) -> int:
+    async def install(
+        self, every: int, checkpoint: str = "", collect: bool = False, profile: bool = False
+    ) -> int:
         """Install (or re-configure) the tap; returns the model's hidden size."""
         results = await self._llm.collective_rpc(
-            "star_tap_install", args=(int(every), str(checkpoint), bool(collect))
+            "star_tap_install", args=(int(every), str(checkpoint), bool(collect), bool(profile))
         )
         first = results[0]
         self.installed = True
@@ -246,6 +380,10 @@ class TapClient:
             int(result["batches"]),
             int(result["rows"]),
             int(result["steps"]),
+            float(result.get("check_s", 0.0)),
+            float(result.get("tap_cpu_s", 0.0)),
+            float(result.get("step_cpu_s", 0.0)),
+            float(result.get("step_s", 0.0)),
         )
         out: dict[str, float] = {}
         for internal, (r_hat, g) in result["requests"].items():
@@ -288,6 +426,6 @@ async def start_tap(engine: Any, every: int, checkpoint: str = "") -> str | None
         "length predictor installed",
         checkpoint=str(path),
         every=every,
-        metrics=ckpt.metadata.get("metrics", {}).get("mlp-ema"),
+        metrics=ckpt.metadata.get("metrics", {}).get("mlp-fused"),
     )
     return str(path)

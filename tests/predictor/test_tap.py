@@ -1,0 +1,220 @@
+"""The tap's worker side without an engine: a stand-in for vLLM's model runner.
+
+The stand-in has exactly what ``workers.tap.HiddenStateTap`` reads from vLLM's
+V1 model runner (input batch arrays, discard mask, cached request states,
+``max_model_len``); ``tests/predictor/test_engine.py`` runs the same code in a
+real engine. Here every number can be checked: the served R-hat must be the
+evaluation's ``fused`` over the same rows, clipped to the request's cap.
+"""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from star.predictor import evaluate as ev
+from star.predictor.dataset import Samples
+from star.predictor.model import (
+    FastPredictor,
+    LengthPredictor,
+    PredictorConfig,
+    fuse_step,
+    save_checkpoint,
+)
+from workers.tap import HiddenStateTap
+
+DIM = 8
+PROMPT = 5
+
+
+class FakeRunner:
+    """The parts of vLLM's GPU/CPU model runner the tap reads, for ``slots`` rows."""
+
+    def __init__(self, slots: int = 8, max_model_len: int = 4096) -> None:
+        self.input_batch = types.SimpleNamespace(
+            num_reqs=0,
+            req_ids=[],
+            num_prompt_tokens=np.zeros(slots, dtype=np.int32),
+            num_computed_tokens_cpu=np.zeros(slots, dtype=np.int32),
+            num_tokens_no_spec=np.zeros(slots, dtype=np.int32),
+        )
+        self.discard_request_mask = types.SimpleNamespace(np=np.zeros(slots, dtype=bool))
+        self.requests: dict[str, Any] = {}
+        self.max_model_len = max_model_len
+        self.model_config = types.SimpleNamespace(get_hidden_size=lambda: DIM)
+        self.model = types.SimpleNamespace(compute_logits=lambda h, *a, **k: "logits")
+        self.device = torch.device("cpu")
+
+    def execute_model(self, hidden: torch.Tensor) -> Any:
+        """A model step: some work, then the logits of the sampled rows."""
+        torch.randn(64, 64) @ torch.randn(64, 64)
+        return self.model.compute_logits(hidden)
+
+    def set_batch(self, reqs: list[tuple[str, int, bool, bool]]) -> None:
+        """Rows in order: (id, tokens generated, prompt completes now, discarded)."""
+        b = self.input_batch
+        b.num_reqs = len(reqs)
+        b.req_ids = [r[0] for r in reqs]
+        for i, (_, gen, prompt_now, discard) in enumerate(reqs):
+            b.num_prompt_tokens[i] = PROMPT
+            b.num_computed_tokens_cpu[i] = PROMPT - 1 if prompt_now else PROMPT + gen - 1
+            b.num_tokens_no_spec[i] = PROMPT + gen
+            self.discard_request_mask.np[i] = discard
+
+
+def _model(uncertainty: bool = True, decay: float = 0.6, power: float = 2.0) -> LengthPredictor:
+    torch.manual_seed(3)
+    cfg = PredictorConfig(DIM, (16,), True, 50.0, uncertainty, decay, power, first_weight=3.0)
+    model = LengthPredictor(cfg)
+    model.set_normalisation(torch.randn(DIM), torch.rand(DIM) + 0.5)
+    last = model.net[-1]
+    assert isinstance(last, torch.nn.Linear)
+    with torch.no_grad():
+        last.bias[0] = 2.0  # R-hat of a few hundred tokens
+    return model.eval()
+
+
+def _tap(tmp_path: Path, model: LengthPredictor, every: int, **runner_kw: Any) -> Any:
+    save_checkpoint(model, tmp_path / "ckpt", {"model": "fake"})
+    tap = HiddenStateTap()
+    tap.model_runner = FakeRunner(**runner_kw)
+    assert tap.star_tap_install(every, str(tmp_path / "ckpt")) == {
+        "hidden_size": DIM,
+        "predictor": True,
+    }
+    return tap
+
+
+def _add(runner: FakeRunner, rid: str, max_tokens: int | None) -> None:
+    runner.requests[rid] = types.SimpleNamespace(
+        num_prompt_tokens=PROMPT, sampling_params=types.SimpleNamespace(max_tokens=max_tokens)
+    )
+
+
+def test_fast_predictor_matches_the_module() -> None:
+    for uncertainty in (False, True):
+        model = _model(uncertainty)
+        x = torch.randn(33, DIM)
+        r_ref, s_ref = model.predict_with_sigma(x)
+        r, s = FastPredictor(model)(x)
+        assert np.allclose(r, r_ref.numpy(), rtol=1e-4, atol=1e-3)
+        assert np.allclose(s, s_ref.numpy(), rtol=1e-4, atol=1e-3)
+        assert np.all(r >= 0) and np.all(s > 0)
+
+
+def test_fuse_step_decay_zero_is_the_last_round_and_weights_follow_sigma() -> None:
+    state, served = fuse_step(None, 100.0, 10.0, 0, 0.0, 2.0)
+    state, served = fuse_step(state, 30.0, 1000.0, 50, 0.0, 2.0)
+    assert served == pytest.approx(30.0)
+    # Equal decay, one sure and one unsure round: the sure one dominates.
+    state, _ = fuse_step(None, 100.0, 1.0, 0, 1.0, 2.0)
+    _, served = fuse_step(state, 500.0, 100.0, 20, 1.0, 2.0)
+    assert served == pytest.approx((100.0 * 1 + 520.0 * 1e-4) / (1 + 1e-4) - 20)
+    # Never negative.
+    assert fuse_step(None, 0.0, 1.0, 10, 0.5, 2.0)[1] == 0.0
+
+
+def test_tap_serves_the_evaluations_fusion_clipped_to_the_cap(tmp_path: Path) -> None:
+    model = _model()
+    every = 3
+    tap = _tap(tmp_path, model, every)
+    runner = tap.model_runner
+    # "a": no max_tokens (cap = max_model_len - prompt); "b": max_tokens 12, so
+    # the hard bound bites; "c" is discarded (a partial prefill) on every step.
+    _add(runner, "a", None)
+    _add(runner, "b", 12)
+    _add(runner, "c", None)
+    rng = np.random.default_rng(0)
+    seen: dict[str, list[tuple[int, np.ndarray]]] = {"a": [], "b": []}
+    step = 0
+    for gen in range(0, 10):
+        step += 1
+        rows = [("a", gen, gen == 0, False), ("b", gen, gen == 0, False), ("c", 0, True, True)]
+        runner.set_batch(rows)
+        hidden = torch.from_numpy(rng.normal(size=(3, DIM)).astype(np.float32))
+        assert runner.model.compute_logits(hidden) == "logits"
+        if gen == 0 or step % every == 0:
+            for i, rid in enumerate(("a", "b")):
+                seen[rid].append((gen, hidden[i].numpy().copy()))
+    got = tap.star_tap_predictions()
+    assert set(got["requests"]) == {"a", "b"}  # "c" never sampled: never predicted
+    # One prompt-completion round (step 1) plus the due steps 3, 6, 9.
+    assert got["batches"] == 4 and got["rows"] == 8 and got["steps"] == 10
+    assert got["predict_s"] > 0 and got["check_s"] > 0
+    for rid, cap in (("a", 4096 - PROMPT), ("b", 12)):
+        gens = np.array([g for g, _ in seen[rid]])
+        samples = Samples.from_columns(
+            np.stack([h for _, h in seen[rid]]),
+            {
+                "generated": gens,
+                "remaining": np.ones_like(gens),
+                "final": np.ones_like(gens),
+                "request": np.zeros_like(gens),
+                "prompt": np.zeros_like(gens),
+                "capped": np.zeros_like(gens),
+            },
+        )
+        pred, sigma = ev.mlp_predictions(model, samples)
+        unclipped = ev.fused(samples, pred, sigma, 0.6, 2.0, 3.0)
+        want = ev.clip(unclipped, samples, cap)
+        r_hat, g = got["requests"][rid]
+        assert g == gens[-1]
+        assert r_hat == pytest.approx(max(want[-1], 0.0), rel=1e-4, abs=1e-3)
+        if rid == "b":  # the bound bites: at most 12 - 9 tokens to go
+            assert unclipped[-1] > 12 - g and r_hat == pytest.approx(12 - g)
+        else:
+            assert r_hat == pytest.approx(unclipped[-1], rel=1e-4)
+
+
+def test_a_due_round_forgets_finished_requests_and_collects_copies(tmp_path: Path) -> None:
+    tap = _tap(tmp_path, _model(), every=2)
+    runner = tap.model_runner
+    for rid in ("a", "b"):
+        _add(runner, rid, None)
+    tap.star_tap_install(2, str(tmp_path / "ckpt"), collect=True)
+    runner.set_batch([("a", 0, True, False), ("b", 0, True, False)])
+    hidden = torch.ones(2, DIM)
+    runner.model.compute_logits(hidden)  # step 1: both prompts complete
+    hidden.fill_(7.0)  # vLLM reuses its buffers: what was collected must be a copy
+    runner.set_batch([("a", 1, False, False)])  # "b" finished
+    runner.model.compute_logits(torch.zeros(1, DIM))  # step 2: a due round
+    assert set(tap.star_tap_predictions()["requests"]) == {"a"}
+    drained = tap.star_tap_drain()
+    assert drained["ids"] == ["a", "b", "a"]
+    assert drained["generated"] == [0, 0, 1] and drained["prompt"] == [PROMPT] * 3
+    rows = np.frombuffer(drained["hidden"], dtype=np.float32).reshape(-1, DIM)
+    assert np.all(rows[:2] == 1.0) and np.all(rows[2] == 0.0)
+    assert tap.star_tap_drain()["ids"] == []
+
+
+def test_without_predictor_or_collection_the_wrapper_only_counts(tmp_path: Path) -> None:
+    tap = HiddenStateTap()
+    tap.model_runner = FakeRunner()
+    tap.star_tap_install(1)
+    tap.model_runner.set_batch([("a", 0, True, False)])
+    tap.model_runner.model.compute_logits(torch.zeros(1, DIM))
+    got = tap.star_tap_predictions()
+    assert got["steps"] == 1 and got["batches"] == 0 and got["requests"] == {}
+    assert got["predict_s"] == 0.0 and got["check_s"] == 0.0
+
+
+def test_profile_counts_thread_cpu_of_the_tap_within_the_steps(tmp_path: Path) -> None:
+    tap = _tap(tmp_path, _model(), every=2)
+    runner = tap.model_runner
+    _add(runner, "a", None)
+    runner.set_batch([("a", 0, True, False)])
+    runner.execute_model(torch.zeros(1, DIM))
+    got = tap.star_tap_predictions()
+    assert got["tap_cpu_s"] == 0.0 and got["step_cpu_s"] == 0.0  # off by default
+    tap.star_tap_install(2, str(tmp_path / "ckpt"), profile=True)
+    for gen in range(1, 40):
+        runner.set_batch([("a", gen, False, False)])
+        assert runner.execute_model(torch.zeros(1, DIM)) == "logits"
+    got = tap.star_tap_predictions()
+    assert 0.0 < got["tap_cpu_s"] < got["step_cpu_s"]
+    assert got["predict_s"] + got["check_s"] < got["step_s"]
