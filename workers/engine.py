@@ -221,6 +221,10 @@ def build_engine_args(spec: EngineSpec, cpu: bool) -> AsyncEngineArgs:
         # vLLM CPU downcasts float32 checkpoints to bfloat16; keep the
         # checkpoint's precision so greedy outputs match other runs exactly.
         values["dtype"] = "float32"
+        # The model runs inside the engine-core process (see vllm_environment):
+        # no VLLM::Worker process whose shared-memory queue reader busy-spins
+        # for 1 s after every step, and one IPC hop less per step.
+        values["distributed_executor_backend"] = "uni"
     known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
     unknown = sorted(set(user) - known)
     if unknown:
@@ -248,6 +252,13 @@ def vllm_environment(
       cores when that leaves none, so the model's threads fight the
       scheduler's. On a machine of two cores or fewer one core is reserved.
       An operator's own value is kept.
+    * ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` on CPU with the ``uni`` executor
+      (the default there): vLLM's CPU platform otherwise turns ``uni`` into
+      ``mp``, which adds a worker process per engine whose shared-memory
+      queue reader spins a core for a second after every step -- three idle
+      engines drove a 2-core machine to a load average of 20-50. The front
+      end still runs the engine core in its own process (``AsyncLLM`` always
+      does), so only the extra worker process goes.
     """
     out: dict[str, str | None] = {
         "VLLM_NIXL_SIDE_CHANNEL_HOST": spec.nixl_host,
@@ -258,6 +269,8 @@ def vllm_environment(
         out["VLLM_CPU_KVCACHE_SPACE"] = str(int(gib)) if float(gib).is_integer() else None
         if "VLLM_CPU_NUM_OF_RESERVED_CPU" not in env and cpu_count <= 2:
             out["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "1"
+        if spec.engine_args.get("distributed_executor_backend", "uni") == "uni":
+            out["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     return out
 
 

@@ -20,12 +20,14 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 from urllib.parse import urlsplit
 
 from star.cli.common import CliError, add_settings_args, guarded, settings_from_args
@@ -240,6 +242,7 @@ class LocalCluster:
         self.scheduler = scheduler
         self.launcher = Launcher(self.run_dir, self.env)
         self.private_redis = False
+        self._previous_sigterm: _SigHandler = None
 
     @property
     def url(self) -> str:
@@ -247,15 +250,23 @@ class LocalCluster:
         return f"http://127.0.0.1:{self.port}"
 
     def __enter__(self) -> LocalCluster:
+        # A SIGTERM (systemd, ``timeout``, a CI runner) must unwind through
+        # ``__exit__`` like Ctrl-C does, or the engines outlive their parent.
+        self._previous_sigterm = _on_sigterm_raise()
         try:
             self.start()
         except BaseException:
             self.stop()
+            _restore_sigterm(self._previous_sigterm)
             raise
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.stop()
+        try:
+            with contextlib.suppress(KeyboardInterrupt, Terminated):
+                self.stop()
+        finally:
+            _restore_sigterm(self._previous_sigterm)
 
     def start(self) -> None:
         """Start every process (returns at once; see :meth:`wait_ready`)."""
@@ -378,12 +389,27 @@ def _wait_redis(url: str, launcher: Launcher, timeout_s: float) -> None:
         time.sleep(0.05)
 
 
-class _Stop(Exception):
-    pass
+class Terminated(BaseException):
+    """SIGTERM arrived; a BaseException so ``except Exception`` cannot swallow it."""
 
 
-def _raise_stop(signum: int, frame: object) -> None:
-    raise _Stop(signal.Signals(signum).name)
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated(signal.Signals(signum).name)
+
+
+_SigHandler = Callable[[int, FrameType | None], object] | int | None
+
+
+def _on_sigterm_raise() -> _SigHandler:
+    """Make SIGTERM raise :class:`Terminated` (main thread only; returns the old handler)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, _raise_terminated)
+
+
+def _restore_sigterm(previous: _SigHandler) -> None:
+    if previous is not None and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, previous)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -410,7 +436,7 @@ def run(args: argparse.Namespace) -> int:
     )
     port = cluster.port
 
-    previous = signal.signal(signal.SIGTERM, _raise_stop)
+    previous = _on_sigterm_raise()
     try:
         cluster.start()
         if cluster.private_redis:
@@ -446,11 +472,11 @@ def run(args: argparse.Namespace) -> int:
                 print(f"star up: stopping the cluster: {exc}", file=sys.stderr)
                 return 1
             time.sleep(0.5)
-    except (KeyboardInterrupt, _Stop):
+    except (KeyboardInterrupt, Terminated):
         print("\nstar up: stopping...", flush=True)
         return 0
     finally:
-        signal.signal(signal.SIGTERM, previous)
-        with contextlib.suppress(KeyboardInterrupt):
+        _restore_sigterm(previous)
+        with contextlib.suppress(KeyboardInterrupt, Terminated):
             cluster.stop()
         print(f"star up: stopped (logs kept in {cluster.run_dir})", flush=True)

@@ -345,3 +345,30 @@ async def test_a_request_the_engine_refuses_is_a_bad_request_error(cluster: Clus
     assert isinstance(err, Error) and err.code == "bad_request"
     assert "max_model_len" in err.message or str(MAX_MODEL_LEN) in err.message
     assert sum(len(f.token_ids) for f in frames[2]) == 2  # type: ignore[attr-defined]
+
+
+async def test_idle_engines_do_not_spin_a_core(cluster: Cluster) -> None:
+    """nixl's progress thread polled UCX without pause: ~0.7 core per idle engine.
+
+    ``StarNixlConnector`` paces it (workers/vllm_ext.py); the two idle engines
+    here (engine-core processes, children of this test process) must use a
+    small fraction of one core between them. Load elsewhere can only lower
+    what a spinning thread gets, never raise an idle one.
+    """
+    import psutil
+
+    def children_cpu_s() -> float:
+        total = 0.0
+        for proc in psutil.Process().children(recursive=True):
+            try:
+                t = proc.cpu_times()
+            except psutil.Error:
+                continue
+            total += t.user + t.system
+        return total
+
+    await asyncio.sleep(2.0)  # let the last test's requests wind down
+    c0, w0 = children_cpu_s(), time.monotonic()
+    await asyncio.sleep(5.0)
+    cores = (children_cpu_s() - c0) / (time.monotonic() - w0)
+    assert cores < 0.3, f"two idle engines used {cores:.2f} cores"

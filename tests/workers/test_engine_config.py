@@ -158,8 +158,20 @@ def test_vllm_environment_on_cpu(
     assert out == {
         "VLLM_NIXL_SIDE_CHANNEL_HOST": "10.1.2.3",
         "VLLM_NIXL_SIDE_CHANNEL_PORT": "5601",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         **expected,
     }
+
+
+def test_cpu_engines_run_the_model_in_the_engine_core_process(eng: ModuleType) -> None:
+    # vLLM's CPU platform turns "uni" into "mp" unless V1 multiprocessing is off.
+    spec = eng.EngineSpec(model="m")
+    assert eng.build_engine_args(spec, cpu=True).distributed_executor_backend == "uni"
+    assert eng.vllm_environment(spec, True, 5601, {}, 2)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert eng.build_engine_args(spec, cpu=False).distributed_executor_backend is None
+    mp = eng.EngineSpec(model="m", engine_args={"distributed_executor_backend": "mp"})
+    assert eng.build_engine_args(mp, cpu=True).distributed_executor_backend == "mp"
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in eng.vllm_environment(mp, True, 5601, {}, 2)
 
 
 def test_vllm_environment_on_gpu(eng: ModuleType) -> None:
@@ -223,3 +235,26 @@ def test_bad_sampling_is_a_bad_request(
 ) -> None:
     with pytest.raises(BadRequest, match=match):
         eng.sampling_params(req(sampling), "decode")
+
+
+def test_nixl_progress_thread_is_paced_and_can_be_unpaced() -> None:
+    from nixl import _api
+
+    from workers.vllm_ext import pace_nixl_progress_thread
+
+    original = _api.nixlBind.nixlAgentConfig
+    try:
+        pace_nixl_progress_thread(700)
+        config = _api.nixlBind.nixlAgentConfig()
+        config.pthrDelay = 0  # what nixl's agent sets
+        assert config.pthrDelay == 700
+        config.pthrDelay = 5000
+        assert config.pthrDelay == 5000
+        pace_nixl_progress_thread(250)  # again: wraps nixl's class, not the paced one
+        config = _api.nixlBind.nixlAgentConfig()
+        config.pthrDelay = 0
+        assert config.pthrDelay == 250
+        pace_nixl_progress_thread(0)
+        assert _api.nixlBind.nixlAgentConfig is original
+    finally:
+        _api.nixlBind.nixlAgentConfig = original
