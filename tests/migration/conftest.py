@@ -219,7 +219,8 @@ def engine_paused(fleet: LocalCluster, name: str) -> Iterator[list[int]]:
     """SIGSTOP the vLLM engine processes of worker ``name`` (not its token server).
 
     The worker still accepts connections and requests, but its engine neither
-    steps nor moves KV (NIXL lives in the engine processes) until the block
+    steps nor moves KV (NIXL lives in the engine processes), and its reports
+    stop (they wait on the tap's answer from the engine), until the block
     exits, which always SIGCONTs them.
     """
     leader = fleet.pids()[name]

@@ -31,6 +31,7 @@ from tests.migration.conftest import (
     DECODE,
     Completion,
     complete,
+    engine_paused,
     ghost,
     proxy_sees,
     wait_event,
@@ -55,7 +56,6 @@ pytestmark = [
 ]
 
 MAX_TOKENS = 1000  # long enough that a decision lands before the request ends
-PULL_AFTER = 96  # chunks before a hop, so the target pulls (see migrate_at)
 
 
 def prompt(n: int) -> str:
@@ -100,26 +100,22 @@ async def migrate_at(
 ) -> tuple[Completion, list[str]]:
     """Stream ``p`` and move it ``hops`` times between the two decode instances.
 
-    Each hop waits for the previous one to have resumed on its target, and
-    for ``PULL_AFTER`` more chunks (each at least one token) at the client:
-    vLLM recomputes a handoff under ``kv_recompute_threshold`` (64) tokens
-    instead of pulling it, so an earlier hop would not move KV through NIXL.
-    The client's count lags generation on a starved test process, which only
-    delays a hop; ``MAX_TOKENS`` leaves the request far longer than the hops.
+    The hops are driven by events, not by the client's chunk count (which lags
+    generation when the test process is starved, and a chunk can carry many
+    tokens): the first as soon as the client has a token, each next one as
+    soon as the previous one has resumed on its target. A fast engine could
+    still end the request while a decision crosses a slow bus, so the source's
+    engine is paused from each decision until the proxy acts on it. Early
+    hops move fewer than vLLM's ``kv_recompute_threshold`` (64) tokens, which
+    the target recomputes instead of pulling; the NIXL pull itself is covered
+    by the engine-level test and tests/migration/test_lost.py.
     """
     path: list[str] = []
-    seen: list[Completion] = []
     started: asyncio.Future[str] = asyncio.get_running_loop().create_future()
 
     async def on_chunk(c: Completion) -> None:
-        if not seen:
-            seen.append(c)
         if c.id and not started.done():
             started.set_result(c.id)
-
-    async def chunks_reach(n: int) -> None:
-        while seen[0].chunks < n:  # noqa: ASYNC110 - the client's own count, no event
-            await asyncio.sleep(0.05)
 
     async def drive() -> None:
         request = await started
@@ -132,13 +128,17 @@ async def migrate_at(
                     lambda e: e.event is EventKind.RESUMED and e.instance == path[-1],
                     "resumed",
                 )
-            await chunks_reach(seen[0].chunks + PULL_AFTER if hop else PULL_AFTER)
             source, target = path[-1], other(path[-1])
-            if manual_cli:
-                settings = load_settings(env={"STAR_REDIS_URL": fleet.redis_url})
-                await migrate(settings, request, target)
-            else:
-                await bus.publish("decisions", manual_decision(request, source, target))
+            # The source's engine stands still until the proxy has acted on the
+            # decision: a fast engine could otherwise end the request while the
+            # decision crosses a slow bus (the release completes afterwards).
+            with engine_paused(fleet, source):
+                if manual_cli:
+                    settings = load_settings(env={"STAR_REDIS_URL": fleet.redis_url})
+                    await migrate(settings, request, target)
+                else:
+                    await bus.publish("decisions", manual_decision(request, source, target))
+                await wait_count(bus, request, EventKind.MIGRATING, hop + 1)
             path.append(target)
 
     driver = asyncio.create_task(drive())
@@ -149,6 +149,20 @@ async def migrate_at(
         raise
     await driver  # every hop was asked for (or the driver's own assertion fails the test)
     return got, path
+
+
+async def wait_count(
+    bus: Bus, request: str, kind: EventKind, n: int, within_s: float = 120.0
+) -> None:
+    """Wait until ``request`` has ``n`` events of ``kind``."""
+    deadline = time.monotonic() + within_s
+    while True:
+        evs = await bus.request_events(request)
+        if sum(e.event is kind for e in evs) >= n:
+            return
+        seen = [(e.event.value, e.detail) for e in evs]
+        assert time.monotonic() < deadline, f"no {n} {kind.value} events for {request}: {seen}"
+        await asyncio.sleep(0.05)
 
 
 async def _worker_run(
@@ -283,14 +297,20 @@ async def test_refusals_leave_the_stream_alone(fleet: LocalCluster, bus: Bus) ->
     ref = await complete(fleet, p, MAX_TOKENS, presence_penalty=0.5)
 
     async def on_chunk(c: Completion) -> None:
-        if c.chunks == 20:
+        if c.chunks == 1:  # as early as possible: a fast engine ends it in seconds
             source = await dispatched_to(bus, c.id)
-            await bus.publish("decisions", manual_decision(c.id, source, other(source)))
+            with engine_paused(fleet, source):  # the request cannot end before the decision
+                await bus.publish("decisions", manual_decision(c.id, source, other(source)))
+                await wait_event(bus, c.id, lambda e: e.event is EventKind.REFUSED, "refused", 120)
 
     got = await complete(fleet, p, MAX_TOKENS, on_chunk, presence_penalty=0.5)
     assert_same(got, ref)
     details = {e.detail for e in await all_events(bus, got.id) if e.event is EventKind.REFUSED}
     assert details == {"not migratable: presence_penalty is 0.5"}
+
+
+def already_migrating(e: Event) -> bool:
+    return e.event is EventKind.REFUSED and e.detail == "already migrating"
 
 
 async def test_already_migrating_is_refused_and_the_first_goes_on(
@@ -300,11 +320,14 @@ async def test_already_migrating_is_refused_and_the_first_goes_on(
     ref = await complete(fleet, p, MAX_TOKENS)
 
     async def on_chunk(c: Completion) -> None:
-        if c.chunks == 25:
+        if c.chunks == 1:  # as early as possible: a fast engine ends it in seconds
             source = await dispatched_to(bus, c.id)
-            await bus.publish("decisions", manual_decision(c.id, source, "decode-9"))
-            await bus.publish("decisions", manual_decision(c.id, source, other(source)))
-            await bus.publish("decisions", manual_decision(c.id, source, other(source)))
+            # The source's engine stands still until the proxy has judged all
+            # three, so the request cannot end first however slow the bus is.
+            with engine_paused(fleet, source):
+                for target in ("decode-9", other(source), other(source)):
+                    await bus.publish("decisions", manual_decision(c.id, source, target))
+                await wait_event(bus, c.id, already_migrating, "refused", 120)
 
     got = await complete(fleet, p, MAX_TOKENS, on_chunk)
     assert_same(got, ref)
@@ -326,11 +349,15 @@ async def test_target_dead_continues_on_the_source_by_recompute(
     ref = await complete(fleet, p, MAX_TOKENS)
 
     async def on_chunk(c: Completion) -> None:
-        if c.chunks == 30:
+        if c.chunks == 1:  # as early as possible: a fast engine ends it in seconds
             source = await dispatched_to(bus, c.id)
-            await ghost(bus, "decode-ghost", dead)
-            await proxy_sees(fleet, "decode-ghost")
-            await bus.publish("decisions", manual_decision(c.id, source, "decode-ghost"))
+            with engine_paused(fleet, source):  # the request cannot end before the decision
+                await ghost(bus, "decode-ghost", dead)
+                await proxy_sees(fleet, "decode-ghost")
+                await bus.publish("decisions", manual_decision(c.id, source, "decode-ghost"))
+                await wait_event(
+                    bus, c.id, lambda e: e.event is EventKind.MIGRATING, "migrating", 120
+                )
 
     got = await complete(fleet, p, MAX_TOKENS, on_chunk)
     assert_same(got, ref)
@@ -388,23 +415,33 @@ async def test_the_loop_closed_scheduler_migrates_an_imbalanced_load(
             "STAR_SCHEDULER_STALENESS_S": "15",
         }
         env.pop("STAR_CONFIG", None)
-        sched = subprocess.Popen(  # noqa: ASYNC220 - a short-lived child of this test
-            [
-                sys.executable,
-                "-m",
-                "star.cli.main",
-                "scheduler",
-                "--node",
-                "sched-test",
-                "--metrics-port",
-                "0",
-            ],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        moved = await wait_any_resumed(bus, rids, within_s=180)
+        deadline = time.monotonic() + 120
+        while not set(rids) <= {r.id for r in (await bus.latest_reports())[DECODE[0]].requests}:
+            assert time.monotonic() < deadline, "decode-0 never reported the four requests"
+            await asyncio.sleep(0.1)
+        # decode-0's engine stands still until the scheduler (slow to start on
+        # a loaded box) leads, so the requests cannot end before it plans.
+        # (A paused engine's worker reports nothing: its tap cannot answer.)
+        started_at = time.time()
+        with engine_paused(fleet, DECODE[0]):
+            sched = subprocess.Popen(  # noqa: ASYNC220 - a short-lived child of this test
+                [
+                    sys.executable,
+                    "-m",
+                    "star.cli.main",
+                    "scheduler",
+                    "--node",
+                    "sched-test",
+                    "--metrics-port",
+                    "0",
+                ],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+            await wait_leader(bus, started_at, within_s=300)
+        moved = await wait_any(bus, rids, EventKind.RESUMED, within_s=180)
         decisions = [e for e in await bus.request_events(moved) if e.event is EventKind.MIGRATING]
         assert decisions[0].data["origin"] == "scheduler"
         results = await asyncio.gather(*tasks)
@@ -433,14 +470,29 @@ async def test_the_loop_closed_scheduler_migrates_an_imbalanced_load(
                 sched.wait(5)
 
 
-async def wait_any_resumed(bus: Bus, rids: list[str], within_s: float) -> str:
+async def wait_leader(bus: Bus, since: float, within_s: float) -> None:
+    """Wait for a scheduler's ``leader`` event stamped after ``since`` (wall clock)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        for _i, raw in await bus.tail("events", 500):
+            ev = decode(raw[b"body"])
+            if isinstance(ev, Event) and ev.event is EventKind.LEADER and ev.ts >= since:
+                return
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"no scheduler became leader within {within_s} s")
+
+
+async def wait_any(bus: Bus, rids: list[str], kind: EventKind, within_s: float) -> str:
+    """The first of ``rids`` with a ``kind`` event (a scheduler-driven migration step)."""
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
         for rid in rids:
-            if any(e.event is EventKind.RESUMED for e in await bus.request_events(rid)):
+            if any(e.event is kind for e in await bus.request_events(rid)):
                 return rid
         await asyncio.sleep(0.2)
-    raise AssertionError(f"no scheduler-driven migration within {within_s} s")
+    raise AssertionError(
+        f"no {kind.value} event of a scheduler-driven migration within {within_s} s"
+    )
 
 
 async def test_no_kv_block_leaks_after_the_tests(fleet: LocalCluster, bus: Bus) -> None:

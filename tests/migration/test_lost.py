@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -26,7 +28,7 @@ import pytest
 from star.bus import Bus
 from star.cli.migrate import manual_decision
 from star.cli.up import LocalCluster, group_members
-from star.wire import EventKind
+from star.wire import Event, EventKind
 from tests.migration.conftest import (
     DECODE,
     TTL_S,
@@ -40,14 +42,7 @@ from tests.migration.conftest import (
     wait_kv_idle,
     wait_new_worker,
 )
-from tests.migration.test_fleet import (
-    FLEET,
-    PULL_AFTER,
-    all_events,
-    dispatched_to,
-    other,
-    prompt,
-)
+from tests.migration.test_fleet import FLEET, all_events, dispatched_to, other, prompt
 
 pytestmark = [
     pytest.mark.engine,
@@ -60,8 +55,9 @@ pytestmark = [
 ]
 
 
-# Decisions come once the client has PULL_AFTER chunks: vLLM recomputes a
-# handoff under kv_recompute_threshold (64) tokens instead of pulling it.
+# A handoff must carry this many tokens: vLLM recomputes one under
+# kv_recompute_threshold (64) tokens instead of pulling it.
+PULL_AFTER = 96
 TOKENS = 400  # enough after the decision; shorter than MAX_TOKENS (slow on a loaded box)
 
 
@@ -77,9 +73,9 @@ async def stream_with(
     fleet: LocalCluster,
     p: str,
     scenario: Callable[[str], Awaitable[None]],
-    after_chunks: int = PULL_AFTER,
+    on_first: Callable[[Completion], Awaitable[None]] | None = None,
 ) -> Completion:
-    """Stream ``p``; ``scenario(request id)`` runs once the client has ``after_chunks`` chunks.
+    """Stream ``p``; ``scenario(request id)`` runs once the client has a chunk.
 
     The scenario's own failure is raised first (it would otherwise leave the
     client waiting on a stream that cannot end).
@@ -87,7 +83,9 @@ async def stream_with(
     started: asyncio.Future[str] = asyncio.get_running_loop().create_future()
 
     async def on_chunk(c: Completion) -> None:
-        if c.id and c.chunks >= after_chunks and not started.done():
+        if on_first is not None:
+            await on_first(c)
+        if c.id and not started.done():
             started.set_result(c.id)
 
     async def drive() -> None:
@@ -106,6 +104,47 @@ async def stream_with(
     return got
 
 
+async def stream_paused(
+    fleet: LocalCluster,
+    bus: Bus,
+    p: str,
+    scenario: Callable[[str, str, Callable[[], None]], Awaitable[None]],
+) -> Completion:
+    """Stream ``p`` with its decode engine paused once it runs; then ``scenario``.
+
+    The engine runs in short bursts until the client has ``PULL_AFTER``
+    chunks (each at least one token; while it is paused the client catches
+    up), so a handoff carries enough tokens to be pulled, yet a fast engine
+    cannot end the request first. ``scenario(request, source, resume)`` runs
+    with the source paused; ``resume()`` lets it run on.
+    """
+    seen: list[Completion] = []
+
+    async def on_first(c: Completion) -> None:
+        if not seen:
+            seen.append(c)
+
+    async def drive(request: str) -> None:
+        source = await dispatched_to(bus, request)
+        with engine_paused(fleet, source) as pids:
+
+            def signal_all(sig: int) -> None:
+                for pid in pids:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, sig)
+
+            deadline = time.monotonic() + 600
+            while seen[0].chunks < PULL_AFTER:
+                assert time.monotonic() < deadline, f"{seen[0].chunks} chunks after 600 s"
+                signal_all(signal.SIGCONT)
+                await asyncio.sleep(0.1)
+                signal_all(signal.SIGSTOP)
+                await asyncio.sleep(0.3)
+            await scenario(request, source, lambda: signal_all(signal.SIGCONT))
+
+    return await stream_with(fleet, p, drive, on_first=on_first)
+
+
 class Log:
     """What a process wrote to its log since now (the log of a restarted one is renamed)."""
 
@@ -117,6 +156,14 @@ class Log:
         with self.path.open("rb") as f:
             f.seek(self.start)
             return f.read().decode(errors="replace")
+
+
+def is_migrating(e: Event) -> bool:
+    return e.event is EventKind.MIGRATING
+
+
+def is_released(e: Event) -> bool:
+    return e.event is EventKind.RELEASED
 
 
 async def wait_gone(pgid: int, within_s: float = 120.0) -> None:
@@ -140,8 +187,7 @@ async def test_source_dies_after_the_handoff_the_target_recomputes(
     seen: dict[str, str] = {}
     logs: dict[str, Log] = {}
 
-    async def scenario(request: str) -> None:
-        source = await dispatched_to(bus, request)
+    async def scenario(request: str, source: str, resume: Callable[[], None]) -> None:
         target = other(source)
         seen.update(
             request=request,
@@ -153,11 +199,13 @@ async def test_source_dies_after_the_handoff_the_target_recomputes(
         source_pgid = fleet.pids()[source]
         with engine_paused(fleet, target):
             await bus.publish("decisions", manual_decision(request, source, target))
-            await wait_event(bus, request, lambda e: e.event is EventKind.RELEASED, "released", 120)
+            await wait_event(bus, request, is_migrating, "migrating", 120)
+            resume()  # the source releases at its next step
+            await wait_event(bus, request, is_released, "released", 120)
             kill(fleet, source)
             await wait_gone(source_pgid)
 
-    got = await stream_with(fleet, p, scenario)
+    got = await stream_paused(fleet, bus, p, scenario)
     # The reference runs after: had it run first, the target could hold the
     # whole sequence in its prefix cache and need no pull at all.
     ref = await complete(fleet, p, TOKENS)
@@ -193,20 +241,21 @@ async def test_a_pull_after_the_source_freed_the_blocks_recomputes(
     seen: dict[str, str] = {}
     logs: dict[str, Log] = {}
 
-    async def scenario(request: str) -> None:
-        source = await dispatched_to(bus, request)
+    async def scenario(request: str, source: str, resume: Callable[[], None]) -> None:
         target = other(source)
         seen.update(source=source, target=target)
         logs[target] = Log(fleet, target)
         with engine_paused(fleet, target):
             await bus.publish("decisions", manual_decision(request, source, target))
-            await wait_event(bus, request, lambda e: e.event is EventKind.RELEASED, "released", 120)
+            await wait_event(bus, request, is_migrating, "migrating", 120)
+            resume()  # the source releases at its next step
+            await wait_event(bus, request, is_released, "released", 120)
             deadline = time.monotonic() + TTL_S + 120
             while (await decode_used(bus)).get(source, 1):
                 assert time.monotonic() < deadline, "the source never freed the released blocks"
                 await asyncio.sleep(0.25)
 
-    got = await stream_with(fleet, p, scenario)
+    got = await stream_paused(fleet, bus, p, scenario)
     ref = await complete(fleet, p, TOKENS)  # after: no prefix-cache hit on the target
     assert_equal(got, ref)
     evs = await all_events(bus, got.id)
@@ -232,23 +281,25 @@ async def test_the_owning_proxy_dies_the_worker_frees_the_request(
     async def scenario(request: str) -> None:
         instance = await dispatched_to(bus, request)
         seen.update(request=request, instance=instance)
-        deadline = time.monotonic() + 120
-        while not any(  # the worker runs it (its report says so)
-            r.id == request for r in (await bus.latest_reports())[instance].requests
-        ):
-            assert time.monotonic() < deadline, "the decode worker never reported the request"
-            await asyncio.sleep(0.1)
-        kill(fleet, "proxy")
+        # It is decoding there (the client has a token); its engine stands
+        # still around the kill, so the request cannot end first.
+        with engine_paused(fleet, instance):
+            seen["killed_at"] = str(time.time())
+            kill(fleet, "proxy")
 
     with pytest.raises(httpx.TransportError):
-        await stream_with(fleet, prompt(32), scenario, after_chunks=1)
+        await stream_with(fleet, prompt(32), scenario)
     request, instance = seen["request"], seen["instance"]
 
     # The worker dropped the request and its KV (reports keep coming: it is alive).
     deadline = time.monotonic() + 120
     while True:
         report = (await bus.latest_reports())[instance]
-        if not any(r.id == request for r in report.requests) and request not in report.in_flight:
+        if (
+            report.ts > float(seen["killed_at"])
+            and not any(r.id == request for r in report.requests)
+            and request not in report.in_flight
+        ):
             break
         assert time.monotonic() < deadline, f"{instance} still runs {request}"
         await asyncio.sleep(0.25)
