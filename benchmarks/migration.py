@@ -65,6 +65,7 @@ class Trial:
     pull_ms: float = float("nan")
     release_ms: float = float("nan")
     window: tuple[float, float] = (0.0, 0.0)
+    failure: str = ""  # why the trial did not migrate (refused, aborted), if it did not
 
 
 async def _wait(bus: Bus, request: str, kind: EventKind, within_s: float = 60.0) -> Event:
@@ -126,9 +127,15 @@ async def _trial(
     )
     await _wait(bus, trial.request, EventKind.FINISHED)  # the last event of a request
     evs = await bus.request_events(trial.request)
-    start = next(e for e in evs if e.event is EventKind.MIGRATING)
-    resumed = next(e for e in evs if e.event is EventKind.RESUMED)
-    released = next(e for e in evs if e.event is EventKind.RELEASED)
+    first: dict[EventKind, Event] = {}
+    for e in evs:
+        first.setdefault(e.event, e)
+    start, released = first.get(EventKind.MIGRATING), first.get(EventKind.RELEASED)
+    resumed = first.get(EventKind.RESUMED)
+    if start is None or released is None or resumed is None:
+        other = first.get(EventKind.REFUSED) or first.get(EventKind.ABORTED)
+        trial.failure = f"{other.event.value}: {other.detail}" if other else "no migration events"
+        return trial
     trial.window = (start.ts, resumed.ts)
     after = [t for t in trial.times if t >= resumed.ts]
     before = [t for t in trial.times if t < resumed.ts]
@@ -150,6 +157,7 @@ async def bench(
         # Warm-up: the first handoff between a pair of engines does NIXL's handshake.
         for n in range(2):
             await _trial(bus, url, 10_000 + n, migrate_at, max_tokens, bpt)
+            print(f"warm-up {n + 1}/2 done", file=sys.stderr, flush=True)
         bg_times: list[list[float]] = [[] for _ in range(background)]
         stop = asyncio.Event()
 
@@ -168,7 +176,18 @@ async def bench(
         await asyncio.sleep(2.0)
         results = []
         for n in range(trials):
-            results.append(await _trial(bus, url, n, migrate_at, max_tokens, bpt))
+            t0 = time.monotonic()
+            trial = await _trial(bus, url, n, migrate_at, max_tokens, bpt)
+            results.append(trial)
+            print(
+                f"trial {n + 1}/{trials}: {trial.source} -> {trial.target}, "
+                + (f"FAILED ({trial.failure}), " if trial.failure else "")
+                + f"stall "
+                f"{trial.stall_ms:.1f} ms, pull {trial.pull_ms:.1f} ms, release "
+                f"{trial.release_ms:.1f} ms ({time.monotonic() - t0:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
             await asyncio.sleep(0.3)
         stop.set()
         for task in bg:
@@ -186,6 +205,7 @@ async def bench(
     stalls = [t.stall_ms for t in results if t.stall_ms == t.stall_ms]
     return {
         "trials": len(results),
+        "failed": [t.failure for t in results if t.failure],
         "stall_ms": stalls,
         "pull_ms": [t.pull_ms for t in results],
         "release_ms": [t.release_ms for t in results],
@@ -230,6 +250,8 @@ def render(doc: dict[str, Any]) -> str:
         f"co-running streams: {doc['co_running_itl_ms_in']:.2f} ms/chunk during migrations vs "
         f"{doc['co_running_itl_ms_out']:.2f} ms otherwise (x{slow:.2f}; samples {doc['co_running_samples']})"
     )
+    if doc.get("failed"):
+        lines.append(f"not migrated: {len(doc['failed'])} ({'; '.join(doc['failed'])})")
     lines.append(f"trials: {doc['trials']}; targets: stall <= 20 ms p50, <= 100 ms p99")
     return "\n".join(lines)
 
