@@ -110,11 +110,18 @@ async def _trial(
 ) -> Trial:
     trial = Trial()
 
+    source: asyncio.Task[Event] | None = None
+
     async def on_chunk(rid: str, chunks: int) -> None:
+        nonlocal source
+        if source is None:
+            # Look the source up from the first chunk on: scanning the events
+            # stream takes long enough for a fast engine to finish the request.
+            source = asyncio.create_task(_wait(bus, rid, EventKind.DISPATCHED))
         if chunks != migrate_at:
             return
         trial.request = rid
-        trial.source = (await _wait(bus, rid, EventKind.DISPATCHED)).instance
+        trial.source = (await source).instance
         trial.target = "decode-1" if trial.source == "decode-0" else "decode-0"
         await bus.publish("decisions", manual_decision(rid, trial.source, trial.target))
 
