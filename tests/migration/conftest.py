@@ -105,6 +105,15 @@ class Completion:
     error: str = ""
 
 
+def assert_same(got: Completion, ref: Completion, tokens: int) -> None:
+    """``got`` is the stream ``ref`` is (greedy): same text, usage, finish, ``tokens`` long."""
+    assert not got.error, got.error
+    assert got.text == ref.text
+    assert got.finish_reason == ref.finish_reason == "length"
+    assert got.usage == ref.usage
+    assert got.usage["completion_tokens"] == tokens
+
+
 async def complete(
     fleet: LocalCluster,
     prompt: str,

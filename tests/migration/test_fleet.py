@@ -30,6 +30,7 @@ from star.wire import Event, EventKind, Generate, Handoff, LoadEntry, Release, T
 from tests.migration.conftest import (
     DECODE,
     Completion,
+    assert_same,
     complete,
     engine_paused,
     ghost,
@@ -85,14 +86,6 @@ def first_unique(text: str, start: int) -> str:
 
 def other(instance: str) -> str:
     return DECODE[1] if instance == DECODE[0] else DECODE[0]
-
-
-def assert_same(got: Completion, ref: Completion) -> None:
-    assert not got.error, got.error
-    assert got.text == ref.text
-    assert got.finish_reason == ref.finish_reason == "length"
-    assert got.usage == ref.usage
-    assert got.usage["completion_tokens"] == MAX_TOKENS
 
 
 async def migrate_at(
@@ -224,7 +217,7 @@ async def test_migrated_once_equals_unmigrated(fleet: LocalCluster, bus: Bus) ->
     # The reference runs after: had it run first, the target could hold the
     # whole sequence in its prefix cache and pull nothing through NIXL.
     ref = await complete(fleet, p, MAX_TOKENS)
-    assert_same(got, ref)
+    assert_same(got, ref, MAX_TOKENS)
     evs = await all_events(bus, got.id)
     kinds = [(e.event, e.instance) for e in evs]
     assert not [e.detail for e in evs if e.event is EventKind.REFUSED]
@@ -240,7 +233,7 @@ async def test_migrated_twice_and_back_equals_unmigrated(fleet: LocalCluster, bu
     p = prompt(2)
     got, path = await migrate_at(bus, fleet, p, 3)
     ref = await complete(fleet, p, MAX_TOKENS)  # after: see test_migrated_once_equals_unmigrated
-    assert_same(got, ref)
+    assert_same(got, ref, MAX_TOKENS)
     assert path[0] == path[2] != path[1] == path[3]
     resumed = [e for e in await all_events(bus, got.id) if e.event is EventKind.RESUMED]
     assert [e.instance for e in resumed] == path[1:]
@@ -304,7 +297,7 @@ async def test_refusals_leave_the_stream_alone(fleet: LocalCluster, bus: Bus) ->
                 await wait_event(bus, c.id, lambda e: e.event is EventKind.REFUSED, "refused", 120)
 
     got = await complete(fleet, p, MAX_TOKENS, on_chunk, presence_penalty=0.5)
-    assert_same(got, ref)
+    assert_same(got, ref, MAX_TOKENS)
     details = {e.detail for e in await all_events(bus, got.id) if e.event is EventKind.REFUSED}
     assert details == {"not migratable: presence_penalty is 0.5"}
 
@@ -330,7 +323,7 @@ async def test_already_migrating_is_refused_and_the_first_goes_on(
                 await wait_event(bus, c.id, already_migrating, "refused", 120)
 
     got = await complete(fleet, p, MAX_TOKENS, on_chunk)
-    assert_same(got, ref)
+    assert_same(got, ref, MAX_TOKENS)
     evs = await all_events(bus, got.id)
     assert [e.detail for e in evs if e.event is EventKind.REFUSED] == [
         "target decode-9 is not a live decode instance",
@@ -360,7 +353,7 @@ async def test_target_dead_continues_on_the_source_by_recompute(
                 )
 
     got = await complete(fleet, p, MAX_TOKENS, on_chunk)
-    assert_same(got, ref)
+    assert_same(got, ref, MAX_TOKENS)
     evs = await all_events(bus, got.id)
     aborted = [e for e in evs if e.event is EventKind.ABORTED]
     assert [e.detail for e in aborted] == ["dst"]

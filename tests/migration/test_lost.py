@@ -33,6 +33,7 @@ from tests.migration.conftest import (
     DECODE,
     TTL_S,
     Completion,
+    assert_same,
     complete,
     decode_used,
     engine_paused,
@@ -59,14 +60,6 @@ pytestmark = [
 # kv_recompute_threshold (64) tokens instead of pulling it.
 PULL_AFTER = 96
 TOKENS = 400  # enough after the decision; shorter than MAX_TOKENS (slow on a loaded box)
-
-
-def assert_equal(got: Completion, ref: Completion) -> None:
-    assert not got.error, got.error
-    assert got.text == ref.text
-    assert got.finish_reason == ref.finish_reason == "length"
-    assert got.usage == ref.usage
-    assert got.usage["completion_tokens"] == TOKENS
 
 
 async def stream_with(
@@ -209,7 +202,7 @@ async def test_source_dies_after_the_handoff_the_target_recomputes(
     # The reference runs after: had it run first, the target could hold the
     # whole sequence in its prefix cache and need no pull at all.
     ref = await complete(fleet, p, TOKENS)
-    assert_equal(got, ref)
+    assert_same(got, ref, TOKENS)
     # The pull failed (no handshake, or the read itself; vLLM 0.32's wording).
     assert "NIXL transfer failure" in logs[seen["target"]].since()
     evs = await all_events(bus, got.id)
@@ -257,7 +250,7 @@ async def test_a_pull_after_the_source_freed_the_blocks_recomputes(
 
     got = await stream_paused(fleet, bus, p, scenario)
     ref = await complete(fleet, p, TOKENS)  # after: no prefix-cache hit on the target
-    assert_equal(got, ref)
+    assert_same(got, ref, TOKENS)
     evs = await all_events(bus, got.id)
     assert (EventKind.RESUMED, seen["target"]) in [(e.event, e.instance) for e in evs]
     assert not [e for e in evs if e.event is EventKind.ABORTED]
