@@ -30,7 +30,8 @@ import pytest_asyncio
 from star.bus import Bus
 from star.cli.up import LocalCluster, group_members
 from star.settings import BusSettings, RedisSettings
-from star.wire import Event, Report
+from star.wire import Event
+from tests.reports import report
 
 DECODE = ("decode-0", "decode-1")
 TTL_S = 20
@@ -186,23 +187,7 @@ async def ghost(bus: Bus, name: str, address: str) -> None:
 
     It reports itself busy so no dispatch picks it; only a decision names it.
     """
-    await bus.publish(
-        "reports",
-        Report(
-            instance=name,
-            role="decode",
-            seq=1,
-            ts=time.time(),
-            address=address,
-            capacity_tokens=1 << 20,
-            used_tokens=1 << 19,
-            bytes_per_token=512,
-            step_time_s=0.01,
-            delta=1,
-            trace=[float(1 << 19)],
-            requests=[],
-        ),
-    )
+    await bus.publish("reports", report(name, address=address, used=1 << 19, capacity=1 << 20))
 
 
 async def proxy_sees(fleet: LocalCluster, instance: str, within_s: float = 30.0) -> None:

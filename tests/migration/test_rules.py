@@ -9,6 +9,7 @@ import pytest
 from proxy.migration import TRANSITIONS, IllegalTransition, RunEvent, RunState, next_state, refusal
 from star.sampling import continuation, migration_blocker
 from star.wire import Decision
+from tests.reports import report
 
 
 @pytest.mark.parametrize(
@@ -124,18 +125,14 @@ def test_a_target_with_lagging_reports_is_still_a_live_decode_instance() -> None
     from types import SimpleNamespace
 
     from proxy.cluster import ClusterBackend, Directory
-    from star.wire import Report
-
-    def report(instance: str, role: str, address: str) -> Report:
-        return Report(instance, role, 1, time.time(), address, 10_000, 0, 512, 0.01, 32, [0.0], [])
 
     bus = SimpleNamespace(keys=SimpleNamespace(reports="t:reports"))
     directory = Directory(bus, staleness_s=15)  # type: ignore[arg-type]
     now = time.monotonic()
     directory._reports = {
-        "decode-0": (now - 3600, report("decode-0", "decode", "h:1")),  # reports lag
-        "decode-1": (now, report("decode-1", "decode", "h:2")),
-        "prefill-0": (now, report("prefill-0", "prefill", "h:3")),
+        "decode-0": (now - 3600, report("decode-0", address="h:1")),  # reports lag
+        "decode-1": (now, report("decode-1", address="h:2")),
+        "prefill-0": (now, report("prefill-0", role="prefill", address="h:3")),
     }
     backend = ClusterBackend(directory, SimpleNamespace(), "current-load", "test")  # type: ignore[arg-type]
     assert [m.instance for m in directory.members("decode")] == ["decode-1"]

@@ -11,23 +11,7 @@ import pytest
 from proxy.backend import BackendUnavailable
 from proxy.cluster import ClusterBackend, Directory
 from star.wire import Report
-
-
-def report(instance: str, role: str, address: str, used: int) -> Report:
-    return Report(
-        instance=instance,
-        role=role,
-        seq=1,
-        ts=time.time(),
-        address=address,
-        capacity_tokens=10_000,
-        used_tokens=used,
-        bytes_per_token=512,
-        step_time_s=0.01,
-        delta=32,
-        trace=[float(used)],
-        requests=[],
-    )
+from tests.reports import report
 
 
 class Pool:
@@ -57,9 +41,9 @@ async def test_a_dead_decode_instance_is_skipped_for_a_live_one() -> None:
     # decode-0 is the least loaded, so current-load picks it first; it is dead.
     b, pool = backend(
         [
-            report("decode-0", "decode", "h:1", 0),
-            report("decode-1", "decode", "h:2", 500),
-            report("decode-2", "decode", "h:3", 900),
+            report("decode-0", address="h:1"),
+            report("decode-1", address="h:2", used=500),
+            report("decode-2", address="h:3", used=900),
         ],
         dead={"h:1"},
     )
@@ -76,7 +60,7 @@ async def test_a_dead_decode_instance_is_skipped_for_a_live_one() -> None:
 
 async def test_503_only_when_no_instance_is_reachable() -> None:
     b, pool = backend(
-        [report("decode-0", "decode", "h:1", 0), report("decode-1", "decode", "h:2", 0)],
+        [report("decode-0", address="h:1"), report("decode-1", address="h:2")],
         dead={"h:1", "h:2"},
     )
     with pytest.raises(BackendUnavailable, match="no decode instance is up"):
@@ -86,7 +70,10 @@ async def test_503_only_when_no_instance_is_reachable() -> None:
 
 async def test_prefill_too() -> None:
     b, _ = backend(
-        [report("prefill-0", "prefill", "h:1", 0), report("prefill-1", "prefill", "h:2", 10)],
+        [
+            report("prefill-0", role="prefill", address="h:1"),
+            report("prefill-1", role="prefill", address="h:2", used=10),
+        ],
         dead={"h:1"},
     )
     assert (await b.pick_reachable("prefill", "current-load", 10)).instance == "prefill-1"
@@ -96,7 +83,7 @@ async def test_stale_reports_are_tried_when_nothing_is_fresh() -> None:
     # Reports lag on a starved host or while Redis is down: the last known
     # instances are still tried, and a dead one is dropped at its first refusal.
     b, pool = backend(
-        [report("decode-0", "decode", "h:1", 0), report("decode-1", "decode", "h:2", 500)],
+        [report("decode-0", address="h:1"), report("decode-1", address="h:2", used=500)],
         dead={"h:1"},
     )
     long_ago = time.monotonic() - 3600
@@ -105,5 +92,8 @@ async def test_stale_reports_are_tried_when_nothing_is_fresh() -> None:
     assert (await b.pick_reachable("decode", "current-load", 10)).instance == "decode-1"
     assert pool.tried == ["h:1", "h:2"]
     # A fresh report wins over stale ones again.
-    b.directory._reports["decode-2"] = (time.monotonic(), report("decode-2", "decode", "h:3", 900))
+    b.directory._reports["decode-2"] = (
+        time.monotonic(),
+        report("decode-2", address="h:3", used=900),
+    )
     assert [m.instance for m in b.directory.members("decode")] == ["decode-2"]

@@ -20,9 +20,9 @@ import pytest
 
 from star.bus import Bus
 from star.settings import BusSettings
-from star.wire import Report
 from tests.conftest import redis_settings
 from tests.redis_server import RedisServer, free_port
+from tests.reports import report
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -48,23 +48,7 @@ def _wait(
 async def _announce(server: RedisServer, name: str) -> None:
     bus = Bus.from_settings(redis_settings(server), BusSettings())  # the proxy's default prefix
     try:
-        await bus.publish(
-            "reports",
-            Report(
-                instance=name,
-                role="decode",
-                seq=1,
-                ts=time.time(),
-                address="127.0.0.1:1",
-                capacity_tokens=1 << 20,
-                used_tokens=0,
-                bytes_per_token=512,
-                step_time_s=0.01,
-                delta=1,
-                trace=[0.0],
-                requests=[],
-            ),
-        )
+        await bus.publish("reports", report(name))
     finally:
         await bus.close()
 
