@@ -28,9 +28,10 @@ import pytest
 import pytest_asyncio
 
 from star.bus import Bus
+from star.cli.migrate import manual_decision
 from star.cli.up import LocalCluster, group_members
 from star.settings import BusSettings, RedisSettings
-from star.wire import Event
+from star.wire import Event, EventKind
 from tests.reports import report
 
 DECODE = ("decode-0", "decode-1")
@@ -163,6 +164,21 @@ async def complete(
                     if on_chunk is not None:
                         await on_chunk(out)
     return out
+
+
+async def release_to(
+    bus: Bus, request: str, source: str, target: str, resume: Callable[[], None]
+) -> None:
+    """Move ``request`` from its paused ``source`` up to the release; ``resume`` unpauses it.
+
+    A decision is published, the proxy acts on it (``migrating``), the source
+    runs again and releases at its next step (``released``): the Handoff is
+    on its way to the target, whose engine the caller may still hold paused.
+    """
+    await bus.publish("decisions", manual_decision(request, source, target))
+    await wait_event(bus, request, lambda e: e.event is EventKind.MIGRATING, "migrating", 120)
+    resume()
+    await wait_event(bus, request, lambda e: e.event is EventKind.RELEASED, "released", 120)
 
 
 async def decode_used(bus: Bus) -> dict[str, int]:

@@ -28,7 +28,7 @@ import pytest
 from star.bus import Bus
 from star.cli.migrate import manual_decision
 from star.cli.up import LocalCluster, group_members
-from star.wire import Event, EventKind
+from star.wire import EventKind
 from tests.migration.conftest import (
     DECODE,
     TTL_S,
@@ -38,6 +38,7 @@ from tests.migration.conftest import (
     decode_used,
     engine_paused,
     kill,
+    release_to,
     restart,
     wait_event,
     wait_kv_idle,
@@ -151,14 +152,6 @@ class Log:
             return f.read().decode(errors="replace")
 
 
-def is_migrating(e: Event) -> bool:
-    return e.event is EventKind.MIGRATING
-
-
-def is_released(e: Event) -> bool:
-    return e.event is EventKind.RELEASED
-
-
 async def wait_gone(pgid: int, within_s: float = 120.0) -> None:
     deadline = time.monotonic() + within_s
     while group_members({pgid}):
@@ -191,10 +184,7 @@ async def test_source_dies_after_the_handoff_the_target_recomputes(
         logs[target] = Log(fleet, target)
         source_pgid = fleet.pids()[source]
         with engine_paused(fleet, target):
-            await bus.publish("decisions", manual_decision(request, source, target))
-            await wait_event(bus, request, is_migrating, "migrating", 120)
-            resume()  # the source releases at its next step
-            await wait_event(bus, request, is_released, "released", 120)
+            await release_to(bus, request, source, target, resume)
             kill(fleet, source)
             await wait_gone(source_pgid)
 
@@ -239,10 +229,7 @@ async def test_a_pull_after_the_source_freed_the_blocks_recomputes(
         seen.update(source=source, target=target)
         logs[target] = Log(fleet, target)
         with engine_paused(fleet, target):
-            await bus.publish("decisions", manual_decision(request, source, target))
-            await wait_event(bus, request, is_migrating, "migrating", 120)
-            resume()  # the source releases at its next step
-            await wait_event(bus, request, is_released, "released", 120)
+            await release_to(bus, request, source, target, resume)
             deadline = time.monotonic() + TTL_S + 120
             while (await decode_used(bus)).get(source, 1):
                 assert time.monotonic() < deadline, "the source never freed the released blocks"
