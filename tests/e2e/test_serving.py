@@ -12,7 +12,6 @@ import json
 import shutil
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -23,11 +22,12 @@ import pytest
 
 from proxy.tokenizer import ModelCard
 from proxy.upstream import WorkerClient
-from star.cli.up import LocalCluster, _free_port
+from star.cli.up import LocalCluster
 from star.model import tiny_model_path
 from star.model.task import Prompt
 from star.wire import Error, Generate, Tokens
 from tests.e2e.conftest import latest_reports
+from tests.procs import proxy_process
 from tests.proxy.rawhttp import exchange, parse_responses, request_bytes
 
 # Engine starts share the first test's time limit: generous on a loaded 2-core host.
@@ -187,51 +187,27 @@ def test_http_errors_against_the_real_cluster(cluster: LocalCluster) -> None:
 
 def test_api_key_missing_or_wrong_is_401(cluster: LocalCluster, tmp_path: Path) -> None:
     """A second proxy with a key, in front of the same workers."""
-    port = _free_port()
     env = {**cluster.env, "STAR_PROXY_API_KEY": "sekrit", "STAR_LOG_FORMAT": "json"}
-    log = (tmp_path / "proxy.log").open("wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "star.cli.main", "proxy", "--port", str(port)],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        deadline = time.monotonic() + 300  # a cold proxy process under load
-        while True:
-            assert proc.poll() is None, (tmp_path / "proxy.log").read_text()[-3000:]
-            try:
-                health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).json()
-                if health.get("ok") and len(health["decode"]) == 2:
-                    break
-            except (httpx.HTTPError, ValueError):
-                pass
-            assert time.monotonic() < deadline, "keyed proxy not ready"
-            time.sleep(0.3)
+    with proxy_process(env, tmp_path / "proxy.log") as proxy:
+
+        def ready() -> bool:
+            health = proxy.health() or {}  # /health needs no key
+            return bool(health.get("ok")) and len(health.get("decode", [])) == 2
+
+        proxy.wait(ready, "ready with both decode workers", 300)
         body = {"model": MODEL, "prompt": card_prompt(), "max_tokens": 8, "temperature": 0}
-        url = f"http://127.0.0.1:{port}/v1/completions"
+        url = f"{proxy.url}/v1/completions"
         missing = httpx.post(url, json=body, timeout=60)
         wrong = httpx.post(url, json=body, headers={"Authorization": "Bearer nope"}, timeout=60)
         for resp in (missing, wrong):
             assert resp.status_code == 401 and resp.headers["www-authenticate"] == "Bearer"
         assert wrong.json()["error"]["code"] == "invalid_api_key"
         keyed = openai.OpenAI(
-            base_url=f"http://127.0.0.1:{port}/v1", api_key="sekrit", max_retries=0, timeout=120
+            base_url=f"{proxy.url}/v1", api_key="sekrit", max_retries=0, timeout=120
         )
         assert keyed.completions.create(**body).choices[0].text  # the right key is served
         with pytest.raises(openai.AuthenticationError):
-            openai.OpenAI(
-                base_url=f"http://127.0.0.1:{port}/v1", api_key="nope", max_retries=0
-            ).models.list()
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+            openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="nope", max_retries=0).models.list()
 
 
 def _decode_idle(cluster: LocalCluster) -> bool:
