@@ -86,19 +86,13 @@ class Directory:
 
     async def follow_reports(self) -> None:
         start = f"{int((time.time() - self.staleness_s) * 1000)}-0"
-        sub = Subscriber(self.bus, "reports", Report, start=start)
-        while True:
-            try:
-                batch = await sub.read()
-            except BusUnavailable as exc:
-                # Keep serving on the last view; reports age out by staleness.
-                log.error("reports unreadable; retrying", error=str(exc))
-                continue
-            for entry in batch:
-                report = entry.msg
-                assert isinstance(report, Report)
-                self._reports[report.instance] = (time.monotonic(), report)
-                self._pending.pop(report.instance, None)
+        # Through a Redis outage the iteration waits (and logs it once): the
+        # proxy keeps serving on the last view, reports age out by staleness.
+        async for entry in Subscriber(self.bus, "reports", Report, start=start):
+            report = entry.msg
+            assert isinstance(report, Report)
+            self._reports[report.instance] = (time.monotonic(), report)
+            self._pending.pop(report.instance, None)
 
     async def poll_load(self, interval_s: float = 0.25) -> None:
         while True:

@@ -41,7 +41,7 @@ import structlog
 
 from proxy.backend import BackendError, GenerationRequest, TokenBatch
 from proxy.upstream import ConnectionLost, Stream, WorkerClient
-from star.bus import Bus, BusUnavailable, Subscriber
+from star.bus import Bus, Subscriber
 from star.sampling import continuation
 from star.wire import Abort, Decision, Error, Event, EventKind, Generate, Handoff, Release, Tokens
 
@@ -442,19 +442,13 @@ class Migrator:
 
 async def follow_decisions(bus: Bus, migrator: Migrator, start: str = "$") -> None:
     """Read ``star:decisions`` in order and apply each (runs until cancelled)."""
-    sub = Subscriber(bus, "decisions", Decision, start=start)
-    while True:
+    # Through a Redis outage the iteration waits (and logs it once): streams go
+    # on without migrations until Redis is back, then reading resumes after the
+    # last decision seen.
+    async for entry in Subscriber(bus, "decisions", Decision, start=start):
+        decision = entry.msg
+        assert isinstance(decision, Decision)
         try:
-            batch = await sub.read()
-        except BusUnavailable as exc:
-            # Keep serving: streams go on without migrations until Redis is back,
-            # and reading resumes after the last decision seen.
-            log.error("decisions unreadable; retrying", error=str(exc))
-            continue
-        for entry in batch:
-            decision = entry.msg
-            assert isinstance(decision, Decision)
-            try:
-                migrator.apply(decision)
-            except Exception:  # a bug here must not stop the following of decisions
-                log.exception("decision failed", decision=decision.id, request=decision.request)
+            migrator.apply(decision)
+        except Exception:  # a bug here must not stop the following of decisions
+            log.exception("decision failed", decision=decision.id, request=decision.request)

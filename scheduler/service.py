@@ -130,26 +130,22 @@ class SchedulerService(Service):
 
     async def _events(self) -> None:
         assert self.bus is not None
-        sub = Subscriber(self.bus, "events", Event, start="$")
-        while True:
-            for entry in await sub.read():
-                assert isinstance(entry.msg, Event)
-                resolved = self.view.apply_event(entry.msg)
-                if resolved is not None:
-                    decision, outcome = resolved
-                    self.metrics.decisions.labels(decision.mode, outcome).inc()
-                    log.info("migration resolved", migration_id=decision.id, request_id=decision.request, outcome=outcome)
+        async for entry in Subscriber(self.bus, "events", Event, start="$"):
+            assert isinstance(entry.msg, Event)
+            resolved = self.view.apply_event(entry.msg)
+            if resolved is not None:
+                decision, outcome = resolved
+                self.metrics.decisions.labels(decision.mode, outcome).inc()
+                log.info("migration resolved", migration_id=decision.id, request_id=decision.request, outcome=outcome)
 
     async def _decisions(self) -> None:
         """Book every decision on the stream: a standby's view (and manual
         `star migrate` decisions) must count in-flight moves like the leader's."""
         assert self.bus is not None
-        sub = Subscriber(self.bus, "decisions", Decision, start="$")
-        while True:
-            for entry in await sub.read():
-                assert isinstance(entry.msg, Decision)
-                if entry.msg.id not in self.view.in_flight:
-                    self.view.book(entry.msg, time.monotonic())
+        async for entry in Subscriber(self.bus, "decisions", Decision, start="$"):
+            assert isinstance(entry.msg, Decision)
+            if entry.msg.id not in self.view.in_flight:
+                self.view.book(entry.msg, time.monotonic())
 
     async def _leader(self) -> None:
         assert self.leadership is not None and self.bus is not None

@@ -9,16 +9,19 @@
   entries first (after a crash), stale entries of dead consumers reclaimed with
   ``XAUTOCLAIM``, then new ones; the caller acknowledges what it processed.
 * :class:`Subscriber` reads a stream in order with plain ``XREAD`` and never
-  skips an entry, even across reconnects (proxies follow decisions this way).
+  skips an entry, even across reconnects; ``async for entry in subscriber``
+  follows it for good (proxies follow decisions and reports this way).
 
 Readers survive a Redis restart: every call goes through :meth:`Bus.retrying`,
 which retries with bounded, logged exponential backoff and gives up with
-:class:`BusUnavailable` after ``redis.reconnect_timeout_s``.
+:class:`BusUnavailable` after ``redis.reconnect_timeout_s``; iterating a
+:class:`Subscriber` logs that once per outage and reads on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -51,6 +54,22 @@ class BusError(Exception):
 
 class BusUnavailable(BusError):
     """Redis stayed unreachable for longer than ``reconnect_timeout_s``."""
+
+
+def raise_swallowed_cancel(task: asyncio.Task[Any] | None, cancels: int) -> None:
+    """Re-raise a cancellation of ``task`` that a Redis command swallowed.
+
+    redis-py sends every command through ``asyncio.wait_for(send,
+    socket_timeout)``. On Python 3.11, ``wait_for`` returns the inner result
+    when the cancel lands after the send finished but before ``wait_for``
+    resumed (CPython gh-86296, fixed in 3.12): the command goes on and the
+    caller's loop never sees the ``CancelledError``, so a reader task ignores
+    ``cancel()`` and whoever awaits it hangs. The task still counts the request
+    (``Task.cancelling()``), so a count above ``cancels`` (the count when the
+    command started) is a cancel that was lost on the way.
+    """
+    if task is not None and task.cancelling() > cancels:
+        raise asyncio.CancelledError("cancelled during a Redis command (swallowed by asyncio.wait_for)")
 
 
 def connect_redis(settings: RedisSettings) -> aioredis.Redis:
@@ -194,10 +213,13 @@ class Bus:
         delay = cfg.backoff_base_s
         started = time.monotonic()
         attempt = 0
+        task = asyncio.current_task()
+        cancels = task.cancelling() if task is not None else 0
         while True:
             try:
                 result = await op()
             except TRANSIENT as exc:
+                raise_swallowed_cancel(task, cancels)
                 attempt += 1
                 waited = time.monotonic() - started
                 if waited >= cfg.reconnect_timeout_s:
@@ -208,9 +230,22 @@ class Bus:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, cfg.backoff_max_s)
                 continue
+            raise_swallowed_cancel(task, cancels)
             if attempt:
                 log.info("redis reachable again", op=what, attempts=attempt, down_s=round(time.monotonic() - started, 3))
             return result
+
+    def block_ms(self, requested: int | None = None) -> int:
+        """How long one blocking read waits: ``requested`` (default ``bus.block_ms``).
+
+        Capped at half of ``redis.socket_timeout_s``: redis-py applies the
+        socket timeout to a blocking read's reply as well, so a longer block
+        would end every idle read with a timeout (retried, and after
+        ``reconnect_timeout_s`` a false :class:`BusUnavailable`). Never 0,
+        which Redis takes as "block forever".
+        """
+        want = self.settings.block_ms if requested is None else requested
+        return max(1, min(want, int(self.redis_settings.socket_timeout_s * 500)))
 
     # -- writing ------------------------------------------------------------
 
@@ -443,7 +478,7 @@ class GroupReader:
                 self.consumer,
                 {self.key: ">"},
                 count=cfg.read_count,
-                block=cfg.block_ms if block_ms is None else block_ms,
+                block=self.bus.block_ms(block_ms),
             )
         except ResponseError as exc:
             if "NOGROUP" in str(exc):
@@ -485,9 +520,14 @@ class Subscriber:
 
     ``start`` is ``"$"`` (entries after the current last one — resolved to a
     concrete id on the first read, so entries published during a reconnect
-    are not missed), ``"0"`` (from the beginning) or an entry id. If Redis
-    comes back with a stream whose newest id is older than the last one seen
-    (restarted without persistence), reading starts over from the beginning.
+    are not missed), ``"0"`` (from the beginning) or an entry id. Each read
+    also asks for the stream's newest id (same round trip): if it is older
+    than the last entry this subscriber read, Redis came back without the
+    entries it had (restarted without persistence, or the key was deleted),
+    and reading starts over from the beginning.
+
+    ``async for entry in subscriber`` is the way to follow a stream for good:
+    it outlives Redis outages of any length (see :meth:`__aiter__`).
     """
 
     def __init__(
@@ -501,42 +541,73 @@ class Subscriber:
         self.key = bus.keys.stream(stream)
         self.expect = expect
         self.last_id = start
-        self._check_reset = False
+        # The newest id read from the stream itself; a caller's ``start`` may
+        # lie past the stream's end (a time-based id) without meaning a reset.
+        self._seen: str | None = None
+        # Read but not yet handed out by __aiter__ (kept if the caller breaks).
+        self._buffer: collections.deque[Entry] = collections.deque()
 
     async def read(self, block_ms: int | None = None) -> list[Entry]:
-        """The next entries in stream order (may be empty after ``block_ms``)."""
+        """The next entries in stream order (may be empty after ``block_ms``).
+
+        Raises :class:`BusUnavailable` once Redis has been unreachable for
+        ``reconnect_timeout_s``; the next call resumes after the last entry
+        returned.
+        """
         return await self.bus.retrying(f"XREAD {self.key}", lambda: self._read_once(block_ms))
 
     async def _read_once(self, block_ms: int | None) -> list[Entry]:
         redis = self.bus.redis
-        try:
-            if self.last_id == "$":
-                rows = await xrevrange(redis, self.key, 1)
-                self.last_id = as_str(rows[0][0]) if rows else "0-0"
-            if self._check_reset:
-                rows = await xrevrange(redis, self.key, 1)
-                newest = as_str(rows[0][0]) if rows else "0-0"
-                if _id_tuple(newest) < _id_tuple(self.last_id):
-                    log.warning("stream went back in time; reading from its start", stream=self.key, last_seen=self.last_id, newest=newest)
-                    self.last_id = "0-0"
-                self._check_reset = False
-            reply = await redis.xread(
-                {self.key: self.last_id},
-                count=self.bus.settings.read_count,
-                block=self.bus.settings.block_ms if block_ms is None else block_ms,
-            )
-        except TRANSIENT:
-            self._check_reset = True
-            raise
+        if self.last_id == "$":
+            rows = await xrevrange(redis, self.key, 1)
+            self.last_id = as_str(rows[0][0]) if rows else "0-0"
+            self._seen = self.last_id if rows else None
+        # Redis runs the two back to back: the newest id is the stream's as
+        # this XREAD starts, whether or not a reconnect happened on the way
+        # (redis-py reconnects an idle pooled connection silently).
+        async with redis.pipeline(transaction=False) as pipe:
+            pipe.xrevrange(self.key, count=1)
+            pipe.xread({self.key: self.last_id}, count=self.bus.settings.read_count, block=self.bus.block_ms(block_ms))
+            newest_rows, reply = await pipe.execute()
+        newest = as_str(newest_rows[0][0]) if newest_rows else "0-0"
+        if self._seen is not None and _id_tuple(newest) < _id_tuple(self._seen):
+            log.warning("stream went back in time; reading from its start", stream=self.key, last_seen=self._seen, newest=newest)
+            self.last_id, self._seen = "0-0", None
+            return await self._read_once(block_ms)
         batch = first_stream_rows(reply)
+        # Decode (and dead-letter) before moving on: if Redis goes away while
+        # a bad entry is buried, the whole batch is read again.
+        entries = await self.bus.decode_or_bury(self.key, batch, self.expect)
         if batch:
-            self.last_id = as_str(batch[-1][0])
-        return await self.bus.decode_or_bury(self.key, batch, self.expect)
+            self.last_id = self._seen = as_str(batch[-1][0])
+        return entries
 
     async def __aiter__(self) -> AsyncIterator[Entry]:
+        """Every entry in stream order, for as long as the caller iterates.
+
+        A Redis outage never ends the iteration: each ``reconnect_timeout_s``
+        without Redis ends one :meth:`read` with :class:`BusUnavailable`, the
+        first of an outage is logged (``<key> unreadable; retrying``) and
+        reading goes on; once Redis is back it resumes after the last entry
+        read (from the stream's start if Redis lost the stream). Entries read
+        but not yet handed out survive a ``break``: iterating again yields
+        them first. Cancelling the iterating task ends it.
+        """
+        down_since: float | None = None
         while True:
-            for entry in await self.read():
-                yield entry
+            while self._buffer:
+                yield self._buffer.popleft()
+            try:
+                batch = await self.read()
+            except BusUnavailable as exc:
+                if down_since is None:
+                    down_since = time.monotonic()
+                    log.error(f"{self.key} unreadable; retrying", stream=self.key, error=str(exc))
+                continue
+            if down_since is not None:
+                log.info(f"{self.key} readable again", stream=self.key, down_s=round(time.monotonic() - down_since, 3))
+                down_since = None
+            self._buffer.extend(batch)
 
 
 def _id_tuple(entry_id: str) -> tuple[int, int]:

@@ -133,9 +133,8 @@ async def _inspect(settings: Settings, args: argparse.Namespace) -> int:
                         sub.last_id = dead_id.decode()
                         if dead_raw is not None:
                             _print_raw(bus, "dead", sub.last_id, dead_raw, args.json)
-            while True:
-                for entry in await sub.read():
-                    _print_entry(entry.id, entry.msg, args.json)
+            async for entry in sub:
+                _print_entry(entry.id, entry.msg, args.json)
         return 0
     finally:
         await bus.close()
