@@ -245,7 +245,16 @@ class DecodeRun:
                 if self.state is RunState.RELEASING and self.pending is not None:
                     timeout = max(RELEASE_TIMEOUT_S - (time.monotonic() - self.pending.since), 0.0)
                 try:
-                    msg = await asyncio.wait_for(leg.stream.next(), timeout)
+                    if timeout is not None and timeout <= 0:
+                        # The deadline passed while the last frame was handled:
+                        # time out without reading, as wait_for did
+                        # (asyncio.timeout(0) would still take a queued frame).
+                        raise TimeoutError
+                    # Not wait_for: on Python 3.11 it returns the frame when a
+                    # cancel lands just as the frame arrives (gh-86296), and
+                    # this loop would go on for a client that is gone.
+                    async with asyncio.timeout(timeout):
+                        msg = await leg.stream.next()
                 except TimeoutError:
                     await self._source_lost("no handoff within the release timeout")
                     continue

@@ -61,13 +61,15 @@ class WorkerClient:
 
     async def connect(self, timeout_s: float = 5.0) -> Hello:
         host, _, port = self.address.rpartition(":")
-        reader, self._writer = await asyncio.wait_for(
-            asyncio.open_connection(host, int(port)), timeout_s
-        )
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a
+        # cancel that lands just as the inner await finishes (gh-86296).
+        async with asyncio.timeout(timeout_s):
+            reader, self._writer = await asyncio.open_connection(host, int(port))
         self._reader = reader
         decoder = FrameDecoder()
         while True:
-            data = await asyncio.wait_for(reader.read(65536), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                data = await reader.read(65536)
             if not data:
                 raise ConnectionLost(f"worker {self.address} closed before Hello")
             decoder.feed(data)

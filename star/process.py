@@ -95,6 +95,16 @@ class Service:
 
     # -- plumbing -------------------------------------------------------------------
 
+    async def _drain_within(self) -> None:
+        """:meth:`drain`, ended by ``TimeoutError`` after ``drain_timeout_s``.
+
+        ``asyncio.timeout``, not ``wait_for``: on Python 3.11 ``wait_for``
+        returns when a cancel (the forced exit) lands just as the drain
+        finishes, and the cancel is lost (CPython gh-86296).
+        """
+        async with asyncio.timeout(self.drain_timeout_s):
+            await self.drain()
+
     @property
     def exiting(self) -> bool:
         return self._exit is not None and self._exit.is_set()
@@ -186,9 +196,7 @@ class Service:
             sd_notify("STOPPING=1")
             started = time.monotonic()
             if not self.force_exit:
-                self._phase = asyncio.create_task(
-                    asyncio.wait_for(self.drain(), self.drain_timeout_s), name=f"{self.name}.drain"
-                )
+                self._phase = asyncio.create_task(self._drain_within(), name=f"{self.name}.drain")
                 try:
                     await self._phase
                 except TimeoutError:

@@ -406,8 +406,12 @@ class StatsCollector(StatLoggerBase):
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append((start + n, fut))
         try:
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for returns when
+            # the cancel lands after ``fut`` resolved (gh-86296), and the report
+            # loop awaiting this would ignore its cancel and outlive shutdown.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(fut, max_wait_s)
+                async with asyncio.timeout(max_wait_s):
+                    await fut
         finally:
             fut.cancel()
         return self.decode_steps - start

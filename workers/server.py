@@ -366,7 +366,8 @@ class TokenServer:
         if self._server is not None:
             self._server.close()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._idle.wait(), drain_timeout)
+            async with asyncio.timeout(drain_timeout):  # not wait_for: it can lose a cancel on 3.11
+                await self._idle.wait()
         if self.stream_count:
             log.warning("drain timeout, aborting open streams", streams=self.stream_count)
         for conn in list(self._connections):
