@@ -85,3 +85,102 @@ def stop_group(proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+
+
+def cluster_env(**extra: str) -> dict[str, str]:
+    """The environment of a test's ``LocalCluster``: this one's, made fit for a loaded host.
+
+    No config file or API key of the caller's leaks in.
+    """
+    env = {
+        **os.environ,
+        # A small KV pool: registering 1 GiB with NIXL took ~60 s per engine on a loaded host.
+        "STAR_WORKER_KV_CACHE_SPACE_GIB": "0.125",
+        # Several engines, clients and pytest share two cores here: a starved
+        # worker's report can come late, which is no reason to stop serving.
+        "STAR_SCHEDULER_STALENESS_S": "15",
+        "STAR_LOG_LEVEL": "info",
+        **extra,
+    }
+    env.pop("STAR_CONFIG", None)
+    env.pop("STAR_PROXY_API_KEY", None)
+    return env
+
+
+# Set in the environment of every process a test run starts (inherited by
+# their children); what the reaper kills once the test process is gone.
+RUN_MARK = "STAR_TEST_RUN"
+
+_REAPER = """
+import os, signal, sys, time
+sys.stdin.buffer.read()  # EOF: the test process is gone, however it ended
+mark, run = sys.argv[1].encode(), sys.argv[2]
+for _ in range(3):  # a process being forked as we look is found on the next pass
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                marked = mark in f.read().split(b"\\0")
+            marked = marked or os.readlink(f"/proc/{pid}/cwd") == run
+            if marked and int(pid) != os.getpid():
+                os.kill(int(pid), signal.SIGKILL)
+        except OSError:
+            pass
+    time.sleep(0.5)
+"""
+
+
+@contextlib.contextmanager
+def reaper(run: str) -> Iterator[dict[str, str]]:
+    """SIGKILL every process started with ``STAR_TEST_RUN=run`` once this process is gone.
+
+    ``run`` is the run's own directory: a process working in it is the run's
+    too (redis-server writes its process title over its environment).
+
+    Yields the environment entry to give those processes. A watcher in its
+    own session holds the read end of a pipe whose write end only this
+    process has: when it dies -- SIGKILL, ``os._exit``, or a teardown cut
+    short -- the watcher reads EOF and kills what carries the mark (Linux
+    ``/proc``). On a normal exit it finds nothing left and ends.
+    """
+    mark = {RUN_MARK: run}
+    env = {k: v for k, v in os.environ.items() if k != RUN_MARK}
+    watcher = subprocess.Popen(
+        [sys.executable, "-c", _REAPER, f"{RUN_MARK}={run}", os.path.realpath(run)],
+        stdin=subprocess.PIPE,
+        env=env,
+        start_new_session=True,  # a signal to this process's group does not reach it
+    )
+    try:
+        yield mark
+    finally:
+        assert watcher.stdin is not None
+        watcher.stdin.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            watcher.wait(30)
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM arrived: pytest stops the session and tears its fixtures down."""
+
+
+@contextlib.contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """Make SIGTERM (``timeout``, a CI runner) stop pytest the way Ctrl-C does.
+
+    pytest unwinds only ``KeyboardInterrupt`` and its own ``Exit``: any other
+    exception raised by a signal handler (``star.cli.up.Terminated``) fails
+    the running test and the session goes on, and by default SIGTERM kills
+    the process with no teardown at all. Fixtures' teardown runs in either
+    case here; a second SIGTERM is ignored so that it cannot cut the
+    teardown short (the :func:`reaper` covers a SIGKILL).
+    """
+
+    def interrupt(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise Interrupted("SIGTERM")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

