@@ -36,7 +36,13 @@ from tests.procs import cluster_env, reaper, sigterm_interrupts
 from tests.reports import report
 
 DECODE = ("decode-0", "decode-1")
-TTL_S = 20
+# How long a source holds released blocks. A target that knows the source
+# (it pulled from it before) declines a read within 5 s of the hold's end
+# (vLLM's _KV_BLOCKS_EXPIRY_SAFETY_MARGIN) and recomputes without trying it:
+# the test that kills the source wants the read itself to fail, so the hold
+# outlasts the kill and the target's resume by far, on a slow box too (20 s
+# did not, after test_fleet.py's pulls). The expiry test waits this long.
+TTL_S = 60
 MODEL = "star-tiny"
 CHUNK_GAP_S = 180.0  # the longest a stream may be silent (a paused engine, a slow bus)
 
@@ -233,17 +239,18 @@ async def _stream(
 
 async def release_to(
     bus: Bus, request: str, source: str, target: str, resume: Callable[[], None]
-) -> None:
+) -> Event:
     """Move ``request`` from its paused ``source`` up to the release; ``resume`` unpauses it.
 
     A decision is published, the proxy acts on it (``migrating``), the source
-    runs again and releases at its next step (``released``): the Handoff is
-    on its way to the target, whose engine the caller may still hold paused.
+    runs again and releases at its next step (``released``, returned): the
+    Handoff is on its way to the target, whose engine the caller may still
+    hold paused. The source holds the request's blocks for ``TTL_S`` from then.
     """
     await bus.publish("decisions", manual_decision(request, source, target))
     await wait_event(bus, request, lambda e: e.event is EventKind.MIGRATING, "migrating", 120)
     resume()
-    await wait_event(bus, request, lambda e: e.event is EventKind.RELEASED, "released", 120)
+    return await wait_event(bus, request, lambda e: e.event is EventKind.RELEASED, "released", 120)
 
 
 async def decode_used(bus: Bus) -> dict[str, int]:
