@@ -29,8 +29,9 @@ Both classes run in the engine-core process. See docs/vllm-notes.md §4.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPullConnector
@@ -186,18 +187,45 @@ def pace_nixl_progress_thread(delay_us: int) -> None:
     _api.nixlBind.nixlAgentConfig = PacedAgentConfig
 
 
+@contextlib.contextmanager
+def keep_cpu_affinity() -> Iterator[None]:
+    """Restore the calling thread's CPU affinity after the block.
+
+    On a CPU device vLLM 0.32's NIXL worker "reserves" the last core of each
+    NUMA node for KV transfers with ``os.sched_setaffinity(0, ...)`` -- which
+    pins the *calling* thread: the one that then runs the model, the
+    scheduler and, with the ``uni`` executor, the whole engine core. Every
+    engine on a host ended up on the same core (core 1 of 2 here) while the
+    others sat idle, and the tap's small matrix products waited on OpenMP
+    threads sharing that core. The pin is undone; NIXL's own threads are
+    started by its agent and are not affected either way.
+    """
+    if not hasattr(os, "sched_getaffinity"):
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    try:
+        yield
+    finally:
+        if os.sched_getaffinity(0) != before:
+            os.sched_setaffinity(0, before)
+
+
 class StarNixlConnector(NixlPullConnector):
     """vLLM's NIXL (pull) connector; only a released request holds its blocks on a decode node.
 
     Also paces NIXL's progress thread (:func:`pace_nixl_progress_thread`,
-    ``STAR_NIXL_PROGRESS_DELAY_US``, default 1000) before vLLM creates the agent.
+    ``STAR_NIXL_PROGRESS_DELAY_US``, default 1000) before vLLM creates the agent,
+    and undoes the CPU pin vLLM's NIXL worker puts on the thread creating it
+    (:func:`keep_cpu_affinity`).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         pace_nixl_progress_thread(
             int(os.environ.get(PROGRESS_DELAY_ENV, DEFAULT_PROGRESS_DELAY_US))
         )
-        super().__init__(*args, **kwargs)
+        with keep_cpu_affinity():
+            super().__init__(*args, **kwargs)
 
     def track_release(self, request_id: str) -> None:
         """Have the worker side track a released request's blocks (lease, read notification).

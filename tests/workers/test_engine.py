@@ -9,6 +9,7 @@ proxy will.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import warnings
 from collections.abc import AsyncIterator, Callable
@@ -372,3 +373,23 @@ async def test_idle_engines_do_not_spin_a_core(cluster: Cluster) -> None:
     await asyncio.sleep(5.0)
     cores = (children_cpu_s() - c0) / (time.monotonic() - w0)
     assert cores < 0.3, f"two idle engines used {cores:.2f} cores"
+
+
+async def test_engine_threads_keep_the_cores_they_were_given(cluster: Cluster) -> None:
+    """vLLM's NIXL worker pins the thread creating it -- the engine core's main
+    thread, which runs the model and the scheduler -- to the last core of
+    each NUMA node; every engine on a host then shared one core.
+    ``StarNixlConnector`` undoes that (``workers.vllm_ext.keep_cpu_affinity``):
+    each engine-core process's main thread may run on every core this test
+    process may run on."""
+    import psutil
+
+    allowed = sorted(os.sched_getaffinity(0))
+    cores = [
+        (proc.pid, sorted(os.sched_getaffinity(proc.pid)))
+        for proc in psutil.Process().children(recursive=True)
+        if "EngineCor" in proc.name()
+    ]
+    assert cores, "no engine-core process found"
+    for pid, got in cores:
+        assert got == allowed, f"engine core {pid}'s main thread is pinned to {got}, not {allowed}"
