@@ -75,9 +75,18 @@ class _TapState:
         self.collect = collect
         self.active = predictor is not None or collect
         self.calls = 0
-        self.predictions: dict[str, tuple[float, int]] = {}  # id -> (R-hat, generated)
-        self.fusion: dict[str, tuple[float, float]] = {}  # id -> fuse_step's state
-        self.caps: dict[str, int] = {}  # id -> most output tokens it may still reach
+        # Set by the step watcher when a step schedules a new or resumed
+        # request; cleared by a check that finds no prompt left to complete.
+        self.prefilling = True
+        # Per request, in the order of ``slot``: fuse_step's state (sum of
+        # weights, sum of weighted final lengths), its cap (most output tokens
+        # it may still reach), the R-hat served and the tokens generated then.
+        self.slot: dict[str, int] = {}
+        self.weight = np.zeros(0)
+        self.total = np.zeros(0)
+        self.cap = np.zeros(0)
+        self.served = np.zeros(0)
+        self.generated = np.zeros(0)
         self.predict_s = 0.0
         self.check_s = 0.0
         self.predict_batches = 0
@@ -127,7 +136,7 @@ class HiddenStateTap:
             def compute_logits(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
                 tap: _TapState = self._star_tap
                 tap.calls += 1
-                if tap.active:
+                if tap.active and (tap.prefilling or not tap.calls % tap.every):
                     c0 = cpu() if tap.profile else 0.0
                     t0 = clock()
                     if self._star_tap_take(tap, hidden_states):
@@ -139,6 +148,12 @@ class HiddenStateTap:
                 return original(hidden_states, *args, **kwargs)
 
             model.compute_logits = compute_logits
+            if hasattr(runner, "execute_model"):
+                runner.execute_model = self._star_tap_watch(runner.execute_model)
+        if predictor is not None and state.fast is not None and state.fast.host:
+            from star.predictor.model import single_threaded_numpy_blas
+
+            single_threaded_numpy_blas()
         if profile and not getattr(self, "_star_tap_steps_timed", False):
             # Time the model steps too (only once asked: no cost otherwise).
             self._star_tap_steps_timed = True
@@ -151,6 +166,28 @@ class HiddenStateTap:
                 f"predictor expects hidden size {predictor.input_dim}, the model has {hidden_size}"
             )
         return {"hidden_size": hidden_size, "predictor": predictor is not None}
+
+    def _star_tap_watch(self, method: Any) -> Any:
+        """``execute_model`` noting steps that schedule a new or resumed request.
+
+        Only after such a step can a prompt complete (a migrated request on
+        its target is a new request too), so on every other step that is not
+        a round the tap does nothing at all. A scheduler output without the
+        fields looked at counts as such a step (the tap then checks always).
+        """
+
+        def execute_model(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                if (
+                    scheduler_output.scheduled_new_reqs
+                    or scheduler_output.scheduled_cached_reqs.resumed_req_ids
+                ):
+                    self._star_tap.prefilling = True
+            except AttributeError:
+                self._star_tap.prefilling = True
+            return method(scheduler_output, *args, **kwargs)
+
+        return execute_model
 
     def _star_tap_step_timer(self, method: Any) -> Any:
         """``method`` adding its wall and thread CPU time to ``step_s``/``step_cpu_s`` under profile."""
@@ -193,6 +230,7 @@ class HiddenStateTap:
             # vectorised comparison; a partial prefill (discarded) samples nothing.
             keep = batch.num_computed_tokens_cpu[:n] < batch.num_prompt_tokens[:n]
             if not keep.any():
+                tap.prefilling = False  # nothing to look at until a new request comes
                 return False
             keep &= ~runner.discard_request_mask.np[:n]
             due = False
@@ -210,22 +248,24 @@ class HiddenStateTap:
         n = batch.num_reqs
         if len(rows) == 0:
             return False
-        if len(rows) == n:
-            picked = hidden_states[:n]  # a view: every request is in this round
-        else:
-            index = torch.from_numpy(rows).to(hidden_states.device, non_blocking=True)
-            picked = hidden_states.index_select(0, index)
+        every = len(rows) == n
         # Tokens generated so far (the step's own token is not sampled yet).
         prompt = batch.num_prompt_tokens[rows]
         generated = batch.num_tokens_no_spec[rows] - prompt
         req_ids = batch.req_ids
-        ids = [req_ids[i] for i in rows.tolist()]
+        ids = req_ids[:n] if every else [req_ids[i] for i in rows.tolist()]
         if tap.fast is not None:
-            r_hat, sigma = tap.fast(picked)
+            if tap.fast.host:  # numpy views: no copy when every request is in this round
+                h = hidden_states[:n].detach()
+                h = (h if h.dtype == torch.float32 else h.float()).numpy()
+                r_hat, sigma = tap.fast(h if every else h[rows])
+            else:
+                r_hat, sigma = tap.fast(hidden_states[:n] if every else hidden_states[rows])
             self._star_tap_serve(tap, due, ids, r_hat, sigma, generated)
             tap.predict_batches += 1
             tap.predict_rows += len(ids)
         if tap.collect:
+            picked = hidden_states[:n] if every else hidden_states[torch.from_numpy(rows)]
             with torch.inference_mode():
                 tap.hidden.append(picked.detach().float().cpu().clone())
             tap.samples.extend(zip(ids, prompt.tolist(), generated.tolist(), strict=True))
@@ -242,33 +282,52 @@ class HiddenStateTap:
     ) -> None:
         """Fuse one round into each request's served R-hat (hard-bounded by its cap).
 
-        :func:`star.predictor.model.fuse_step` on numpy vectors: the fusion
-        state (sum of weights, sum of weighted final lengths) per request.
+        :func:`star.predictor.model.fuse_step` on numpy vectors, the fusion
+        state kept per request in arrays (one dictionary lookup per row).
         """
-        old = tap.fusion
-        caps = tap.caps
-        prev = [old.get(rid) for rid in ids]
-        cap = np.array(
-            [caps[rid] if rid in caps else self._star_tap_cap(rid) for rid in ids],
-            dtype=np.float64,
-        )
+        slot = tap.slot
+        at = np.array([slot.get(rid, -1) for rid in ids], dtype=np.intp)
+        new = at < 0
+        any_new = bool(new.any())
+        old = np.where(new, 0, at)
         g = generated.astype(np.float64)
         w = np.maximum(sigma.astype(np.float64), 1e-6) ** -tap.power
-        if tap.first_weight != 1.0:  # a request's first round (usually its prompt's row)
-            w[[p is None for p in prev]] *= tap.first_weight
-        weight = tap.decay * np.array([p[0] if p else 0.0 for p in prev]) + w
-        total = tap.decay * np.array([p[1] if p else 0.0 for p in prev]) + w * (r_hat + g)
+        decay = np.where(new, 0.0, tap.decay)
+        cap = tap.cap[old] if len(tap.cap) else np.zeros(len(ids))
+        if any_new:  # a request's first round (usually its prompt's row)
+            w[new] *= tap.first_weight
+            cap[new] = [self._star_tap_cap(ids[i]) for i in np.flatnonzero(new).tolist()]
+        weight = w + decay * tap.weight[old] if len(tap.weight) else w
+        total = w * (r_hat + g) + (decay * tap.total[old] if len(tap.total) else 0.0)
         served = np.maximum(np.minimum(total / weight, cap) - g, 0.0)
-        fusion = dict(zip(ids, zip(weight.tolist(), total.tolist(), strict=True), strict=True))
-        preds = dict(zip(ids, zip(served.tolist(), generated.tolist(), strict=True), strict=True))
-        new_caps = dict(zip(ids, cap.astype(np.int64).tolist(), strict=True))
         if due:
             # A round holds every running request: finished ones are forgotten.
-            tap.fusion, tap.predictions, tap.caps = fusion, preds, new_caps
-        else:  # a prompt-completion round only adds
-            tap.fusion.update(fusion)
-            tap.predictions.update(preds)
-            tap.caps.update(new_caps)
+            tap.slot = dict(zip(ids, range(len(ids)), strict=True))
+            tap.weight, tap.total, tap.cap, tap.served, tap.generated = (
+                weight,
+                total,
+                cap,
+                served,
+                g,
+            )
+            return
+        # A prompt-completion round: update the known requests, append the new.
+        known = at[~new]
+        for name, value in (
+            ("weight", weight),
+            ("total", total),
+            ("cap", cap),
+            ("served", served),
+            ("generated", g),
+        ):
+            column = getattr(tap, name)
+            column[known] = value[~new]
+            if any_new:
+                setattr(tap, name, np.concatenate([column, value[new]]))
+        if any_new:
+            base = len(slot)
+            for k, i in enumerate(np.flatnonzero(new).tolist()):
+                slot[ids[i]] = base + k
 
     def star_tap_predictions(self) -> dict[str, Any]:
         """The last prediction round: ``{"requests": {id: [R-hat, generated]}, timing...}``."""
@@ -283,7 +342,9 @@ class HiddenStateTap:
                 "steps": 0,
             }
         return {
-            "requests": {rid: [r, g] for rid, (r, g) in tap.predictions.items()},
+            "requests": {
+                rid: [float(tap.served[i]), int(tap.generated[i])] for rid, i in tap.slot.items()
+            },
             "predict_s": tap.predict_s,
             "check_s": tap.check_s,
             "tap_cpu_s": tap.tap_cpu_s,

@@ -203,6 +203,25 @@ def fuse_step(
     return (weight, total), max(total / weight - generated, 0.0)
 
 
+def single_threaded_numpy_blas() -> bool:
+    """Have numpy's own BLAS run on the calling process's thread alone (threadpoolctl).
+
+    The predictor's products are small (tens of rows): OpenBLAS would split
+    them over its threads, which then spin for a while after each call,
+    stealing the core the engine's model runs on; single-threaded they take
+    tens of microseconds. Only the BLAS that numpy itself ships is limited,
+    not a BLAS torch may use for the model. Returns whether one was found.
+    """
+    from threadpoolctl import ThreadpoolController
+
+    found = False
+    for lib in ThreadpoolController().select(user_api="blas").lib_controllers:
+        if "numpy" in str(lib.filepath):
+            lib.set_num_threads(1)
+            found = True
+    return found
+
+
 class FastPredictor:
     """The MLP for the engine's hot path: inference only, few tensor operations.
 
@@ -228,10 +247,30 @@ class FastPredictor:
                 for w, b in params
             ]
         self.dtype = self.layers[0][0].dtype
+        # On the host the layers run in numpy (single-threaded BLAS, see
+        # :func:`single_threaded_numpy_blas`): torch's OpenMP threads, shared
+        # with the engine's model, made these few small products 3-40x slower.
+        self.host = torch.device(dev).type == "cpu"
+        self.np_layers = (
+            [(w.float().numpy(), b.float().numpy()) for w, b in self.layers] if self.host else []
+        )
         self.uncertainty = cfg.uncertainty
         self.log_target = cfg.log_target
         self.scale = float(cfg.target_scale)
         self.config = cfg
+
+    def raw_numpy(self, hidden: Any) -> Any:
+        """The raw outputs (batch, outputs) of a (batch, d) float32 numpy array (host only)."""
+        import numpy as np
+
+        h = hidden
+        last = len(self.np_layers) - 1
+        for i, (wt, b) in enumerate(self.np_layers):
+            h = h @ wt
+            h += b
+            if i < last:
+                np.maximum(h, 0.0, out=h)
+        return h
 
     def raw(self, hidden: torch.Tensor) -> torch.Tensor:
         """The raw outputs (batch, outputs) of a (batch, d) tensor on the model's device."""
@@ -244,11 +283,20 @@ class FastPredictor:
                     h.relu_()
             return h
 
-    def __call__(self, hidden: torch.Tensor) -> tuple[Any, Any]:
-        """(R-hat, sigma) in tokens, float32 numpy arrays (sigma = 1 without the scale output)."""
+    def __call__(self, hidden: Any) -> tuple[Any, Any]:
+        """(R-hat, sigma) in tokens, float32 numpy arrays (sigma = 1 without the scale output).
+
+        ``hidden``: a (batch, d) tensor, or on the host a float32 numpy array.
+        """
         import numpy as np
 
-        raw = self.raw(hidden).cpu().numpy()
+        if isinstance(hidden, np.ndarray):
+            raw = self.raw_numpy(hidden)
+        elif self.host:
+            h = hidden.detach()
+            raw = self.raw_numpy((h if h.dtype == torch.float32 else h.float()).numpy())
+        else:
+            raw = self.raw(hidden).cpu().numpy()
         r_hat = raw[:, 0].copy()
         if self.log_target:
             np.expm1(r_hat, out=r_hat)

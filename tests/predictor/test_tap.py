@@ -50,10 +50,22 @@ class FakeRunner:
         self.model = types.SimpleNamespace(compute_logits=lambda h, *a, **k: "logits")
         self.device = torch.device("cpu")
 
-    def execute_model(self, hidden: torch.Tensor) -> Any:
+    def execute_model(self, scheduler_output: Any) -> Any:
         """A model step: some work, then the logits of the sampled rows."""
         torch.randn(64, 64) @ torch.randn(64, 64)
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(scheduler_output.hidden)
+
+    def step(
+        self, hidden: torch.Tensor, new: tuple[str, ...] = (), resumed: tuple[str, ...] = ()
+    ) -> Any:
+        """One step the way vLLM drives it, scheduling ``new`` and ``resumed`` requests."""
+        return self.execute_model(
+            types.SimpleNamespace(
+                scheduled_new_reqs=list(new),
+                scheduled_cached_reqs=types.SimpleNamespace(resumed_req_ids=set(resumed)),
+                hidden=hidden,
+            )
+        )
 
     def set_batch(self, reqs: list[tuple[str, int, bool, bool]]) -> None:
         """Rows in order: (id, tokens generated, prompt completes now, discarded)."""
@@ -137,7 +149,7 @@ def test_tap_serves_the_evaluations_fusion_clipped_to_the_cap(tmp_path: Path) ->
         rows = [("a", gen, gen == 0, False), ("b", gen, gen == 0, False), ("c", 0, True, True)]
         runner.set_batch(rows)
         hidden = torch.from_numpy(rng.normal(size=(3, DIM)).astype(np.float32))
-        assert runner.model.compute_logits(hidden) == "logits"
+        assert runner.step(hidden, new=("a", "b", "c") if gen == 0 else ()) == "logits"
         if gen == 0 or step % every == 0:
             for i, rid in enumerate(("a", "b")):
                 seen[rid].append((gen, hidden[i].numpy().copy()))
@@ -179,10 +191,10 @@ def test_a_due_round_forgets_finished_requests_and_collects_copies(tmp_path: Pat
     tap.star_tap_install(2, str(tmp_path / "ckpt"), collect=True)
     runner.set_batch([("a", 0, True, False), ("b", 0, True, False)])
     hidden = torch.ones(2, DIM)
-    runner.model.compute_logits(hidden)  # step 1: both prompts complete
+    runner.step(hidden, new=("a", "b"))  # step 1: both prompts complete
     hidden.fill_(7.0)  # vLLM reuses its buffers: what was collected must be a copy
     runner.set_batch([("a", 1, False, False)])  # "b" finished
-    runner.model.compute_logits(torch.zeros(1, DIM))  # step 2: a due round
+    runner.step(torch.zeros(1, DIM))  # step 2: a due round
     assert set(tap.star_tap_predictions()["requests"]) == {"a"}
     drained = tap.star_tap_drain()
     assert drained["ids"] == ["a", "b", "a"]
@@ -197,7 +209,7 @@ def test_without_predictor_or_collection_the_wrapper_only_counts(tmp_path: Path)
     tap.model_runner = FakeRunner()
     tap.star_tap_install(1)
     tap.model_runner.set_batch([("a", 0, True, False)])
-    tap.model_runner.model.compute_logits(torch.zeros(1, DIM))
+    tap.model_runner.step(torch.zeros(1, DIM), new=("a",))
     got = tap.star_tap_predictions()
     assert got["steps"] == 1 and got["batches"] == 0 and got["requests"] == {}
     assert got["predict_s"] == 0.0 and got["check_s"] == 0.0
@@ -208,13 +220,50 @@ def test_profile_counts_thread_cpu_of_the_tap_within_the_steps(tmp_path: Path) -
     runner = tap.model_runner
     _add(runner, "a", None)
     runner.set_batch([("a", 0, True, False)])
-    runner.execute_model(torch.zeros(1, DIM))
+    runner.step(torch.zeros(1, DIM), new=("a",))
     got = tap.star_tap_predictions()
     assert got["tap_cpu_s"] == 0.0 and got["step_cpu_s"] == 0.0  # off by default
     tap.star_tap_install(2, str(tmp_path / "ckpt"), profile=True)
     for gen in range(1, 40):
         runner.set_batch([("a", gen, False, False)])
-        assert runner.execute_model(torch.zeros(1, DIM)) == "logits"
+        assert runner.step(torch.zeros(1, DIM)) == "logits"
     got = tap.star_tap_predictions()
     assert 0.0 < got["tap_cpu_s"] < got["step_cpu_s"]
     assert got["predict_s"] + got["check_s"] < got["step_s"]
+
+
+def test_between_rounds_the_tap_looks_only_after_a_step_schedules_a_new_request(
+    tmp_path: Path,
+) -> None:
+    """Paper §5.3: the tap "costs nothing on the other steps" -- it checks for a
+    completing prompt only after vLLM schedules a new or resumed request."""
+    tap = _tap(tmp_path, _model(), every=1000)
+    runner = tap.model_runner
+    for rid in ("a", "b", "c", "d"):
+        _add(runner, rid, None)
+    runner.set_batch([("a", 0, True, False)])
+    runner.step(torch.zeros(1, DIM), new=("a",))  # a's prompt completes: its first round
+    runner.set_batch([("a", 1, False, False)])
+    runner.step(torch.zeros(1, DIM))  # one check finds no prompt left to complete
+    quiet = tap.star_tap_predictions()
+    assert quiet["batches"] == 1 and quiet["check_s"] > 0
+    for gen in range(2, 30):
+        runner.set_batch([("a", gen, False, False)])
+        runner.step(torch.zeros(1, DIM))
+    got = tap.star_tap_predictions()
+    assert got["check_s"] == quiet["check_s"] and got["batches"] == 1  # nothing done
+    assert got["steps"] == 30
+    # "b" arrives: the step that schedules it has the tap look, and b's prompt row is taken.
+    runner.set_batch([("a", 30, False, False), ("b", 0, True, False)])
+    runner.step(torch.zeros(2, DIM), new=("b",))
+    got = tap.star_tap_predictions()
+    assert set(got["requests"]) == {"a", "b"} and got["batches"] == 2
+    assert got["requests"]["b"][1] == 0
+    # A request resumed after preemption counts too ("c" recomputes its prompt here).
+    runner.set_batch([("a", 31, False, False), ("b", 1, False, False), ("c", 0, True, False)])
+    runner.step(torch.zeros(3, DIM), resumed=("c",))
+    assert set(tap.star_tap_predictions()["requests"]) == {"a", "b", "c"}
+    # A scheduler output the watcher cannot read: the tap checks on every step.
+    runner.set_batch([("a", 32, False, False), ("d", 0, True, False)])
+    runner.execute_model(types.SimpleNamespace(hidden=torch.zeros(2, DIM)))
+    assert set(tap.star_tap_predictions()["requests"]) == {"a", "b", "c", "d"}
