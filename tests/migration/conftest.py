@@ -309,13 +309,34 @@ def engine_paused(fleet: LocalCluster, name: str) -> Iterator[list[int]]:
     pids = [pid for pid, _g, _n in group_members({leader}) if pid != leader]
     assert pids, f"{name} has no engine processes"
     try:
-        for pid in pids:
-            os.kill(pid, signal.SIGSTOP)
+        signal_all(pids, signal.SIGSTOP)
         yield pids
     finally:
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
+        signal_all(pids, signal.SIGCONT)
+
+
+def signal_all(pids: list[int], sig: int) -> None:
+    """Send ``sig`` to each of ``pids`` that is still there."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+async def run_in_bursts(
+    pids: list[int], done: Callable[[], Awaitable[bool]], what: str, within_s: float = 600.0
+) -> None:
+    """Let the paused ``pids`` (see :func:`engine_paused`) run in short bursts until ``done()``.
+
+    ``done`` is asked while they stand still, so a fast engine gets at most
+    about one burst past what it waits for; they are paused when it returns.
+    """
+    deadline = time.monotonic() + within_s
+    while not await done():
+        assert time.monotonic() < deadline, f"not {what} after {within_s} s of bursts"
+        signal_all(pids, signal.SIGCONT)
+        await asyncio.sleep(0.1)
+        signal_all(pids, signal.SIGSTOP)
+        await asyncio.sleep(0.3)
 
 
 def restart(fleet: LocalCluster, name: str) -> None:

@@ -19,6 +19,7 @@ import time
 import uuid
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from functools import partial
 
 import pytest
 
@@ -37,6 +38,7 @@ from tests.migration.conftest import (
     engine_paused,
     ghost,
     proxy_sees,
+    run_in_bursts,
     stream_with,
     wait_event,
     wait_kv_idle,
@@ -103,36 +105,47 @@ async def migrate_at(
     generation when the test process is starved, and a chunk can carry many
     tokens): the first as soon as the client has a token, each next one as
     soon as the previous one has resumed on its target. A fast engine could
-    still end the request while a decision crosses a slow bus, so the source's
-    engine is paused from each decision until the proxy acts on it. Early
+    still end the request while a decision crosses a slow bus, or while this
+    process, starved, waits for the resume (a target ran all 999 tokens left
+    once), so the request's engine stands still whenever a decision is due:
+    the source's from each decision until the proxy acts on it, and a
+    target's that is the next hop's source runs in bursts until it has
+    resumed the request, then stands still for the next decision. Early
     hops move fewer than vLLM's ``kv_recompute_threshold`` (64) tokens, which
     the target recomputes instead of pulling; the NIXL pull itself is covered
     by the engine-level test and tests/migration/test_lost.py.
     """
     path: list[str] = []
 
+    async def resumed(request: str, n: int) -> bool:
+        evs = await bus.request_events(request)
+        return sum(e.event is EventKind.RESUMED for e in evs) >= n
+
     async def drive(request: str) -> None:
         path.append(await dispatched_to(bus, request))
-        for hop in range(hops):
-            if hop:
-                await wait_event(
-                    bus,
-                    request,
-                    lambda e: e.event is EventKind.RESUMED and e.instance == path[-1],
-                    "resumed",
-                )
-            source, target = path[-1], other(path[-1])
-            # The source's engine stands still until the proxy has acted on the
-            # decision: a fast engine could otherwise end the request while the
-            # decision crosses a slow bus (the release completes afterwards).
-            with engine_paused(fleet, source):
+        paused = contextlib.ExitStack()  # the engine of the instance the request is on
+        try:
+            paused.enter_context(engine_paused(fleet, path[0]))
+            for hop in range(hops):
+                source, target = path[-1], other(path[-1])
                 if manual_cli:
                     settings = load_settings(env={"STAR_REDIS_URL": fleet.redis_url})
                     await migrate(settings, request, target)
                 else:
                     await bus.publish("decisions", manual_decision(request, source, target))
                 await wait_count(bus, request, EventKind.MIGRATING, hop + 1)
-            path.append(target)
+                last = hop + 1 == hops
+                held = contextlib.ExitStack()
+                pids = [] if last else held.enter_context(engine_paused(fleet, target))
+                paused.close()  # the source runs again and releases at its next step
+                paused = held
+                path.append(target)
+                if not last:
+                    await run_in_bursts(
+                        pids, partial(resumed, request, hop + 1), f"resumed on {target}"
+                    )
+        finally:
+            paused.close()
 
     return await stream_with(fleet, p, MAX_TOKENS, drive), path
 

@@ -15,8 +15,6 @@ ends with the engines' KV usage back to idle.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
 import signal
 import time
 from collections.abc import Awaitable, Callable
@@ -40,6 +38,8 @@ from tests.migration.conftest import (
     kill,
     release_to,
     restart,
+    run_in_bursts,
+    signal_all,
     stream_with,
     wait_event,
     wait_kv_idle,
@@ -106,21 +106,11 @@ async def stream_paused(
         source = await dispatched_to(bus, request)
         with engine_paused(fleet, source) as pids:
 
-            def signal_all(sig: int) -> None:
-                for pid in pids:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, sig)
+            async def pullable() -> bool:
+                return seen[0].chunks >= PULL_AFTER
 
-            deadline = time.monotonic() + 600
-            while seen[0].chunks < PULL_AFTER:
-                assert time.monotonic() < deadline, (
-                    f"{seen[0].chunks} of {PULL_AFTER} chunks after 600 s of bursts on {source}"
-                )
-                signal_all(signal.SIGCONT)
-                await asyncio.sleep(0.1)
-                signal_all(signal.SIGSTOP)
-                await asyncio.sleep(0.3)
-            await scenario(request, source, lambda: signal_all(signal.SIGCONT))
+            await run_in_bursts(pids, pullable, f"{PULL_AFTER} chunks from {source}")
+            await scenario(request, source, lambda: signal_all(pids, signal.SIGCONT))
 
     return await stream_with(fleet, p, TOKENS, drive, on_chunk=on_first)
 
