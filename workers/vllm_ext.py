@@ -31,6 +31,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import sys
+import threading
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -64,12 +68,45 @@ def parse_release_id(marked: str) -> tuple[str, str] | None:
     return internal, migration
 
 
+def end_with_parent(interval_s: float = 1.0, grace_s: float = 15.0) -> threading.Thread:
+    """End this process (SIGTERM, then exit after ``grace_s``) once its parent is gone.
+
+    vLLM's engine-core process outlived a worker that was SIGKILLed (by an
+    operator, the OOM killer, a test): an orphan holding its memory, KV
+    cache and ports, found nine at a time on this machine. The engine core
+    checks every ``interval_s`` that the process that started it is still
+    its parent; vLLM's own SIGTERM handler then shuts the engine down.
+    """
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval_s)
+        print(
+            f"star: the engine's parent process {parent} is gone; shutting the engine down",
+            file=sys.stderr,
+            flush=True,
+        )
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace_s)
+        os._exit(1)
+
+    thread = threading.Thread(target=watch, name="star-parent-watch", daemon=True)
+    thread.start()
+    return thread
+
+
 class StarScheduler(Scheduler):
-    """vLLM's scheduler plus the release of a running request at a step boundary."""
+    """vLLM's scheduler plus the release of a running request at a step boundary.
+
+    It runs in the engine-core process, and also ends that process when the
+    worker that started it is gone (:func:`end_with_parent`).
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.star_pending: dict[str, str] = {}  # internal id -> migration id
+        end_with_parent()
 
     def finish_requests(
         self, request_ids: str | Iterable[str] | None, finished_status: RequestStatus
@@ -272,3 +309,4 @@ class StarNixlConnector(NixlPullConnector):
         sched._stop_heartbeat(request.request_id)
         sched._reqs_not_processed.add(request.request_id)
         return False, None
+
