@@ -163,6 +163,7 @@ class WorkerSettings:
     kv_cache_space_gib: float = _opt(1.0, "VLLM_CPU_KVCACHE_SPACE on CPU machines", positive)
     gpu_memory_utilization: float = _opt(0.3, "vLLM gpu_memory_utilization", fraction)
     max_model_len: int = _opt(4096, "vLLM max_model_len", positive)
+    cpu_threads: int = _opt(0, "OpenMP threads of a CPU engine (0 = vLLM's default, every core; star up gives each engine its share)", non_negative)
     engine_args: tuple[str, ...] = _opt((), "extra vLLM engine arguments, KEY=VALUE")
     drain_timeout_s: float = _opt(30.0, "on SIGTERM, wait this long for running requests", positive)
 

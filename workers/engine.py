@@ -26,7 +26,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import socket
 import threading
 import time
 from collections.abc import AsyncGenerator, Iterator, Mapping, Sequence
@@ -46,6 +45,7 @@ from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 from vllm.v1.metrics.loggers import StatLoggerBase
 from vllm.v1.metrics.stats import IterationStats, MultiModalCacheStats, SchedulerStats
 
+from star.ports import free_port
 from star.sampling import migration_blocker
 from star.settings import WorkerSettings
 from workers.protocol import (
@@ -102,6 +102,7 @@ class EngineSpec:
     nixl_host: str = "127.0.0.1"
     nixl_port: int = 0
     device: str = "auto"
+    cpu_threads: int = 0
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -130,6 +131,7 @@ class EngineSpec:
             "gpu_memory_utilization": settings.gpu_memory_utilization,
             "engine_args": parse_engine_args(settings.engine_args),
             "nixl_host": settings.host,
+            "cpu_threads": settings.cpu_threads,
         }
         values.update(overrides)
         return cls(**values)
@@ -259,6 +261,12 @@ def vllm_environment(
       engines drove a 2-core machine to a load average of 20-50. The front
       end still runs the engine core in its own process (``AsyncLLM`` always
       does), so only the extra worker process goes.
+    * ``OMP_NUM_THREADS`` on CPU from ``spec.cpu_threads`` (an operator's own
+      value is kept). vLLM's default, one OpenMP thread per core for every
+      engine, oversubscribed a host running several: their spinning threads
+      starved each other and the proxy, whose event loop then stalled for
+      seconds -- the multi-second tail of ``star bench migration``. (With the
+      ``uni`` executor vLLM ignores ``VLLM_CPU_OMP_THREADS_BIND``.)
     """
     out: dict[str, str | None] = {
         "VLLM_NIXL_SIDE_CHANNEL_HOST": spec.nixl_host,
@@ -271,14 +279,9 @@ def vllm_environment(
             out["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "1"
         if spec.engine_args.get("distributed_executor_backend", "uni") == "uni":
             out["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if spec.cpu_threads and "OMP_NUM_THREADS" not in env:
+            out["OMP_NUM_THREADS"] = str(spec.cpu_threads)
     return out
-
-
-def free_port(host: str) -> int:
-    """A TCP port free on ``host`` right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def bytes_per_token(config: VllmConfig) -> int:

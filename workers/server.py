@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import socket
 from dataclasses import dataclass
 
 import structlog
@@ -279,7 +280,8 @@ class TokenServer:
     """Serve the internal token protocol for one engine.
 
     ``hello`` is sent first on every connection. ``port=0`` picks a free port;
-    :attr:`address` says which after :meth:`start`. :meth:`serve` runs until
+    :attr:`address` says which after :meth:`start`. ``sock``, a socket already
+    listening (:func:`star.ports.listen`), is served instead of binding one. :meth:`serve` runs until
     :meth:`shutdown`, which stops intake, lets open streams finish for up to
     ``drain_timeout`` seconds, then aborts the rest and closes connections.
     """
@@ -292,11 +294,13 @@ class TokenServer:
         port: int = 0,
         *,
         max_frame: int = MAX_FRAME_BYTES,
+        sock: socket.socket | None = None,
     ) -> None:
         self.engine = engine
         self.hello = hello
         self.host = host
         self.port = port
+        self.sock = sock  # already bound and listening (the port kept since startup)
         self.max_frame = max_frame
         self.draining = False
         self.stream_count = 0
@@ -336,7 +340,10 @@ class TokenServer:
 
     async def start(self) -> None:
         """Bind and start accepting connections."""
-        self._server = await asyncio.start_server(self._accept, self.host, self.port)
+        if self.sock is not None:
+            self._server = await asyncio.start_server(self._accept, sock=self.sock)
+        else:
+            self._server = await asyncio.start_server(self._accept, self.host, self.port)
         sock = self._server.sockets[0].getsockname()
         self.port = int(sock[1])
         log.info("token server listening", address=self.address)

@@ -16,10 +16,11 @@ import time
 import structlog
 
 from star.bus import Bus, BusUnavailable
+from star.ports import listen
 from star.process import Service
 from star.settings import Settings
 from star.wire import Event, EventKind, Hello
-from workers.engine import EngineHandle, EngineSpec, free_port
+from workers.engine import EngineHandle, EngineSpec
 from workers.server import TokenServer
 from workers.state import EngineStats, build_report
 from workers.tap import start_tap
@@ -34,7 +35,10 @@ class WorkerService(Service):
         super().__init__(drain_timeout_s=settings.worker.drain_timeout_s + 15)
         self.settings = settings
         cfg = settings.worker
-        self.port = cfg.port or free_port(cfg.host)
+        # Bound now, not after the engine's start: a port merely picked could be
+        # taken by then (star.ports).
+        self.sock = listen(cfg.host, cfg.port)
+        self.port = int(self.sock.getsockname()[1])
         self.instance = cfg.instance or f"{cfg.role}-{cfg.host}-{self.port}"
         self.spec = EngineSpec.from_settings(cfg)
         self.engine: EngineHandle | None = None
@@ -50,7 +54,7 @@ class WorkerService(Service):
         pred = self.settings.predictor
         await start_tap(self.engine, pred.every_k, pred.checkpoint)
         hello = Hello(self.instance, cfg.role, self.spec.model)
-        self.server = TokenServer(self.engine, hello, cfg.host, self.port)
+        self.server = TokenServer(self.engine, hello, cfg.host, self.port, sock=self.sock)
         await self.server.start()
         await self.bus.publish(
             "events",

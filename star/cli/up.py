@@ -31,6 +31,7 @@ from types import FrameType
 from urllib.parse import urlsplit
 
 from star.cli.common import CliError, add_settings_args, guarded, settings_from_args
+from star.ports import free_port
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -147,12 +148,6 @@ def _signal_group(child: Child, sig: signal.Signals) -> None:
         os.killpg(child.proc.pid, sig)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _redis_answers(url: str) -> bool:
     parts = urlsplit(url)
     if parts.scheme not in {"redis", "rediss"}:
@@ -229,7 +224,7 @@ class LocalCluster:
             raise CliError("--prefill and --decode must be at least 1")
         self.requested_redis = redis_url
         self.redis_url = redis_url or ""
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self.prefill = prefill
         self.decode = decode
         self.model = model
@@ -276,7 +271,7 @@ class LocalCluster:
                 raise CliError(
                     f"no Redis answers at {self.requested_redis} and redis-server is not installed"
                 )
-            rport = _free_port()
+            rport = free_port()
             self.redis_url = f"redis://127.0.0.1:{rport}/0"
             self.launcher.start(
                 "redis",
@@ -308,8 +303,17 @@ class LocalCluster:
         workers = [("prefill", i) for i in range(self.prefill)] + [
             ("decode", i) for i in range(self.decode)
         ]
+        # Each CPU engine gets its share of the cores (OpenMP threads; vLLM's
+        # default of every core per engine oversubscribes the host).
+        share = max(1, len(cores) // max(len(workers), 1))
+        threads = (
+            {}
+            if {"OMP_NUM_THREADS", "STAR_WORKER_CPU_THREADS"} & set(self.env)
+            else {"STAR_WORKER_CPU_THREADS": str(share)}
+        )
         for n, (role, i) in enumerate(workers):
             extra = {"VLLM_CPU_OMP_THREADS_BIND": str(cores[n % len(cores)])} if bind else {}
+            extra.update(threads)
             self.launcher.start(
                 f"{role}-{i}",
                 [

@@ -7,7 +7,7 @@ from types import ModuleType
 
 import pytest
 
-from star.settings import WorkerSettings
+from star.settings import WorkerSettings, load_settings
 from workers.protocol import BadRequest, GenerateRequest
 
 pytestmark = [
@@ -83,12 +83,18 @@ def test_engine_args_on_cpu(eng: ModuleType) -> None:
     spec = eng.EngineSpec(model="m", kv_cache_space_gib=0.5, engine_args={"enforce_eager": True})
     args = eng.build_engine_args(spec, cpu=True)
     kv = args.kv_transfer_config
-    assert (kv.kv_connector, kv.kv_role, kv.kv_buffer_device) == ("StarNixlConnector", "kv_both", "cpu")
+    assert (kv.kv_connector, kv.kv_role, kv.kv_buffer_device) == (
+        "StarNixlConnector",
+        "kv_both",
+        "cpu",
+    )
     assert kv.kv_connector_module_path == "workers.vllm_ext"
     assert args.scheduler_cls == "workers.vllm_ext.StarScheduler"
     # A decode instance holds a released request's blocks for a D->D target (issue 6).
     assert kv.kv_connector_extra_config == {
-        "num_threads": 1, "bidirectional_kv_xfer": True, "decoder_kv_blocks_ttl": eng.RELEASE_TTL_S,
+        "num_threads": 1,
+        "bidirectional_kv_xfer": True,
+        "decoder_kv_blocks_ttl": eng.RELEASE_TTL_S,
     }
     prefill = eng.build_engine_args(eng.EngineSpec(model="m", role="prefill"), cpu=True)
     assert prefill.kv_transfer_config.kv_connector_extra_config == {"num_threads": 1}
@@ -116,7 +122,10 @@ def test_engine_args_on_gpu_keep_vllm_defaults(eng: ModuleType) -> None:
 
     kv = args.kv_transfer_config
     assert kv.kv_buffer_device == KVTransferConfig().kv_buffer_device  # vLLM's default
-    assert kv.kv_connector_extra_config == {"bidirectional_kv_xfer": True, "decoder_kv_blocks_ttl": eng.RELEASE_TTL_S}
+    assert kv.kv_connector_extra_config == {
+        "bidirectional_kv_xfer": True,
+        "decoder_kv_blocks_ttl": eng.RELEASE_TTL_S,
+    }
     assert args.kv_cache_memory_bytes is None
 
 
@@ -132,7 +141,9 @@ def test_engine_args_merge_the_users_kv_config(eng: ModuleType) -> None:
     kv = eng.build_engine_args(spec, cpu=True).kv_transfer_config
     assert kv.kv_connector == "StarNixlConnector"
     assert kv.kv_connector_extra_config == {
-        "num_threads": 2, "bidirectional_kv_xfer": True, "decoder_kv_blocks_ttl": eng.RELEASE_TTL_S,
+        "num_threads": 2,
+        "bidirectional_kv_xfer": True,
+        "decoder_kv_blocks_ttl": eng.RELEASE_TTL_S,
     }
 
 
@@ -172,6 +183,22 @@ def test_cpu_engines_run_the_model_in_the_engine_core_process(eng: ModuleType) -
     mp = eng.EngineSpec(model="m", engine_args={"distributed_executor_backend": "mp"})
     assert eng.build_engine_args(mp, cpu=True).distributed_executor_backend == "mp"
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in eng.vllm_environment(mp, True, 5601, {}, 2)
+
+
+def test_cpu_threads_become_the_engines_openmp_threads_unless_the_operator_set_them(
+    eng: ModuleType,
+) -> None:
+    spec = eng.EngineSpec(model="m", cpu_threads=1)
+    assert eng.vllm_environment(spec, True, 5601, {}, 2)["OMP_NUM_THREADS"] == "1"
+    assert "OMP_NUM_THREADS" not in eng.vllm_environment(
+        spec, True, 5601, {"OMP_NUM_THREADS": "4"}, 2
+    )
+    assert "OMP_NUM_THREADS" not in eng.vllm_environment(
+        eng.EngineSpec(model="m"), True, 5601, {}, 2
+    )
+    assert "OMP_NUM_THREADS" not in eng.vllm_environment(spec, False, 5601, {}, 2)  # GPU
+    settings = load_settings(env={"STAR_WORKER_CPU_THREADS": "3"}).worker
+    assert eng.EngineSpec.from_settings(settings).cpu_threads == 3
 
 
 def test_vllm_environment_on_gpu(eng: ModuleType) -> None:
