@@ -45,17 +45,10 @@ from tests.migration.conftest import (
     wait_kv_idle,
     wait_new_worker,
 )
-from tests.migration.test_fleet import FLEET, all_events, dispatched_to, other, prompt
+from tests.migration.test_fleet import all_events, dispatched_to, other, prompt
+from tests.migration.test_fleet import pytestmark as fleet_marks
 
-pytestmark = [
-    pytest.mark.engine,
-    pytest.mark.timeout(900),
-    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
-    pytest.mark.skipif(
-        not FLEET,
-        reason="real-fleet migration tests (~8 min): set STAR_TEST_MIGRATION_FLEET=1",
-    ),
-]
+pytestmark = fleet_marks  # the same fleet, the same skip rule
 
 
 @pytest.fixture(autouse=True)
