@@ -102,7 +102,7 @@ class RedisSettings:
     username: str = _opt("", "ACL user (overrides the URL's)")
     password: str = _opt("", "password (overrides the URL's)", secret=True)
     connect_timeout_s: float = _opt(2.0, "TCP connect timeout", positive)
-    socket_timeout_s: float = _opt(5.0, "timeout of one command (blocking reads add their block time)", positive)
+    socket_timeout_s: float = _opt(5.0, "timeout of one command; also bounds a blocking read (its block is capped at half of this)", positive)
     backoff_base_s: float = _opt(0.05, "first reconnect delay; doubles per attempt", positive)
     backoff_max_s: float = _opt(2.0, "cap on one reconnect delay", positive)
     reconnect_timeout_s: float = _opt(
