@@ -13,14 +13,16 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
 from tests.redis_server import free_port
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -85,6 +87,29 @@ def stop_group(proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+
+
+def wait_gone(alive: Callable[[], Sequence[T]], within_s: float = 30.0) -> Sequence[T]:
+    """Poll ``alive`` (what is still running) until it is empty or ``within_s`` pass.
+
+    Returns its last answer: empty when everything went in time.
+    """
+    deadline = time.monotonic() + within_s
+    left = alive()
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = alive()
+    return left
+
+
+def sigkill(pids: Iterable[int], group: bool = False) -> None:
+    """SIGKILL each of ``pids`` (each one's process group with ``group``), if still there."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            if group:
+                os.killpg(pid, signal.SIGKILL)
+            else:
+                os.kill(pid, signal.SIGKILL)
 
 
 def cluster_env(**extra: str) -> dict[str, str]:

@@ -14,10 +14,10 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 from star.cli.up import group_members
+from tests.procs import sigkill, wait_gone
 
 HOLDER = textwrap.dedent(
     """
@@ -51,15 +51,9 @@ def test_sigterm_unwinds_the_cluster_and_kills_its_process_groups(tmp_path: Path
         assert len(pids) == 2 and group_members(pids), "the children did not start"
         holder.send_signal(signal.SIGTERM)
         holder.wait(timeout=60)
-        deadline = time.monotonic() + 30
-        while group_members(pids) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not group_members(pids), f"left behind: {group_members(pids)}"
+        left = wait_gone(lambda: group_members(pids))
+        assert not left, f"left behind: {left}"
         assert holder.returncode != 0  # Terminated ended it, not a clean exit
     finally:
         holder.kill()
-        for pid in pids:
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        sigkill(pids, group=True)

@@ -14,9 +14,10 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import psutil
+
+from tests.procs import sigkill, wait_gone
 
 HOLDER = textwrap.dedent(
     """
@@ -60,19 +61,11 @@ def test_engine_core_ends_when_its_worker_is_killed() -> None:
         assert cores, "the worker found no engine-core process"
         worker.send_signal(signal.SIGKILL)
         worker.wait(timeout=10)
-        deadline = time.monotonic() + 30
-        alive = cores
-        while alive and time.monotonic() < deadline:
-            time.sleep(0.2)
-            alive = [p for p in cores if psutil.pid_exists(p) and _running(p)]
+        alive = wait_gone(lambda: [p for p in cores if _running(p)])
         assert not alive, f"engine core(s) {alive} outlived their worker by 30 s"
     finally:
         worker.kill()
-        for pid in cores:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        sigkill(cores)
 
 
 def _running(pid: int) -> bool:
