@@ -202,7 +202,8 @@ async def bench(
         await asyncio.gather(*bg, return_exceptions=True)
     finally:
         await bus.close()
-    inside, outside = [], []
+    inside: list[float] = []
+    outside: list[float] = []
     windows = [t.window for t in results]
     for times in bg_times:
         for a, b in itertools.pairwise(times):

@@ -255,8 +255,8 @@ class FastPredictor:
         # :func:`single_threaded_numpy_blas`): torch's OpenMP threads, shared
         # with the engine's model, made its few small products 3-40x slower.
         # A large one (the paper's 8.4 M parameters) is faster in torch.
-        params = sum(w.numel() + b.numel() for w, b in self.layers)
-        self.host = torch.device(dev).type == "cpu" and params <= NUMPY_MAX_PARAMS
+        size = sum(w.numel() + b.numel() for w, b in self.layers)
+        self.host = torch.device(dev).type == "cpu" and size <= NUMPY_MAX_PARAMS
         self.np_layers = (
             [(w.float().numpy(), b.float().numpy()) for w, b in self.layers] if self.host else []
         )
