@@ -150,7 +150,7 @@ class HiddenStateTap:
             model.compute_logits = compute_logits
             if hasattr(runner, "execute_model"):
                 runner.execute_model = self._star_tap_watch(runner.execute_model)
-        if predictor is not None and state.fast is not None and state.fast.host:
+        if state.fast is not None and state.fast.host:
             from star.predictor.model import single_threaded_numpy_blas
 
             single_threaded_numpy_blas()
@@ -254,18 +254,15 @@ class HiddenStateTap:
         generated = batch.num_tokens_no_spec[rows] - prompt
         req_ids = batch.req_ids
         ids = req_ids[:n] if every else [req_ids[i] for i in rows.tolist()]
+        # A view when every request is in this round (on the host FastPredictor
+        # reads it as a numpy view too: no copy).
+        picked = hidden_states[:n] if every else hidden_states[torch.from_numpy(rows)]
         if tap.fast is not None:
-            if tap.fast.host:  # numpy views: no copy when every request is in this round
-                h = hidden_states[:n].detach()
-                h = (h if h.dtype == torch.float32 else h.float()).numpy()
-                r_hat, sigma = tap.fast(h if every else h[rows])
-            else:
-                r_hat, sigma = tap.fast(hidden_states[:n] if every else hidden_states[rows])
+            r_hat, sigma = tap.fast(picked)
             self._star_tap_serve(tap, due, ids, r_hat, sigma, generated)
             tap.predict_batches += 1
             tap.predict_rows += len(ids)
         if tap.collect:
-            picked = hidden_states[:n] if every else hidden_states[torch.from_numpy(rows)]
             with torch.inference_mode():
                 tap.hidden.append(picked.detach().float().cpu().clone())
             tap.samples.extend(zip(ids, prompt.tolist(), generated.tolist(), strict=True))
