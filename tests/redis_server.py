@@ -12,11 +12,7 @@ import subprocess
 import time
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from star.ports import free_port  # tests import it from here too
 
 
 class RedisServer:
