@@ -60,6 +60,12 @@ class WorkerClient:
         self.closed = False
 
     async def connect(self, timeout_s: float = 5.0) -> Hello:
+        """Open the connection and read the worker's Hello, within ``timeout_s``.
+
+        Raises ``OSError`` (refused), ``TimeoutError`` (no connection or no
+        Hello in time) or :class:`ConnectionLost` (closed, or not a Hello
+        first). On any failure, cancellation included, the socket is closed.
+        """
         host, _, port = self.address.rpartition(":")
         # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a
         # cancel that lands just as the inner await finishes (gh-86296).
@@ -67,20 +73,47 @@ class WorkerClient:
             reader, self._writer = await asyncio.open_connection(host, int(port))
         self._reader = reader
         decoder = FrameDecoder()
-        while True:
+        try:
+            # One deadline for the whole Hello: a worker that trickles bytes
+            # cannot hold the connect open for longer.
             async with asyncio.timeout(timeout_s):
-                data = await reader.read(65536)
-            if not data:
-                raise ConnectionLost(f"worker {self.address} closed before Hello")
-            decoder.feed(data)
-            msgs = list(decoder)
-            if msgs:
-                break
-        if not isinstance(msgs[0], Hello):
-            raise ConnectionLost(f"worker {self.address} did not start with Hello")
+                while True:
+                    data = await reader.read(65536)
+                    if not data:
+                        raise ConnectionLost(f"worker {self.address} closed before Hello")
+                    decoder.feed(data)
+                    try:
+                        msgs = list(decoder)
+                    except WireError as exc:
+                        raise ConnectionLost(
+                            f"worker {self.address} sent a bad frame instead of Hello: {exc}"
+                        ) from exc
+                    if msgs:
+                        break
+            if not isinstance(msgs[0], Hello):
+                raise ConnectionLost(
+                    f"worker {self.address} did not start with Hello (got {msgs[0].KIND})"
+                )
+        except TimeoutError as exc:
+            await self._abandon()
+            raise TimeoutError(f"worker {self.address} sent no Hello within {timeout_s}s") from exc
+        except BaseException:
+            await self._abandon()
+            raise
         self.hello = msgs[0]
-        self._task = asyncio.create_task(self._read(decoder, msgs[1:]), name=f"upstream {self.address}")
+        self._task = asyncio.create_task(
+            self._read(decoder, msgs[1:]), name=f"upstream {self.address}"
+        )
         return self.hello
+
+    async def _abandon(self) -> None:
+        """Close a connection whose Hello never came (the caller sees why)."""
+        self.closed = True
+        writer, self._writer, self._reader = self._writer, None, None
+        if writer is not None:
+            writer.close()  # the transport closes even if this wait is cancelled
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
 
     def open(self) -> Stream:
         stream = Stream(self, next(self._ids))
@@ -102,7 +135,12 @@ class WorkerClient:
     def _route(self, msg: Message) -> None:
         stream_id = getattr(msg, "stream", None)
         if isinstance(msg, Error) and msg.stream < 0:
-            log.warning("worker reported a connection error", address=self.address, code=msg.code, error=msg.message)
+            log.warning(
+                "worker reported a connection error",
+                address=self.address,
+                code=msg.code,
+                error=msg.message,
+            )
             return
         target = self._streams.get(stream_id) if isinstance(stream_id, int) else None
         if target is not None:
@@ -125,7 +163,9 @@ class WorkerClient:
                     except StopIteration:
                         break
                     except WireError as exc:
-                        log.warning("undecodable frame from worker", address=self.address, error=str(exc))
+                        log.warning(
+                            "undecodable frame from worker", address=self.address, error=str(exc)
+                        )
                         continue
                     self._route(msg)
         except (ConnectionError, OSError) as exc:
@@ -168,7 +208,11 @@ class WorkerPool:
             client = WorkerClient(address)
             await client.connect()
             self._clients[address] = client
-            log.info("connected to worker", address=address, instance=client.hello.instance if client.hello else "?")
+            log.info(
+                "connected to worker",
+                address=address,
+                instance=client.hello.instance if client.hello else "?",
+            )
             return client
 
     async def close(self) -> None:
