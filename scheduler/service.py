@@ -66,7 +66,9 @@ class SchedulerService(Service):
         self.settings = settings
         self.node = node or default_node_name()
         self.params = planner_params(settings)
-        self.view = ClusterView(settings.scheduler.staleness_s, settings.scheduler.decision_timeout_s)
+        self.view = ClusterView(
+            settings.scheduler.staleness_s, settings.scheduler.decision_timeout_s
+        )
         self.metrics = SchedulerMetrics()
         self.tick = 0
         self.bus: Bus | None = None
@@ -118,7 +120,9 @@ class SchedulerService(Service):
         cfg = self.settings.scheduler
         # Start the group a staleness window back: a restarted node warms its view.
         start = f"{int((time.time() - cfg.staleness_s) * 1000)}-0"
-        reader = GroupReader(self.bus, "reports", f"{cfg.group}:{self.node}", self.node, Report, start=start)
+        reader = GroupReader(
+            self.bus, "reports", f"{cfg.group}:{self.node}", self.node, Report, start=start
+        )
         while True:
             entries = await reader.read()
             now = time.monotonic()
@@ -136,7 +140,12 @@ class SchedulerService(Service):
             if resolved is not None:
                 decision, outcome = resolved
                 self.metrics.decisions.labels(decision.mode, outcome).inc()
-                log.info("migration resolved", migration_id=decision.id, request_id=decision.request, outcome=outcome)
+                log.info(
+                    "migration resolved",
+                    migration_id=decision.id,
+                    request_id=decision.request,
+                    outcome=outcome,
+                )
 
     async def _decisions(self) -> None:
         """Book every decision on the stream: a standby's view (and manual
@@ -163,7 +172,12 @@ class SchedulerService(Service):
             if leader and not was:
                 await self.bus.publish(
                     "events",
-                    Event(EventKind.LEADER, time.time(), self.origin, data={"fence": self.leadership.fence}),
+                    Event(
+                        EventKind.LEADER,
+                        time.time(),
+                        self.origin,
+                        data={"fence": self.leadership.fence},
+                    ),
                 )
             await asyncio.sleep(ttl / 3 if leader else ttl / 5)
 
@@ -189,16 +203,27 @@ class SchedulerService(Service):
         now = time.monotonic()
         leader = self.leadership.is_leader
         for name in self.view.mark_stale(now):
-            log.warning("instance stale; excluded", instance=name, staleness_s=self.view.staleness_s)
+            log.warning(
+                "instance stale; excluded", instance=name, staleness_s=self.view.staleness_s
+            )
             if leader:
-                await self.bus.publish("events", Event(EventKind.INSTANCE_STALE, time.time(), self.origin, instance=name))
+                await self.bus.publish(
+                    "events",
+                    Event(EventKind.INSTANCE_STALE, time.time(), self.origin, instance=name),
+                )
         for decision in self.view.expire(now):
             self.metrics.decisions.labels(decision.mode, "expired").inc()
             log.warning("decision expired", migration_id=decision.id, request_id=decision.request)
             if leader:
                 await self.bus.publish(
                     "events",
-                    Event(EventKind.EXPIRED, time.time(), self.origin, request=decision.request, migration=decision.id),
+                    Event(
+                        EventKind.EXPIRED,
+                        time.time(),
+                        self.origin,
+                        request=decision.request,
+                        migration=decision.id,
+                    ),
                 )
         instances = self.view.instances(self.params)
         self.metrics.live_instances.set(len(self.view.live()))
@@ -208,7 +233,12 @@ class SchedulerService(Service):
         mode = str(self.params.mode)
         for move in result.moves:
             decision = decision_for(
-                move, f"m-{uuid.uuid4().hex[:12]}", self.tick, mode, self.leadership.fence, time.time()
+                move,
+                f"m-{uuid.uuid4().hex[:12]}",
+                self.tick,
+                mode,
+                self.leadership.fence,
+                time.time(),
             )
             entry = await self.leadership.publish(decision)
             if entry is None:
@@ -225,4 +255,6 @@ class SchedulerService(Service):
                 tick=self.tick,
             )
         # After booking, so proxies dispatch against the post-move view.
-        await self.bus.publish_load(self.view.load_entries(result.workloads, time.time()), ttl_s=self.view.staleness_s)
+        await self.bus.publish_load(
+            self.view.load_entries(result.workloads, time.time()), ttl_s=self.view.staleness_s
+        )

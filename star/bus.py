@@ -69,7 +69,9 @@ def raise_swallowed_cancel(task: asyncio.Task[Any] | None, cancels: int) -> None
     command started) is a cancel that was lost on the way.
     """
     if task is not None and task.cancelling() > cancels:
-        raise asyncio.CancelledError("cancelled during a Redis command (swallowed by asyncio.wait_for)")
+        raise asyncio.CancelledError(
+            "cancelled during a Redis command (swallowed by asyncio.wait_for)"
+        )
 
 
 def connect_redis(settings: RedisSettings) -> aioredis.Redis:
@@ -170,7 +172,9 @@ def as_str(value: bytes | str) -> str:
 RawRow = tuple[bytes, dict[bytes, bytes] | None]  # an entry; fields None if trimmed while pending
 
 
-async def xrevrange(redis: aioredis.Redis, key: str, count: int) -> list[tuple[bytes, dict[bytes, bytes]]]:
+async def xrevrange(
+    redis: aioredis.Redis, key: str, count: int
+) -> list[tuple[bytes, dict[bytes, bytes]]]:
     """The newest ``count`` entries of ``key``, newest first."""
     return cast(list[tuple[bytes, dict[bytes, bytes]]], await redis.xrevrange(key, count=count))
 
@@ -183,7 +187,9 @@ def first_stream_rows(reply: Any) -> list[RawRow]:
 class Bus:
     """Publishing, dead-lettering and retrying over one Redis client."""
 
-    def __init__(self, redis: aioredis.Redis, settings: BusSettings, redis_settings: RedisSettings) -> None:
+    def __init__(
+        self, redis: aioredis.Redis, settings: BusSettings, redis_settings: RedisSettings
+    ) -> None:
         self.redis = redis
         self.settings = settings
         self.redis_settings = redis_settings
@@ -226,13 +232,24 @@ class Bus:
                     raise BusUnavailable(
                         f"Redis at {cfg.url} unreachable for {waited:.1f}s during {what}: {exc}"
                     ) from exc
-                log.warning("redis unreachable, retrying", op=what, attempt=attempt, delay_s=round(delay, 3), error=str(exc))
+                log.warning(
+                    "redis unreachable, retrying",
+                    op=what,
+                    attempt=attempt,
+                    delay_s=round(delay, 3),
+                    error=str(exc),
+                )
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, cfg.backoff_max_s)
                 continue
             raise_swallowed_cancel(task, cancels)
             if attempt:
-                log.info("redis reachable again", op=what, attempts=attempt, down_s=round(time.monotonic() - started, 3))
+                log.info(
+                    "redis reachable again",
+                    op=what,
+                    attempts=attempt,
+                    down_s=round(time.monotonic() - started, 3),
+                )
             return result
 
     def block_ms(self, requested: int | None = None) -> int:
@@ -290,12 +307,21 @@ class Bus:
                 )
 
         await self.retrying(f"XADD {self.keys.dead}", op)
-        log.warning("undecodable entry moved to dead-letter stream", stream=stream_key, entry_id=entry_id, reason=reason)
+        log.warning(
+            "undecodable entry moved to dead-letter stream",
+            stream=stream_key,
+            entry_id=entry_id,
+            reason=reason,
+        )
 
     # -- reading --------------------------------------------------------------
 
     def decode_fields(
-        self, key: str, entry_id: str, raw: Mapping[bytes, bytes], expect: type[M] | tuple[type[M], ...] | None
+        self,
+        key: str,
+        entry_id: str,
+        raw: Mapping[bytes, bytes],
+        expect: type[M] | tuple[type[M], ...] | None,
     ) -> Entry:
         """Decode one entry's fields; raises :class:`WireError` (caller dead-letters)."""
         body = raw.get(b"body")
@@ -305,9 +331,7 @@ class Bus:
         text = {as_str(k): as_str(v) for k, v in raw.items() if k != b"body"}
         return Entry(entry_id, msg, text)
 
-    async def decode_or_bury(
-        self, key: str, entries: list[RawRow], expect: Any
-    ) -> list[Entry]:
+    async def decode_or_bury(self, key: str, entries: list[RawRow], expect: Any) -> list[Entry]:
         """Decode a batch; undecodable entries go to the dead-letter stream."""
         out: list[Entry] = []
         for raw_id, raw in entries:
@@ -385,7 +409,9 @@ class Bus:
         """The dispatch view; bad values are skipped with a warning."""
         raw = cast(
             dict[bytes, bytes],
-            await self.retrying(f"HGETALL {self.keys.load}", lambda: self.redis.hgetall(self.keys.load)),
+            await self.retrying(
+                f"HGETALL {self.keys.load}", lambda: self.redis.hgetall(self.keys.load)
+            ),
         )
         out: dict[str, LoadEntry] = {}
         for name, body in raw.items():
@@ -467,7 +493,12 @@ class GroupReader:
             if now - self._last_claim >= cfg.claim_idle_ms / 4000:
                 self._last_claim = now
                 cursor, claimed, *_ = await self.bus.redis.xautoclaim(
-                    self.key, self.group, self.consumer, cfg.claim_idle_ms, self._claim_cursor, count=cfg.read_count
+                    self.key,
+                    self.group,
+                    self.consumer,
+                    cfg.claim_idle_ms,
+                    self._claim_cursor,
+                    count=cfg.read_count,
                 )
                 self._claim_cursor = as_str(cursor)
                 if claimed:
@@ -511,7 +542,9 @@ class GroupReader:
 
     async def pending(self) -> int:
         """How many entries of the group are delivered but not acknowledged."""
-        info = await self.bus.retrying(f"XPENDING {self.key}", lambda: self.bus.redis.xpending(self.key, self.group))
+        info = await self.bus.retrying(
+            f"XPENDING {self.key}", lambda: self.bus.redis.xpending(self.key, self.group)
+        )
         return int(info["pending"])
 
 
@@ -567,11 +600,20 @@ class Subscriber:
         # (redis-py reconnects an idle pooled connection silently).
         async with redis.pipeline(transaction=False) as pipe:
             pipe.xrevrange(self.key, count=1)
-            pipe.xread({self.key: self.last_id}, count=self.bus.settings.read_count, block=self.bus.block_ms(block_ms))
+            pipe.xread(
+                {self.key: self.last_id},
+                count=self.bus.settings.read_count,
+                block=self.bus.block_ms(block_ms),
+            )
             newest_rows, reply = await pipe.execute()
         newest = as_str(newest_rows[0][0]) if newest_rows else "0-0"
         if self._seen is not None and _id_tuple(newest) < _id_tuple(self._seen):
-            log.warning("stream went back in time; reading from its start", stream=self.key, last_seen=self._seen, newest=newest)
+            log.warning(
+                "stream went back in time; reading from its start",
+                stream=self.key,
+                last_seen=self._seen,
+                newest=newest,
+            )
             self.last_id, self._seen = "0-0", None
             return await self._read_once(block_ms)
         batch = first_stream_rows(reply)
@@ -605,7 +647,11 @@ class Subscriber:
                     log.error(f"{self.key} unreadable; retrying", stream=self.key, error=str(exc))
                 continue
             if down_since is not None:
-                log.info(f"{self.key} readable again", stream=self.key, down_s=round(time.monotonic() - down_since, 3))
+                log.info(
+                    f"{self.key} readable again",
+                    stream=self.key,
+                    down_s=round(time.monotonic() - down_since, 3),
+                )
                 down_since = None
             self._buffer.extend(batch)
 
