@@ -5,6 +5,9 @@ Tasks, all owned by the :class:`~star.process.Service`:
 * ``reports`` — reads ``<prefix>:reports`` through this node's consumer group
   (``<group>:<node>``: every scheduler, standby included, needs every report
   to keep a hot view), applies them to the :class:`ClusterView`, acks;
+  a Redis outage of any length is waited out (as by the ``events`` and
+  ``decisions`` followers, and by ``ticks``, which skip what they cannot
+  publish);
 * ``events`` — follows ``<prefix>:events`` in order to resolve in-flight
   migrations (resumed / aborted / refused / finished);
 * ``leader`` — renews or acquires the leader lock (:mod:`scheduler.leader`);
@@ -28,7 +31,7 @@ import structlog
 from scheduler.leader import Leadership
 from scheduler.metrics import SchedulerMetrics
 from scheduler.view import ClusterView, decision_for
-from star.bus import Bus, GroupReader, Subscriber
+from star.bus import TRANSIENT, Bus, BusUnavailable, GroupReader, Subscriber
 from star.planner import plan
 from star.planner.types import Mode, PlannerParams
 from star.process import Service
@@ -36,6 +39,9 @@ from star.settings import Settings
 from star.wire import Decision, Event, EventKind, Report
 
 log = structlog.get_logger(__name__)
+
+# What a tick's publishing raises while Redis is unreachable.
+REDIS_DOWN: tuple[type[BaseException], ...] = (BusUnavailable, *TRANSIENT)
 
 
 def planner_params(settings: Settings) -> PlannerParams:
@@ -123,14 +129,14 @@ class SchedulerService(Service):
         reader = GroupReader(
             self.bus, "reports", f"{cfg.group}:{self.node}", self.node, Report, start=start
         )
-        while True:
-            entries = await reader.read()
+        # Through a Redis outage of any length the iteration waits (and logs it);
+        # meanwhile instances go stale and the planner has nothing to move.
+        async for entries in reader:
             now = time.monotonic()
             for entry in entries:
                 assert isinstance(entry.msg, Report)
                 if self.view.apply_report(entry.msg, now):
                     log.info("instance live", instance=entry.msg.instance, role=entry.msg.role)
-            await reader.ack(*(e.id for e in entries))
 
     async def _events(self) -> None:
         assert self.bus is not None
@@ -185,9 +191,25 @@ class SchedulerService(Service):
         interval = self.settings.scheduler.interval_s
         loop = asyncio.get_running_loop()
         next_at = loop.time()
+        down_since: float | None = None
         while True:
             started = time.perf_counter()
-            await self.run_tick()
+            try:
+                await self.run_tick()
+            except REDIS_DOWN as exc:
+                # Redis is gone: this tick's publishing is lost (the leader task
+                # steps down meanwhile); the next tick plans again.
+                if down_since is None:
+                    down_since = time.monotonic()
+                    log.error(
+                        "tick cut short: Redis unreachable; going on", error=str(exc) or repr(exc)
+                    )
+            else:
+                if down_since is not None:
+                    log.info(
+                        "ticks reach Redis again", down_s=round(time.monotonic() - down_since, 3)
+                    )
+                    down_since = None
             self.metrics.tick_seconds.observe(time.perf_counter() - started)
             next_at += interval
             now = loop.time()

@@ -7,7 +7,9 @@
   is readable, and moves undecodable entries to ``<prefix>:dead``.
 * :class:`GroupReader` consumes through a consumer group: its own pending
   entries first (after a crash), stale entries of dead consumers reclaimed with
-  ``XAUTOCLAIM``, then new ones; the caller acknowledges what it processed.
+  ``XAUTOCLAIM``, then new ones; the caller acknowledges what it processed
+  (``async for batch in reader`` acknowledges each batch when it asks for the
+  next, and follows the stream for good; the scheduler reads reports so).
 * :class:`Subscriber` reads a stream in order with plain ``XREAD`` and never
   skips an entry, even across reconnects; ``async for entry in subscriber``
   follows it for good (proxies follow decisions and reports this way).
@@ -15,7 +17,8 @@
 Readers survive a Redis restart: every call goes through :meth:`Bus.retrying`,
 which retries with bounded, logged exponential backoff and gives up with
 :class:`BusUnavailable` after ``redis.reconnect_timeout_s``; iterating a
-:class:`Subscriber` logs that once per outage and reads on.
+:class:`Subscriber` or a :class:`GroupReader` logs that once per outage and
+reads on.
 """
 
 from __future__ import annotations
@@ -546,6 +549,52 @@ class GroupReader:
             f"XPENDING {self.key}", lambda: self.bus.redis.xpending(self.key, self.group)
         )
         return int(info["pending"])
+
+    async def __aiter__(self) -> AsyncIterator[list[Entry]]:
+        """Non-empty batches for as long as the caller iterates, each acknowledged
+        when the caller asks for the next one (so after it processed the batch).
+
+        A Redis outage never ends the iteration (unlike :meth:`read`, which
+        gives up after ``reconnect_timeout_s``): every attempt is logged by
+        :meth:`Bus.retrying` (``redis unreachable, retrying``, at most once
+        per ``backoff_max_s`` once the backoff has grown), the first
+        :class:`BusUnavailable` of an outage once more (``<key> unreadable;
+        retrying``), and reading goes on. Once Redis is back, an
+        acknowledgement that could not be sent is sent first, then this
+        consumer's pending entries are read before new ones: nothing
+        delivered is lost and nothing acknowledged comes twice. A batch the
+        caller breaks out of stays pending and is reclaimed after
+        ``claim_idle_ms``. Cancelling the iterating task ends it.
+        """
+        down_since: float | None = None
+        unacked: list[str] = []
+        while True:
+            try:
+                if unacked:
+                    await self.ack(*unacked)
+                    unacked = []
+                batch = await self.read()
+            except BusUnavailable as exc:
+                if down_since is None:
+                    down_since = time.monotonic()
+                    log.error(
+                        f"{self.key} unreadable; retrying",
+                        stream=self.key,
+                        group=self.group,
+                        error=str(exc),
+                    )
+                continue
+            if down_since is not None:
+                log.info(
+                    f"{self.key} readable again",
+                    stream=self.key,
+                    group=self.group,
+                    down_s=round(time.monotonic() - down_since, 3),
+                )
+                down_since = None
+            if batch:
+                unacked = [e.id for e in batch]
+                yield batch
 
 
 class Subscriber:
