@@ -101,7 +101,11 @@ class ClusterView:
     # -- outputs -------------------------------------------------------------------
 
     def live(self, role: str | None = None) -> list[Report]:
-        return [s.report for s in self.seen.values() if not s.stale and (role is None or s.report.role == role)]
+        return [
+            s.report
+            for s in self.seen.values()
+            if not s.stale and (role is None or s.report.role == role)
+        ]
 
     def instances(self, params: PlannerParams) -> list[Instance]:
         """Live decode instances as the planner sees them, in-flight moves booked."""
@@ -118,14 +122,23 @@ class ClusterView:
         for report in self.live("decode"):
             name = report.instance
             out_ids = moving_out.get(name, set())
-            incoming = [r for r in moving_in.get(name, []) if all(r.id != x.id for x in report.requests)]
-            requests = tuple(
-                to_request(r, busy=True) for r in incoming
-            ) + tuple(to_request(r, busy=r.id in report.in_flight) for r in report.requests if r.id not in out_ids)
+            incoming = [
+                r for r in moving_in.get(name, []) if all(r.id != x.id for x in report.requests)
+            ]
+            requests = tuple(to_request(r, busy=True) for r in incoming) + tuple(
+                to_request(r, busy=r.id in report.in_flight)
+                for r in report.requests
+                if r.id not in out_ids
+            )
             # The worker's pre-simulated trace is only valid when nothing was booked
             # on or off it and it uses the planner's grid.
             trace = None
-            if not out_ids and not incoming and report.delta == params.delta and len(report.trace) == params.horizon + 1:
+            if (
+                not out_ids
+                and not incoming
+                and report.delta == params.delta
+                and len(report.trace) == params.horizon + 1
+            ):
                 trace = tuple(report.trace)
             out.append(
                 Instance(
@@ -146,8 +159,12 @@ class ClusterView:
         booked: dict[str, int] = {}
         for flight in self.in_flight.values():
             if flight.load is not None:
-                booked[flight.decision.target] = booked.get(flight.decision.target, 0) + flight.load.tokens
-                booked[flight.decision.source] = booked.get(flight.decision.source, 0) - flight.load.tokens
+                booked[flight.decision.target] = (
+                    booked.get(flight.decision.target, 0) + flight.load.tokens
+                )
+                booked[flight.decision.source] = (
+                    booked.get(flight.decision.source, 0) - flight.load.tokens
+                )
         return [
             LoadEntry(
                 instance=r.instance,
@@ -174,7 +191,9 @@ def to_request(r: RequestLoad, busy: bool = False) -> Request:
     )
 
 
-def decision_for(move: Move, decision_id: str, tick: int, mode: str, fence: int, ts: float) -> Decision:
+def decision_for(
+    move: Move, decision_id: str, tick: int, mode: str, fence: int, ts: float
+) -> Decision:
     return Decision(
         id=decision_id,
         request=move.request,

@@ -17,7 +17,9 @@ def view() -> ClusterView:
     return ClusterView(staleness_s=3.0, decision_timeout_s=10.0)
 
 
-def decision(mid: str = "m1", request: str = "a-r0", source: str = "a", target: str = "b") -> Decision:
+def decision(
+    mid: str = "m1", request: str = "a-r0", source: str = "a", target: str = "b"
+) -> Decision:
     return Decision(mid, request, source, target, 1, -5.0, "current", time.time())
 
 
