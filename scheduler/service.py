@@ -9,7 +9,8 @@ Tasks, all owned by the :class:`~star.process.Service`:
   ``decisions`` followers, and by ``ticks``, which skip what they cannot
   publish);
 * ``events`` — follows ``<prefix>:events`` in order to resolve in-flight
-  migrations (resumed / aborted / refused / finished);
+  migrations (resumed / aborted / refused / finished) and to drop at once an
+  instance whose worker announced ``worker_down``;
 * ``leader`` — renews or acquires the leader lock (:mod:`scheduler.leader`);
 * ``ticks`` — every ``interval_s`` on a drift-free schedule (a slow tick
   skips the missed slots instead of bunching up): mark stale instances,
@@ -140,9 +141,16 @@ class SchedulerService(Service):
 
     async def _events(self) -> None:
         assert self.bus is not None
-        async for entry in Subscriber(self.bus, "events", Event, start="$"):
+        # From a staleness window back, like the reports: a worker_down sent
+        # just before this node started still outweighs its fresh reports.
+        start = f"{int((time.time() - self.settings.scheduler.staleness_s) * 1000)}-0"
+        async for entry in Subscriber(self.bus, "events", Event, start=start):
             assert isinstance(entry.msg, Event)
-            resolved = self.view.apply_event(entry.msg)
+            event = entry.msg
+            if event.event is EventKind.WORKER_DOWN and event.instance:
+                if self.view.mark_down(event.instance, event.ts):
+                    log.warning("instance down; excluded", instance=event.instance)
+            resolved = self.view.apply_event(event)
             if resolved is not None:
                 decision, outcome = resolved
                 self.metrics.decisions.labels(decision.mode, outcome).inc()

@@ -2,7 +2,8 @@
 
 Paper §5.2, Algorithm 1 line 4 ("Collect worker states and update the average
 workload"): the scheduler keeps the newest report of every instance, drops an
-instance whose reports stop for longer than ``staleness_s`` and, per DESIGN
+instance whose reports stop for longer than ``staleness_s`` (or at once when
+its worker announces ``worker_down``, until it reports again) and, per DESIGN
 §3, books each decided move on the target at once — until the migration's
 outcome arrives on ``<prefix>:events`` the request counts on the target, not
 on the source, and both instances are "in flight" (no second migration).
@@ -49,17 +50,39 @@ class ClusterView:
     decision_timeout_s: float
     seen: dict[str, Seen] = field(default_factory=dict)
     in_flight: dict[str, InFlight] = field(default_factory=dict)  # by decision id
+    # instance -> ``ts`` of its worker_down (the worker's clock, like Report.ts)
+    down: dict[str, float] = field(default_factory=dict)
 
     # -- inputs ------------------------------------------------------------------
 
     def apply_report(self, report: Report, now: float) -> bool:
         """Record a report; True if the instance was stale (or unknown) before."""
+        down_at = self.down.get(report.instance)
+        if down_at is not None:
+            if report.ts <= down_at:
+                return False  # sent before its worker went down, read late
+            del self.down[report.instance]  # a worker of that name is back
         prev = self.seen.get(report.instance)
         if prev is not None and report.seq < prev.report.seq and report.ts <= prev.report.ts:
             return False  # an old report delivered late (reclaimed entry)
         revived = prev is None or prev.stale
         self.seen[report.instance] = Seen(report, now)
         return revived
+
+    def mark_down(self, instance: str, ts: float) -> bool:
+        """A worker announced ``worker_down`` at ``ts`` (its clock): exclude it now.
+
+        Its reports still count as fresh for ``staleness_s``, but it takes no
+        new streams and will not answer a handoff. It stays excluded until a
+        report sent after ``ts`` (a restarted worker of the same name). True
+        if it was live.
+        """
+        self.down[instance] = max(ts, self.down.get(instance, ts))
+        seen = self.seen.get(instance)
+        if seen is None or seen.stale:
+            return False
+        seen.stale = True
+        return True
 
     def mark_stale(self, now: float) -> list[str]:
         """Flag instances whose reports stopped; returns the newly stale ones."""

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Any
+
+import pytest
 
 from scheduler.view import ClusterView
-from star.planner.types import PlannerParams
-from star.wire import Decision, Event, EventKind
+from star.planner import plan
+from star.planner.types import Mode, PlannerParams
+from star.wire import Decision, Event, EventKind, Report
 from tests.scheduler.reports import report
 
 P = PlannerParams()
@@ -113,3 +117,96 @@ def test_worker_trace_used_only_when_on_the_planner_grid_and_nothing_booked() ->
     assert by["b"].trace is None  # empty trace: the planner computes it
     v.book(decision(), 0.0)
     assert {i.id: i for i in v.instances(P)}["a"].trace is None
+
+
+def at(r: Report, ts: float) -> Report:
+    return dataclasses.replace(r, ts=ts)
+
+
+# (steps, live decode instances after them). Steps: ("report", instance, seq,
+# ts) or ("down", instance, ts); reports all arrive at now=0 (fresh).
+DOWN_CASES = [
+    pytest.param(
+        [("report", "a", 1, 100.0), ("report", "b", 1, 100.0)], ["a", "b"], id="both live"
+    ),
+    pytest.param(
+        [("report", "a", 1, 100.0), ("report", "b", 1, 100.0), ("down", "b", 101.0)],
+        ["a"],
+        id="down drops a fresh instance",
+    ),
+    pytest.param(
+        [
+            ("report", "a", 1, 100.0),
+            ("report", "b", 1, 100.0),
+            ("down", "b", 101.0),
+            ("report", "b", 2, 100.5),
+        ],
+        ["a"],
+        id="a report sent before the down, read late, does not revive",
+    ),
+    pytest.param(
+        [("report", "a", 1, 100.0), ("down", "b", 101.0), ("report", "b", 7, 100.9)],
+        ["a"],
+        id="down read before the instance's last report",
+    ),
+    pytest.param(
+        [
+            ("report", "a", 1, 100.0),
+            ("report", "b", 9, 100.0),
+            ("down", "b", 101.0),
+            ("report", "b", 1, 102.0),
+        ],
+        ["a", "b"],
+        id="a restarted worker of the same name reports again",
+    ),
+    pytest.param(
+        [("report", "a", 1, 100.0), ("down", "c", 101.0)],
+        ["a"],
+        id="down of an unknown instance",
+    ),
+]
+
+
+@pytest.mark.parametrize(("steps", "live"), DOWN_CASES)
+def test_worker_down_excludes_an_instance_until_it_reports_again(
+    steps: list[tuple[Any, ...]], live: list[str]
+) -> None:
+    v = view()
+    for step in steps:
+        if step[0] == "report":
+            _, name, seq, ts = step
+            v.apply_report(at(report(name, [100 * seq], seq=seq), ts), now=0.0)
+        else:
+            _, name, ts = step
+            v.mark_down(name, ts)
+    assert v.mark_stale(now=0.5) == []  # every report is fresh: only a down excludes
+    assert sorted(i.id for i in v.instances(P)) == live
+    assert sorted(e.instance for e in v.load_entries({}, 0.0)) == live
+
+
+def test_worker_down_reports_whether_it_excluded_a_live_instance() -> None:
+    v = view()
+    v.apply_report(report("a", [10]), now=0.0)
+    v.apply_report(report("b", [10]), now=0.0)
+    assert v.mark_down("b", time.time() + 1) is True
+    assert v.mark_down("b", time.time() + 1) is False  # already down
+    assert v.mark_down("x", time.time()) is False  # never seen
+    assert v.apply_report(report("b", [10], seq=2), now=0.5) is False  # sent before the down
+    assert v.apply_report(at(report("b", [10], seq=3), time.time() + 2), now=0.6) is True  # back
+
+
+def test_a_down_instance_is_neither_source_nor_target() -> None:
+    """The planner would move a request from "a" to the idle "b"; "b" is down,
+    so the only target left is "c", and once "a" is down there is no source."""
+    params = PlannerParams(mode=Mode.parse("current"))
+    v = view()
+    v.apply_report(report("a", [4000, 3000, 2500]), now=0.0)
+    v.apply_report(report("b", [10]), now=0.0)
+    assert {m.target for m in plan(v.instances(params), params).moves} == {"b"}
+    v.mark_down("b", time.time() + 1)
+    assert not plan(v.instances(params), params).moves  # "a" alone: nothing to balance
+    v.apply_report(report("c", [300]), now=0.1)
+    moves = plan(v.instances(params), params).moves
+    assert [(m.source, m.target) for m in moves] == [("a", "c")]
+    v.mark_down("a", time.time() + 1)
+    assert not plan(v.instances(params), params).moves
