@@ -693,6 +693,11 @@ class EngineHandle:
         """Requests being streamed (running or waiting)."""
         return len(self._live)
 
+    @property
+    def dead(self) -> bool:
+        """The engine core died under us (vLLM noticed; not our :meth:`shutdown`)."""
+        return not self._closed and bool(self.llm.errored)
+
     async def shutdown(self) -> None:
         """Stop the engine process (in a thread: vLLM's shutdown blocks for seconds)."""
         if self._closed:

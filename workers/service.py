@@ -6,7 +6,9 @@ token server and announces ``worker_up``. The report loop wakes every
 whichever comes first, and XADDs a :class:`~star.wire.Report` built from the
 engine's own numbers (DESIGN §4). SIGTERM drains: no new streams, running
 ones finish within ``drain_timeout_s``, then ``worker_down`` and the engine
-stops.
+stops. An engine that dies under the worker stops the reports and the worker
+(exit status 1, ``worker_down`` announced): fresh reports of a dead engine
+would keep it a dispatch and migration target.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from star.process import Service
 from star.settings import Settings
 from star.wire import Event, EventKind, Hello
 from workers.engine import EngineHandle, EngineSpec
+from workers.protocol import EngineDead
 from workers.server import TokenServer
 from workers.state import EngineStats, build_report
 from workers.tap import start_tap
@@ -78,6 +81,8 @@ class WorkerService(Service):
         previous: EngineStats | None = None
         while True:
             await self.engine.wait_decode_steps(cfg.report_every_steps, cfg.report_interval_s)
+            if self.engine.dead:
+                raise EngineDead(f"the engine of {self.instance} died; the worker exits")
             stats = self.engine.stats()
             self.seq += 1
             report = build_report(
