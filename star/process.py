@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import signal
 import socket
@@ -48,6 +49,21 @@ def sd_notify(state: str, env: Mapping[str, str] | None = None) -> bool:
         log.warning("sd_notify failed", state=state, error=str(exc))
         return False
     return True
+
+
+def freeze_heap() -> int:
+    """Move every object alive now into the collector's permanent generation.
+
+    Called once start-up is done (vLLM's engine core does the same). A worker
+    imports torch, transformers and vLLM's front end: some 700,000 objects,
+    which a full collection walks in 0.2-0.5 s on this 2-core machine. Every
+    full collection after start-up would stall the event loop relaying
+    tokens for that long; frozen, those objects are no longer walked. Returns
+    the number of objects frozen.
+    """
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 def watchdog_interval(env: Mapping[str, str] | None = None) -> float | None:
@@ -177,6 +193,7 @@ class Service:
                 log.error("startup failed", service=self.name, error=str(exc), exc_info=exc)
                 return 1
             self.started = True
+            log.debug("heap frozen", service=self.name, objects=freeze_heap())
             sd_notify("READY=1")
             interval = watchdog_interval()
             if interval:
