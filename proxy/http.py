@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -149,7 +150,8 @@ def _default_type(status: int) -> str:
 class HttpServer:
     """Accepts connections and runs ``handler`` for each request.
 
-    ``settings`` gives the listen address and the limits; ``exempt_paths``
+    ``settings`` gives the listen address and the limits (``sock``, an
+    already-bound listening socket, replaces the address); ``exempt_paths``
     (health checks, metrics) do not count toward ``max_streams`` so they keep
     answering under load. ``idle_timeout_s`` closes keep-alive connections
     with no request in flight, and bounds how long one request head/body may
@@ -164,8 +166,10 @@ class HttpServer:
         exempt_paths: Iterable[str] = ("/health", "/metrics"),
         idle_timeout_s: float = 75.0,
         observer: Observer | None = None,
+        sock: socket.socket | None = None,
     ) -> None:
         self.handler = handler
+        self.sock = sock
         self.observer = observer
         self.settings = settings
         self.exempt_paths = frozenset(exempt_paths)
@@ -178,19 +182,31 @@ class HttpServer:
         self._stopped = asyncio.Event()
 
     @property
-    def port(self) -> int:
-        """The bound port (useful with port 0)."""
+    def address(self) -> tuple[str, int]:
+        """The bound (host, port) (useful with port 0 or an inherited socket)."""
         if self._server is None or not self._server.sockets:
             raise RuntimeError("server is not listening")
-        return int(self._server.sockets[0].getsockname()[1])
+        host, port = self._server.sockets[0].getsockname()[:2]
+        return str(host), int(port)
+
+    @property
+    def port(self) -> int:
+        """The bound port."""
+        return self.address[1]
 
     async def start(self) -> None:
         """Bind and start accepting."""
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(
-            lambda: _Connection(self), self.settings.host, self.settings.port, backlog=2048
-        )
-        log.info("http_listening", host=self.settings.host, port=self.port)
+        if self.sock is not None:
+            self._server = await loop.create_server(
+                lambda: _Connection(self), sock=self.sock, backlog=2048
+            )
+        else:
+            self._server = await loop.create_server(
+                lambda: _Connection(self), self.settings.host, self.settings.port, backlog=2048
+            )
+        host, port = self.address
+        log.info("http_listening", host=host, port=port)
 
     async def serve(self) -> None:
         """Start, then wait until :meth:`shutdown` has finished."""

@@ -25,11 +25,18 @@ log = structlog.get_logger(__name__)
 class ProxyService(Service):
     name = "proxy"
 
-    def __init__(self, settings: Settings, model_path: str, served_name: str | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        model_path: str,
+        served_name: str | None = None,
+        sock: socket.socket | None = None,
+    ) -> None:
         super().__init__(drain_timeout_s=settings.proxy.drain_timeout_s)
         self.settings = settings
         self.model_path = model_path
         self.served_name = served_name
+        self.sock = sock
         self.node = f"{socket.gethostname()}-{os.getpid()}"
         self.bus: Bus | None = None
         self.pool = WorkerPool()
@@ -46,9 +53,10 @@ class ProxyService(Service):
         backend = ClusterBackend(self.directory, self.pool, self.settings.proxy.dispatch, f"proxy:{self.node}", self.events)
         self.backend = backend
         app = ProxyApp(backend, [card], self.settings.proxy)
-        self.server = create_server(app, self.settings.proxy)
+        self.server = create_server(app, self.settings.proxy, sock=self.sock)
         await self.server.start()
-        log.info("proxy listening", url=f"http://{self.settings.proxy.host}:{self.server.port}", model=card.name)
+        host, port = self.server.address
+        log.info("proxy listening", url=f"http://{host}:{port}", model=card.name)
 
     async def main(self) -> None:
         assert self.directory is not None

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from tests.redis_server import free_port
+from star.ports import listen
 
 T = TypeVar("T")
 
@@ -60,15 +60,19 @@ class ProxyProcess:
 
 @contextlib.contextmanager
 def proxy_process(env: dict[str, str], log: Path, *args: str) -> Iterator[ProxyProcess]:
-    """``star proxy`` on a free port with ``env``; listening when the block starts."""
-    port = free_port()
-    with log.open("wb") as out:
+    """``star proxy`` on a socket bound here (``--fd``, as ``star up`` does) with ``env``.
+
+    Listening when the block starts.
+    """
+    with listen("127.0.0.1") as sock, log.open("wb") as out:
+        port = int(sock.getsockname()[1])
         proc = subprocess.Popen(
-            [sys.executable, "-m", "star.cli.main", "proxy", "--port", str(port), *args],
+            [sys.executable, "-m", "star.cli.main", "proxy", "--fd", str(sock.fileno()), *args],
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            pass_fds=(sock.fileno(),),
         )
     try:
         p = ProxyProcess(proc, port, log)

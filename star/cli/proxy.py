@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import socket
 
-from star.cli.common import add_settings_args, guarded, settings_from_args
+from star.cli.common import CliError, add_settings_args, guarded, settings_from_args
 from star.logs import configure_logging
 
 
@@ -25,6 +26,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.add_argument("--host", help="listen address (proxy.host)")
     parser.add_argument("--port", type=int, help="listen port (proxy.port)")
     parser.add_argument("--api-key", help="require this bearer token (proxy.api_key)")
+    parser.add_argument(
+        "--fd",
+        type=int,
+        metavar="N",
+        help="serve on the listening socket inherited as file descriptor N instead of "
+        "binding --host/--port (star up binds the port first, so it is never lost to "
+        "another process while the proxy starts)",
+    )
     add_settings_args(parser)
     parser.set_defaults(func=guarded(run))
 
@@ -39,4 +48,10 @@ def run(args: argparse.Namespace) -> int:
     model = args.model or settings.worker.model or str(tiny_model_path())
     name = args.served_model_name or (None if (args.model or settings.worker.model) else "star-tiny")
     configure_logging(settings.log, role="proxy")
-    return ProxyService(settings, model, name).run()
+    sock = None
+    if args.fd is not None:
+        try:
+            sock = socket.socket(fileno=args.fd)
+        except OSError as exc:
+            raise CliError(f"--fd {args.fd}: not an open socket ({exc.strerror})") from exc
+    return ProxyService(settings, model, name, sock=sock).run()

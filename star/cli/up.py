@@ -31,7 +31,7 @@ from types import FrameType
 from urllib.parse import urlsplit
 
 from star.cli.common import CliError, add_settings_args, guarded, settings_from_args
-from star.ports import free_port
+from star.ports import free_port, listen
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -73,7 +73,13 @@ class Launcher:
     env: dict[str, str]
     children: list[Child] = field(default_factory=list)
 
-    def start(self, name: str, argv: list[str], extra_env: dict[str, str] | None = None) -> Child:
+    def start(
+        self,
+        name: str,
+        argv: list[str],
+        extra_env: dict[str, str] | None = None,
+        pass_fds: tuple[int, ...] = (),
+    ) -> Child:
         child = Child(name, argv, self.run_dir / f"{name}.log")
         with child.log.open("wb") as out:
             child.proc = subprocess.Popen(
@@ -82,6 +88,7 @@ class Launcher:
                 stderr=subprocess.STDOUT,
                 env={**self.env, **(extra_env or {})},
                 start_new_session=True,
+                pass_fds=pass_fds,
             )
         self.children.append(child)
         return child
@@ -224,7 +231,14 @@ class LocalCluster:
             raise CliError("--prefill and --decode must be at least 1")
         self.requested_redis = redis_url
         self.redis_url = redis_url or ""
-        self.port = port or free_port()
+        # The proxy's port is bound here and the socket handed to the proxy
+        # (``star proxy --fd``): a port merely picked now and bound by the
+        # proxy seconds later was once taken in between (star.ports).
+        try:
+            self._proxy_sock: socket.socket | None = listen("127.0.0.1", port)
+        except OSError as exc:
+            raise CliError(f"proxy port {port} on 127.0.0.1: {exc.strerror}") from exc
+        self.port = int(self._proxy_sock.getsockname()[1])
         self.prefill = prefill
         self.decode = decode
         self.model = model
@@ -332,9 +346,16 @@ class LocalCluster:
             self.launcher.start(
                 "scheduler", [*star, "scheduler", "--node", "scheduler-0", "--metrics-port", "0"]
             )
-        self.launcher.start(
-            "proxy", [*star, "proxy", "--port", str(self.port), *model_args, *self.proxy_args]
-        )
+        sock, self._proxy_sock = self._proxy_sock, None
+        if sock is None:
+            raise CliError("this cluster was already started")
+        with sock:  # the proxy holds its own copy from here on
+            fd = sock.fileno()
+            self.launcher.start(
+                "proxy",
+                [*star, "proxy", "--fd", str(fd), *model_args, *self.proxy_args],
+                pass_fds=(fd,),
+            )
 
     def check(self) -> None:
         """Raise :class:`ClusterError` if a process has exited."""
@@ -381,6 +402,9 @@ class LocalCluster:
 
     def stop(self, timeout_s: float = 20.0) -> None:
         """Stop everything (SIGTERM, then SIGKILL of whole process groups)."""
+        if self._proxy_sock is not None:  # never started
+            self._proxy_sock.close()
+            self._proxy_sock = None
         self.launcher.stop(timeout_s)
 
 

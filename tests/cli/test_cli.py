@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from star.bus import Bus
+from star.ports import listen
 from star.wire import Decision, Event, EventKind
 from tests.conftest import bus_settings, redis_settings
 from tests.redis_server import RedisServer
@@ -100,3 +101,21 @@ def test_inspect_unreachable_redis_is_one_line() -> None:
     )
     assert out.returncode == 2
     assert "unreachable" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_up_on_a_taken_port_fails_at_once_with_one_line() -> None:
+    # star up binds the proxy's port itself before starting anything, so a
+    # port in use is reported up front rather than by a proxy dying later.
+    with listen("127.0.0.1") as taken:
+        port = taken.getsockname()[1]
+        out = star("up", "--port", str(port), "--run-dir", "/nonexistent/never-created", timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert f"proxy port {port}" in out.stderr and "in use" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+    assert not Path("/nonexistent/never-created").exists()
+
+
+def test_proxy_fd_that_is_not_a_socket_is_one_line() -> None:
+    out = star("proxy", "--fd", "987")
+    assert out.returncode == 2
+    assert "--fd 987: not an open socket" in out.stderr
