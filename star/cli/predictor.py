@@ -298,6 +298,8 @@ def run_eval(args: argparse.Namespace) -> int:
         )
         print(ev.format_table(rows))
         print(ev.clip_note(preds, splits["test"], max_tokens))
+        print()
+        print(ev.format_trend(ev.trend(splits["test"], preds["mlp-fused"])))
     if args.plot is not None:
         ev.plot(rows, args.plot, title=f"length predictor, {data.index['meta']['model']}")
         if not args.json:

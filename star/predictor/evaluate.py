@@ -276,6 +276,98 @@ def evaluate(
     return rows
 
 
+@dataclass(frozen=True)
+class Step:
+    """The change of one predictor's MAE from one progress bucket to the next (paper Fig. 7).
+
+    ``low``/``high``: a 95 % bootstrap interval of the change, resampling the
+    test split's prompts (the unit the split was drawn in) with every row of
+    each; ``verdict``: ``falls`` or ``rises`` when the interval excludes 0,
+    else ``flat`` (no change this data can tell from noise).
+    """
+
+    family: str
+    before: str
+    after: str
+    change: float
+    low: float
+    high: float
+
+    @property
+    def verdict(self) -> str:
+        if self.high < 0:
+            return "falls"
+        if self.low > 0:
+            return "rises"
+        return "flat"
+
+
+def trend(
+    samples: Samples, pred: FloatArray, rounds: int = 1000, seed: int = 0
+) -> list[Step]:
+    """MAE change between consecutive progress buckets, all answers and long ones, with CIs.
+
+    Paired: each bootstrap round draws prompts with replacement and measures
+    every bucket on the same draw, so a request's rows stay together.
+    """
+    err = np.abs(pred - samples.remaining)
+    families = [
+        ("progress", np.ones(len(samples), dtype=bool)),
+        ("long progress", samples.final >= LONG),
+    ]
+    edges = _buckets(samples.generated, PROGRESS_EDGES, "progress")
+    rng = np.random.default_rng(seed)
+    steps: list[Step] = []
+    for family, sel in families:
+        masks = [(label.replace("progress", family, 1), m & sel) for label, m in edges]
+        masks = [(label, m) for label, m in masks if m.any()]
+        if len(masks) < 2:
+            continue
+        prompts, inverse = np.unique(samples.prompt[sel], return_inverse=True)
+        rows = np.flatnonzero(sel)
+        # Per prompt and bucket: error sum and row count; a draw is a weighted sum.
+        sums = np.zeros((len(prompts), len(masks)))
+        counts = np.zeros((len(prompts), len(masks)))
+        for j, (_, m) in enumerate(masks):
+            in_bucket = m[rows]
+            np.add.at(sums[:, j], inverse[in_bucket], err[rows][in_bucket])
+            np.add.at(counts[:, j], inverse[in_bucket], 1.0)
+        draws = rng.multinomial(len(prompts), np.full(len(prompts), 1 / len(prompts)), rounds)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            boot = (draws @ sums) / (draws @ counts)
+        point = sums.sum(0) / counts.sum(0)
+        last = len(masks) - 1
+        # Each step, then the whole way from the first bucket to the last.
+        for j, k in [*((j, j + 1) for j in range(last)), (0, last)]:
+            diff = boot[:, k] - boot[:, j]
+            diff = diff[np.isfinite(diff)]
+            low, high = np.percentile(diff, [2.5, 97.5]) if len(diff) else (np.nan, np.nan)
+            steps.append(
+                Step(
+                    family,
+                    masks[j][0],
+                    masks[k][0],
+                    float(point[k] - point[j]),
+                    float(low),
+                    float(high),
+                )
+            )
+    return steps
+
+
+def format_trend(steps: Sequence[Step], predictor: str = "mlp-fused") -> str:
+    """One line per step: the MAE change, its 95 % interval, falls/flat/rises."""
+    lines = [
+        f"{predictor} MAE from one progress bucket to the next (95 % bootstrap interval over prompts):"
+    ]
+    for s in steps:
+        after = s.after.split(" ")[-1]
+        lines.append(
+            f"  {s.before:<22} -> {after:<8} {s.change:+7.1f}  [{s.low:+7.1f}, {s.high:+7.1f}]  {s.verdict}"
+        )
+    return "\n".join(lines)
+
+
 def summary(rows: Sequence[Row]) -> dict[str, dict[str, float]]:
     """{predictor: {mae, nmae, kendall_tau}} over all test rows (checkpoint metadata)."""
     return {

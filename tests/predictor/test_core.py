@@ -346,6 +346,48 @@ def test_buckets_partition_rows() -> None:
     assert np.array_equal(got["progress 0"], s.generated == 0)
 
 
+@pytest.mark.parametrize(
+    ("error_of_generated", "verdicts"),
+    [
+        # Error shrinking with progress (the paper's Fig. 7), growing, and the same throughout.
+        (lambda g: 200.0 / (1.0 + g / 25.0), {"falls"}),
+        (lambda g: 20.0 + g / 2.0, {"rises"}),
+        (None, {"flat"}),  # every row 30 tokens off: no change at all
+    ],
+)
+def test_trend_tells_a_falling_mae_from_noise(error_of_generated: object, verdicts: set[str]) -> None:
+    rng = np.random.default_rng(3)
+    finals = rng.integers(20, 900, size=300)  # long answers reach every bucket
+    req = np.concatenate([np.full(len(range(0, f, 20)), r) for r, f in enumerate(finals)])
+    gen = np.concatenate([np.arange(0, f, 20) for f in finals])
+    s = Samples(
+        hidden=np.zeros((len(req), 1), dtype=np.float32),
+        generated=gen,
+        remaining=finals[req] - gen,
+        final=finals[req],
+        request=req,
+        prompt=req // 2,
+        capped=np.zeros(len(req), dtype=bool),
+    )
+    g = s.generated.astype(np.float64)
+    if error_of_generated is None:
+        err = np.full_like(g, 30.0)
+    else:
+        noise = np.random.default_rng(0).normal(scale=5.0, size=len(s))
+        err = np.abs(error_of_generated(g) + noise)  # type: ignore[operator]
+    sign = np.where(np.random.default_rng(1).random(len(s)) < 0.5, -1.0, 1.0)
+    steps = ev.trend(s, s.remaining + sign * err, rounds=300)
+    families = {st.family for st in steps}
+    assert families == {"progress", "long progress"}
+    whole = [st for st in steps if st.before.endswith(" 0") and st.after.endswith("400+")]
+    assert len(whole) == 2  # the first bucket to the last, per family
+    assert {st.verdict for st in whole} == verdicts
+    for st in steps:
+        assert st.low <= st.change <= st.high
+    text = ev.format_trend(steps)
+    assert "95 %" in text and text.count("\n") == len(steps)
+
+
 def test_json_rows_have_the_issue_keys() -> None:
     s = synthetic(requests=40)
     rows = ev.as_dicts(ev.evaluate(build_mlp(8, (4,)), s, s))
