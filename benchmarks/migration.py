@@ -106,8 +106,15 @@ async def _stream(
 
 
 async def _trial(
-    bus: Bus, url: str, n: int, migrate_at: int, max_tokens: int, bpt: dict[str, int]
+    bus: Bus,
+    url: str,
+    n: int,
+    migrate_at: int,
+    max_tokens: int,
+    bpt: dict[str, int],
+    back: bool = False,
 ) -> Trial:
+    """One request migrated once after ``migrate_at`` chunks (and, with ``back``, home again after twice that)."""
     trial = Trial()
 
     source: asyncio.Task[Event] | None = None
@@ -118,6 +125,8 @@ async def _trial(
             # Look the source up from the first chunk on: scanning the events
             # stream takes long enough for a fast engine to finish the request.
             source = asyncio.create_task(_wait(bus, rid, EventKind.DISPATCHED))
+        if back and chunks == 2 * migrate_at and trial.target:
+            await bus.publish("decisions", manual_decision(rid, trial.target, trial.source))
         if chunks != migrate_at:
             return
         trial.request = rid
@@ -155,16 +164,37 @@ async def _trial(
     return trial
 
 
+WARM_UP_TRIES = 4
+"""Warm-up trials at most, until one request has been moved to the other engine and back."""
+
+
+async def _migrations(bus: Bus, request: str) -> int:
+    """How many handoffs of ``request`` completed (its ``resumed`` events)."""
+    return sum(ev.event is EventKind.RESUMED for ev in await bus.request_events(request))
+
+
 async def bench(
     url: str, redis_url: str, trials: int, migrate_at: int, max_tokens: int, background: int
 ) -> dict[str, Any]:
     bus = Bus.from_settings(RedisSettings(url=redis_url), BusSettings())
     try:
         bpt = {name: r.bytes_per_token for name, r in (await bus.latest_reports()).items()}
-        # Warm-up: the first handoff between a pair of engines does NIXL's handshake.
-        for n in range(2):
-            await _trial(bus, url, 10_000 + n, migrate_at, max_tokens, bpt)
-            print(f"warm-up {n + 1}/2 done", file=sys.stderr, flush=True)
+        # Warm-up: the first pull in each direction between two engines does
+        # NIXL's handshake (tens of ms, once per pair); the trials measure the
+        # steady state. One request there and back warms both directions.
+        for n in range(WARM_UP_TRIES):
+            warm = await _trial(
+                bus, url, 10_000 + n, migrate_at, max(max_tokens, 3 * migrate_at), bpt, back=True
+            )
+            done = not warm.failure and await _migrations(bus, warm.request) >= 2
+            print(
+                f"warm-up {n + 1}: {warm.source} -> {warm.target} and back: "
+                + ("done" if done else f"not both ({warm.failure or 'no second handoff'})"),
+                file=sys.stderr,
+                flush=True,
+            )
+            if done:
+                break
         bg_times: list[list[float]] = [[] for _ in range(background)]
         stop = asyncio.Event()
 

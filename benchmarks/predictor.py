@@ -18,6 +18,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 PAPER_DIM = 3584
@@ -189,6 +190,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--every", type=int, default=20, help="k for --engine (default %(default)s)"
     )
+    parser.add_argument(
+        "--checkpoint",
+        metavar="DIR",
+        help="predictor for --engine (default: the one shipped with the tiny model); "
+        "measure a candidate from `star predictor train` before shipping it",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -225,9 +232,10 @@ def run(args: argparse.Namespace) -> int:
         from star.model import tiny_model_path
         from star.predictor.model import default_checkpoint
 
-        ckpt = default_checkpoint(tiny_model_path())
-        if ckpt is None:
-            print("bench predictor: the tiny model ships no predictor checkpoint", file=sys.stderr)
+        ckpt = Path(args.checkpoint) if args.checkpoint else default_checkpoint(tiny_model_path())
+        if ckpt is None or not ckpt.exists():
+            what = f"no checkpoint at {ckpt}" if ckpt else "the tiny model ships no predictor"
+            print(f"bench predictor: {what}", file=sys.stderr)
             return 1
         overhead = asyncio.run(
             engine_overhead(str(tiny_model_path()), str(ckpt), args.engine_requests, args.every)
