@@ -106,7 +106,10 @@ class RedisSettings:
     backoff_base_s: float = _opt(0.05, "first reconnect delay; doubles per attempt", positive)
     backoff_max_s: float = _opt(2.0, "cap on one reconnect delay", positive)
     reconnect_timeout_s: float = _opt(
-        60.0, "a reader gives up (and its process exits non-zero) after Redis is gone this long", positive
+        60.0,
+        "one bus call retries this long before it fails: a one-shot command (star inspect, star migrate) "
+        "then exits with an error; the services log it and keep retrying",
+        positive,
     )
 
 
