@@ -191,7 +191,11 @@ class DecodeRun:
         self.leg = _Leg(instance, address, client, stream)
         self.where = instance
         self.owner.owned[self.req.request_id] = instance
-        await client.send(Generate(stream.id, self.req.request_id, prompt, sampling, kv))
+        await client.send(
+            Generate(
+                stream.id, self.req.request_id, prompt, sampling, kv, continued=len(self.generated)
+            )
+        )
 
     async def _close_leg(self, abort: bool) -> None:
         leg, self.leg = self.leg, None

@@ -213,7 +213,11 @@ class Hello(Message):
 
 @dataclass(frozen=True, slots=True)
 class Generate(Message):
-    """Start (or continue, after a handoff) a request on a worker."""
+    """Start (or continue, after a handoff) a request on a worker.
+
+    ``continued``: on a continuation, how many tokens the request had already
+    generated; they end ``prompt_token_ids`` (0 for a fresh request).
+    """
 
     KIND: ClassVar[str] = "generate"
     stream: int
@@ -221,6 +225,7 @@ class Generate(Message):
     prompt_token_ids: list[int]
     sampling: dict[str, Any]  # vLLM SamplingParams keyword arguments
     kv_transfer_params: dict[str, Any] | None = None
+    continued: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -59,8 +59,8 @@ from workers.protocol import (
     TokenDelta,
 )
 from workers.state import EngineStats, RunningRequest
+from workers.tap import CONTINUED_KEY, TapClient
 from workers.tap import QUALNAME as TAP_EXTENSION
-from workers.tap import TapClient
 from workers.vllm_ext import RELEASE_KEY, release_id
 
 log = structlog.get_logger(__name__)
@@ -326,11 +326,15 @@ def sampling_params(request: GenerateRequest, role: str) -> SamplingParams:
         kwargs["max_tokens"] = 1
         kwargs["min_tokens"] = 0
         kv.setdefault("do_remote_decode", True)
+    extra: dict[str, Any] = {"kv_transfer_params": kv} if kv else {}
+    if request.continued > 0:
+        # The tap (workers/tap.py) reads it: this request's first row is mid-answer.
+        extra[CONTINUED_KEY] = int(request.continued)
     try:
         return SamplingParams(
             **kwargs,
             output_kind=RequestOutputKind.DELTA,
-            extra_args={"kv_transfer_params": kv} if kv else None,
+            extra_args=extra or None,
         )
     except (TypeError, ValueError, VLLMClientError) as exc:
         raise BadRequest(f"bad sampling parameters: {exc}") from None

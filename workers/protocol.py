@@ -136,6 +136,7 @@ class GenerateRequest:
     prompt_token_ids: list[int]
     sampling: Mapping[str, Any]
     kv_transfer_params: Mapping[str, Any] | None = None
+    continued: int = 0  # tokens generated before this leg (they end the prompt)
 
     @classmethod
     def from_frame(cls, msg: Generate) -> GenerateRequest:
@@ -145,6 +146,7 @@ class GenerateRequest:
             prompt_token_ids=msg.prompt_token_ids,
             sampling=msg.sampling,
             kv_transfer_params=msg.kv_transfer_params,
+            continued=msg.continued,
         )
 
 

@@ -53,6 +53,14 @@ log = structlog.get_logger(__name__)
 
 QUALNAME = "workers.tap.HiddenStateTap"
 
+CONTINUED_KEY = "star_continued"
+"""``SamplingParams.extra_args`` key the worker sets on a request continued after a handoff.
+
+Its value is the tokens the request had generated before; its first row here
+is then mid-answer, not at the end of a real prompt, and is fused without
+the prompt row's extra weight.
+"""
+
 
 def external_id(internal: str) -> str:
     """The caller's request id of a vLLM internal id (``<external>-<8 chars>``)."""
@@ -207,15 +215,17 @@ class HiddenStateTap:
 
         return timed
 
-    def _star_tap_cap(self, rid: str) -> int:
-        """Most output tokens request ``rid`` can reach: max_tokens, and the model length."""
+    def _star_tap_first(self, rid: str) -> tuple[int, bool]:
+        """(Most output tokens request ``rid`` can reach: max_tokens, and the model length;
+        whether it continues a request from another engine, :data:`CONTINUED_KEY`)."""
         runner = self.model_runner
         req = runner.requests[rid]
         cap = int(runner.max_model_len) - int(req.num_prompt_tokens)
         params = req.sampling_params
         if params is not None and params.max_tokens is not None:
             cap = min(cap, int(params.max_tokens))
-        return cap
+        extra = getattr(params, "extra_args", None) or {}
+        return cap, bool(extra.get(CONTINUED_KEY))
 
     def _star_tap_take(self, tap: _TapState, hidden_states: Any) -> bool:
         """Take this step's rows if any are due; returns whether a round ran."""
@@ -291,9 +301,11 @@ class HiddenStateTap:
         w = np.maximum(sigma.astype(np.float64), 1e-6) ** -tap.power
         decay = np.where(new, 0.0, tap.decay)
         cap = tap.cap[old] if len(tap.cap) else np.zeros(len(ids))
-        if any_new:  # a request's first round (usually its prompt's row)
-            w[new] *= tap.first_weight
-            cap[new] = [self._star_tap_cap(ids[i]) for i in np.flatnonzero(new).tolist()]
+        if any_new:  # a request's first round: its prompt's row, unless it was moved here
+            fresh = np.flatnonzero(new)
+            looked = [self._star_tap_first(ids[i]) for i in fresh.tolist()]
+            cap[fresh] = [c for c, _ in looked]
+            w[fresh[[not moved for _, moved in looked]]] *= tap.first_weight
         weight = w + decay * tap.weight[old] if len(tap.weight) else w
         total = w * (r_hat + g) + (decay * tap.total[old] if len(tap.total) else 0.0)
         served = np.maximum(np.minimum(total / weight, cap) - g, 0.0)

@@ -26,7 +26,7 @@ from star.predictor.model import (
     fuse_step,
     save_checkpoint,
 )
-from workers.tap import HiddenStateTap
+from workers.tap import CONTINUED_KEY, HiddenStateTap
 
 DIM = 8
 PROMPT = 5
@@ -102,9 +102,11 @@ def _tap(tmp_path: Path, model: LengthPredictor, every: int, **runner_kw: Any) -
     return tap
 
 
-def _add(runner: FakeRunner, rid: str, max_tokens: int | None) -> None:
+def _add(runner: FakeRunner, rid: str, max_tokens: int | None, continued: int = 0) -> None:
+    extra = {CONTINUED_KEY: continued} if continued else None
     runner.requests[rid] = types.SimpleNamespace(
-        num_prompt_tokens=PROMPT, sampling_params=types.SimpleNamespace(max_tokens=max_tokens)
+        num_prompt_tokens=PROMPT,
+        sampling_params=types.SimpleNamespace(max_tokens=max_tokens, extra_args=extra),
     )
 
 
@@ -181,6 +183,37 @@ def test_tap_serves_the_evaluations_fusion_clipped_to_the_cap(tmp_path: Path) ->
             assert unclipped[-1] > 12 - g and r_hat == pytest.approx(12 - g)
         else:
             assert r_hat == pytest.approx(unclipped[-1], rel=1e-4)
+
+
+def test_a_request_moved_here_gets_no_prompt_weight_on_its_first_row(tmp_path: Path) -> None:
+    # Two requests see the same rows; "moved" continues one that generated 120
+    # tokens on another engine (the worker marks it, below), so its first row
+    # here is mid-answer and weighs like any other round, not first_weight x.
+    model = _model()
+    tap = _tap(tmp_path, model, every=2)
+    runner = tap.model_runner
+    _add(runner, "fresh", None)
+    _add(runner, "moved", None, continued=120)
+    rng = np.random.default_rng(1)
+    rows: list[tuple[int, np.ndarray]] = []
+    for gen in range(0, 5):
+        runner.set_batch([("fresh", gen, gen == 0, False), ("moved", gen, gen == 0, False)])
+        h = torch.from_numpy(np.repeat(rng.normal(size=(1, DIM)).astype(np.float32), 2, axis=0))
+        runner.step(h, new=("fresh", "moved") if gen == 0 else ())
+        if gen == 0 or (gen + 1) % 2 == 0:
+            rows.append((gen, h[0].numpy().copy()))
+    gens = np.array([g for g, _ in rows])
+    samples = Samples.from_columns(
+        np.stack([x for _, x in rows]),
+        {k: np.zeros_like(gens) for k in ("remaining", "final", "request", "prompt", "capped")}
+        | {"generated": gens},
+    )
+    pred, sigma = ev.mlp_predictions(model, samples)
+    got = tap.star_tap_predictions()["requests"]
+    for rid, first in (("fresh", 3.0), ("moved", 1.0)):
+        want = ev.fused(samples, pred, sigma, 0.6, 2.0, first)[-1]
+        assert got[rid][0] == pytest.approx(want, rel=1e-4, abs=1e-3), rid
+    assert got["fresh"][0] != pytest.approx(got["moved"][0], rel=1e-3)
 
 
 def test_a_due_round_forgets_finished_requests_and_collects_copies(tmp_path: Path) -> None:

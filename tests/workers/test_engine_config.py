@@ -233,6 +233,21 @@ def test_sampling_passes_kv_transfer_params(eng: ModuleType) -> None:
     assert params.extra_args == {"kv_transfer_params": kv}
 
 
+def test_sampling_marks_a_continuation_for_the_tap(eng: ModuleType) -> None:
+    # A Generate that continues a request after a handoff says how many tokens
+    # it had generated; the tap then fuses its first row without the prompt weight.
+    from workers.tap import CONTINUED_KEY
+
+    kv = {"do_remote_decode": True, "remote_block_ids": [[1]]}
+    moved = GenerateRequest("r", [1, 2, 3], {"max_tokens": 7}, kv, continued=120)
+    assert eng.sampling_params(moved, "decode").extra_args == {
+        "kv_transfer_params": kv,
+        CONTINUED_KEY: 120,
+    }
+    recomputed = GenerateRequest("r", [1, 2, 3], {"max_tokens": 7}, continued=2)
+    assert eng.sampling_params(recomputed, "decode").extra_args == {CONTINUED_KEY: 2}
+
+
 def test_sampling_on_prefill_keeps_the_kv_for_decode(eng: ModuleType) -> None:
     params = eng.sampling_params(req({"max_tokens": 50, "min_tokens": 10}), "prefill")
     assert (params.max_tokens, params.min_tokens) == (1, 0)
