@@ -104,7 +104,15 @@ class Directory:
             now, wall = time.monotonic(), time.time()
             for name, e in view.items():
                 if wall - e.ts <= self.staleness_s:
-                    member = Member(e.instance, e.role, e.address, e.tokens, e.capacity_tokens, e.workload, e.running)
+                    member = Member(
+                        e.instance,
+                        e.role,
+                        e.address,
+                        e.tokens,
+                        e.capacity_tokens,
+                        e.workload,
+                        e.running,
+                    )
                     if self._load.get(name, (0.0, None))[1] != member:
                         self._pending.pop(name, None)
                     self._load[name] = (now, member)
@@ -116,7 +124,15 @@ class Directory:
         out: dict[str, Member] = {}
         for name, (t, r) in self._reports.items():
             if now - t <= self.staleness_s:
-                out[name] = Member(r.instance, r.role, r.address, r.used_tokens, r.capacity_tokens, float(r.used_tokens), len(r.requests))
+                out[name] = Member(
+                    r.instance,
+                    r.role,
+                    r.address,
+                    r.used_tokens,
+                    r.capacity_tokens,
+                    float(r.used_tokens),
+                    len(r.requests),
+                )
         for name, m in fresh_load.items():
             if name in out or not self._reports:
                 out[name] = m  # the scheduler's view (with booked moves) wins
@@ -128,12 +144,24 @@ class Directory:
         # connection are still worth trying; a dead one is marked down on the
         # first refused connection, and only then is the answer 503.
         last = [
-            Member(r.instance, r.role, r.address, r.used_tokens, r.capacity_tokens, float(r.used_tokens), len(r.requests))
+            Member(
+                r.instance,
+                r.role,
+                r.address,
+                r.used_tokens,
+                r.capacity_tokens,
+                float(r.used_tokens),
+                len(r.requests),
+            )
             for _t, r in self._reports.values()
         ]
         stale = [m for m in last if m.role == role and self._down.get(m.address, 0.0) <= now]
         if stale:
-            log.warning("no fresh reports; dispatching on the last known instances", role=role, instances=[m.instance for m in stale])
+            log.warning(
+                "no fresh reports; dispatching on the last known instances",
+                role=role,
+                instances=[m.instance for m in stale],
+            )
         return stale
 
     def address(self, role: str, instance: str) -> str | None:
@@ -158,7 +186,9 @@ class Directory:
     def pick(self, role: str, policy: str, tokens: int) -> Member:
         members = self.members(role)
         if not members:
-            raise BackendUnavailable(f"no {role} instance is up (no fresh reports on {self.bus.keys.reports})")
+            raise BackendUnavailable(
+                f"no {role} instance is up (no fresh reports on {self.bus.keys.reports})"
+            )
         member = choose(policy, members, self._pending, next(self._rr))
         self._pending[member.instance] = self._pending.get(member.instance, 0) + tokens
         return member
@@ -171,7 +201,14 @@ class Directory:
 class ClusterBackend:
     """Prefill then decode over the token protocol; see the module docstring."""
 
-    def __init__(self, directory: Directory, pool: WorkerPool, policy: str, origin: str, events: asyncio.Queue[Event] | None = None) -> None:
+    def __init__(
+        self,
+        directory: Directory,
+        pool: WorkerPool,
+        policy: str,
+        origin: str,
+        events: asyncio.Queue[Event] | None = None,
+    ) -> None:
         self.directory = directory
         self.pool = pool
         self.policy = policy
@@ -212,9 +249,13 @@ class ClusterBackend:
             return await self.pool.get(member.address)
         except (OSError, ConnectionLost, TimeoutError) as exc:
             self.directory.mark_down(member.address)
-            raise BackendUnavailable(f"{member.role} instance {member.instance} unreachable: {exc}") from exc
+            raise BackendUnavailable(
+                f"{member.role} instance {member.instance} unreachable: {exc}"
+            ) from exc
 
-    async def pick_reachable(self, role: str, policy: str, tokens: int, attempts: int = 8) -> Member:
+    async def pick_reachable(
+        self, role: str, policy: str, tokens: int, attempts: int = 8
+    ) -> Member:
         """Pick an instance by ``policy`` and connect to it.
 
         One that refuses the connection (dead, its reports not yet stale) is
@@ -226,7 +267,9 @@ class ClusterBackend:
             try:
                 await self._connect(member)
             except BackendUnavailable as exc:
-                log.warning("instance unreachable; trying another", instance=member.instance, error=str(exc))
+                log.warning(
+                    "instance unreachable; trying another", instance=member.instance, error=str(exc)
+                )
                 continue
             return member
         member = self.directory.pick(role, policy, tokens)
@@ -239,7 +282,9 @@ class ClusterBackend:
         stream = client.open()
         finished = False
         try:
-            await client.send(Generate(stream.id, f"{req.request_id}-p", list(req.prompt_token_ids), sampling))
+            await client.send(
+                Generate(stream.id, f"{req.request_id}-p", list(req.prompt_token_ids), sampling)
+            )
             while True:
                 msg = await stream.next()
                 if isinstance(msg, Error):
@@ -247,21 +292,40 @@ class ClusterBackend:
                 if isinstance(msg, Tokens) and msg.finish_reason is not None:
                     finished = True
                     if not msg.kv_transfer_params:
-                        raise BackendError(f"prefill on {member.instance} returned no kv_transfer_params")
+                        raise BackendError(
+                            f"prefill on {member.instance} returned no kv_transfer_params"
+                        )
                     return dict(msg.kv_transfer_params)
         except ConnectionLost as exc:
-            raise BackendUnavailable(f"prefill instance {member.instance} went away: {exc}") from exc
+            raise BackendUnavailable(
+                f"prefill instance {member.instance} went away: {exc}"
+            ) from exc
         finally:
             stream.close()
             if not finished:
                 await _abort(client, stream.id)
 
-    async def _decode(self, req: GenerationRequest, sampling: dict[str, Any], kv_params: dict[str, Any]) -> AsyncIterator[TokenBatch]:
+    async def _decode(
+        self, req: GenerationRequest, sampling: dict[str, Any], kv_params: dict[str, Any]
+    ) -> AsyncIterator[TokenBatch]:
         """Decode on the chosen instance; migrations re-route it (:mod:`proxy.migration`)."""
         member = await self.pick_reachable("decode", self.policy, len(req.prompt_token_ids))
-        run = DecodeRun(self, req, sampling, None if req.migratable else migration_blocker(sampling) or "not migratable")
+        run = DecodeRun(
+            self,
+            req,
+            sampling,
+            None if req.migratable else migration_blocker(sampling) or "not migratable",
+        )
         self.runs[req.request_id] = run
-        self._emit(Event(EventKind.DISPATCHED, time.time(), self.origin, request=req.request_id, instance=member.instance))
+        self._emit(
+            Event(
+                EventKind.DISPATCHED,
+                time.time(),
+                self.origin,
+                request=req.request_id,
+                instance=member.instance,
+            )
+        )
         outcome = "aborted"
         try:
             await run.start(member.instance, member.address, kv_params)
@@ -271,7 +335,9 @@ class ClusterBackend:
                 yield batch
         except ConnectionLost as exc:
             outcome = "error"
-            raise BackendError(f"decode instance {run.instance or member.instance} went away: {exc}") from exc
+            raise BackendError(
+                f"decode instance {run.instance or member.instance} went away: {exc}"
+            ) from exc
         except BackendError:
             outcome = "error"
             raise
@@ -281,9 +347,17 @@ class ClusterBackend:
             self.migrator.finished_request(req.request_id)
             self._emit(
                 Event(
-                    EventKind.FINISHED, time.time(), self.origin, request=req.request_id,
-                    instance=run.where or member.instance, detail=outcome,
-                    data={"generated": len(run.generated), "migrations": run.migrations, "recoveries": run.recoveries},
+                    EventKind.FINISHED,
+                    time.time(),
+                    self.origin,
+                    request=req.request_id,
+                    instance=run.where or member.instance,
+                    detail=outcome,
+                    data={
+                        "generated": len(run.generated),
+                        "migrations": run.migrations,
+                        "recoveries": run.recoveries,
+                    },
                 )
             )
 

@@ -157,7 +157,12 @@ class Decision(Message):
     origin: str = "scheduler"  # or "manual" (star migrate)
 
     def summary(self) -> dict[str, str]:
-        return {"kind": self.KIND, "request": self.request, "source": self.source, "target": self.target}
+        return {
+            "kind": self.KIND,
+            "request": self.request,
+            "source": self.source,
+            "target": self.target,
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -357,7 +362,9 @@ def _check(tp: Any, value: Any, path: str) -> Any:
                 return _check(arg, value, path)
             except WrongType:
                 continue
-        raise WrongType(f"{path}: expected {_type_name(tp)}, got {type(value).__name__} {value!r:.60}")
+        raise WrongType(
+            f"{path}: expected {_type_name(tp)}, got {type(value).__name__} {value!r:.60}"
+        )
     if origin is list:
         if not isinstance(value, list):
             raise WrongType(f"{path}: expected a list, got {type(value).__name__}")
@@ -367,7 +374,10 @@ def _check(tp: Any, value: Any, path: str) -> Any:
         if not isinstance(value, dict):
             raise WrongType(f"{path}: expected a map, got {type(value).__name__}")
         key_tp, val_tp = typing.get_args(tp)
-        return {_check(key_tp, k, f"{path} key"): _check(val_tp, v, f"{path}[{k!r}]") for k, v in value.items()}
+        return {
+            _check(key_tp, k, f"{path} key"): _check(val_tp, v, f"{path}[{k!r}]")
+            for k, v in value.items()
+        }
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         try:
             return tp(value)
@@ -383,16 +393,22 @@ def _check(tp: Any, value: Any, path: str) -> Any:
         return float(value)
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise WrongType(f"{path}: expected an integer, got {type(value).__name__} {value!r:.60}")
+            raise WrongType(
+                f"{path}: expected an integer, got {type(value).__name__} {value!r:.60}"
+            )
         return value
     if tp in {str, bool, bytes}:
         if not isinstance(value, tp):
-            raise WrongType(f"{path}: expected {tp.__name__}, got {type(value).__name__} {value!r:.60}")
+            raise WrongType(
+                f"{path}: expected {tp.__name__}, got {type(value).__name__} {value!r:.60}"
+            )
         return value
     raise TypeError(f"wire schema uses unsupported type {tp!r} at {path}")
 
 
-def _build(cls: type[Any], data: dict[Any, Any], path: str, skip: frozenset[str] = frozenset()) -> Any:
+def _build(
+    cls: type[Any], data: dict[Any, Any], path: str, skip: frozenset[str] = frozenset()
+) -> Any:
     kwargs: dict[str, Any] = {}
     schema = _schema(cls)
     for f in schema:

@@ -28,7 +28,6 @@ MIN_REMAINING = 1.0
 """A known R-hat below this is raised to it: a running request counts at tau_0."""
 
 
-
 @dataclass(frozen=True, slots=True)
 class RunningRequest:
     """One request the engine is decoding."""

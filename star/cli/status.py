@@ -67,12 +67,19 @@ async def collect(settings: Settings) -> dict[str, Any]:
                 "age_s": round(age, 2),
                 "used_tokens": r.used_tokens,
                 "capacity_tokens": r.capacity_tokens,
-                "kv_percent": round(100 * r.used_tokens / r.capacity_tokens, 1) if r.capacity_tokens else 0.0,
+                "kv_percent": round(100 * r.used_tokens / r.capacity_tokens, 1)
+                if r.capacity_tokens
+                else 0.0,
                 "step_ms": round(r.step_time_s * 1000, 2),
                 "waiting": r.waiting,
                 "preemptions": r.preemptions,
                 "requests": [
-                    {"id": q.id, "tokens": q.tokens, "generated": q.generated, "predicted_remaining": q.predicted_remaining}
+                    {
+                        "id": q.id,
+                        "tokens": q.tokens,
+                        "generated": q.generated,
+                        "predicted_remaining": q.predicted_remaining,
+                    }
                     for q in r.requests
                 ],
             }
@@ -88,16 +95,30 @@ async def collect(settings: Settings) -> dict[str, Any]:
         d = _decode(raw)
         if not isinstance(d, Decision):
             continue
-        row = {"id": d.id, "request": d.request, "source": d.source, "target": d.target, "age_s": round(now - d.ts, 2), "origin": d.origin}
+        row = {
+            "id": d.id,
+            "request": d.request,
+            "source": d.source,
+            "target": d.target,
+            "age_s": round(now - d.ts, 2),
+            "origin": d.origin,
+        }
         outcome = resolved.get(d.id)
         if outcome is None and now - d.ts <= settings.scheduler.decision_timeout_s:
             in_flight.append(row)
-        recent.append({**row, "outcome": outcome or ("in flight" if row in in_flight else "unknown")})
+        recent.append(
+            {**row, "outcome": outcome or ("in flight" if row in in_flight else "unknown")}
+        )
     leader = None
     if leader_raw:
         node, _, fence = as_str(leader_raw).rpartition("|")
         leader = {"node": node, "fence": int(fence or 0)}
-    return {"instances": instances, "in_flight": in_flight, "recent_migrations": recent[-10:], "leader": leader}
+    return {
+        "instances": instances,
+        "in_flight": in_flight,
+        "recent_migrations": recent[-10:],
+        "leader": leader,
+    }
 
 
 def _decode(raw: dict[bytes, bytes]) -> object:
@@ -110,7 +131,11 @@ def _decode(raw: dict[bytes, bytes]) -> object:
 def render(doc: dict[str, Any]) -> str:
     lines = []
     leader = doc["leader"]
-    lines.append(f"scheduler leader: {leader['node']} (fence {leader['fence']})" if leader else "scheduler leader: none")
+    lines.append(
+        f"scheduler leader: {leader['node']} (fence {leader['fence']})"
+        if leader
+        else "scheduler leader: none"
+    )
     lines.append("")
     header = f"{'instance':<14} {'role':<8} {'address':<22} {'kv tokens':>18} {'kv%':>6} {'step ms':>8} {'run':>4} {'wait':>5}  requests"
     lines.append(header)
@@ -131,7 +156,9 @@ def render(doc: dict[str, Any]) -> str:
     if doc["in_flight"]:
         lines.append("migrations in flight:")
         for m in doc["in_flight"]:
-            lines.append(f"  {m['id']} {m['request']}: {m['source']} -> {m['target']} ({m['age_s']:.1f}s, {m['origin']})")
+            lines.append(
+                f"  {m['id']} {m['request']}: {m['source']} -> {m['target']} ({m['age_s']:.1f}s, {m['origin']})"
+            )
     else:
         lines.append("migrations in flight: none")
     return "\n".join(lines)

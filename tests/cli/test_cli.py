@@ -15,9 +15,15 @@ from tests.conftest import bus_settings, redis_settings
 from tests.redis_server import RedisServer
 
 
-def star(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def star(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        ["star", *args], capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
+        ["star", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -31,7 +37,12 @@ def test_config_show_reports_sources(tmp_path: Path) -> None:
     cfg = tmp_path / "star.toml"
     cfg.write_text("[scheduler]\ninterval_s = 0.5\n")
     out = star(
-        "config", "show", "--config", str(cfg), "--set", "proxy.port=9100",
+        "config",
+        "show",
+        "--config",
+        str(cfg),
+        "--set",
+        "proxy.port=9100",
         env={"STAR_SCHEDULER_THETA": "0.25", "STAR_PROXY_API_KEY": "sekret"},
     )
     assert out.returncode == 0, out.stderr
@@ -54,8 +65,14 @@ def test_config_show_json_and_bad_value() -> None:
 async def test_inspect_prints_decoded_entries_and_dead_letters(redis_server: RedisServer) -> None:
     bs = bus_settings()
     bus = Bus.from_settings(redis_settings(redis_server), bs)
-    await bus.publish("decisions", Decision("m1", "cmpl-9", "decode-0", "decode-2", 4, -12.5, "predicted", time.time()))
-    await bus.publish("events", Event(EventKind.RELEASED, time.time(), "decode-0", request="cmpl-9", migration="m1"))
+    await bus.publish(
+        "decisions",
+        Decision("m1", "cmpl-9", "decode-0", "decode-2", 4, -12.5, "predicted", time.time()),
+    )
+    await bus.publish(
+        "events",
+        Event(EventKind.RELEASED, time.time(), "decode-0", request="cmpl-9", migration="m1"),
+    )
     await bus.dead_letter(bus.keys.decisions, "1-1", "not msgpack", b"\x00")
     await bus.close()
     env = {"STAR_REDIS_URL": redis_server.url, "STAR_BUS_PREFIX": bs.prefix}
@@ -75,7 +92,9 @@ async def test_inspect_prints_decoded_entries_and_dead_letters(redis_server: Red
 def test_inspect_follow_streams_new_entries(redis_server: RedisServer) -> None:
     bs = bus_settings()
     env = {**os.environ, "STAR_REDIS_URL": redis_server.url, "STAR_BUS_PREFIX": bs.prefix}
-    proc = subprocess.Popen(["star", "inspect", "events", "--follow"], stdout=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        ["star", "inspect", "events", "--follow"], stdout=subprocess.PIPE, text=True, env=env
+    )
     try:
         import asyncio
 
@@ -96,7 +115,8 @@ def test_inspect_follow_streams_new_entries(redis_server: RedisServer) -> None:
 
 def test_inspect_unreachable_redis_is_one_line() -> None:
     out = star(
-        "inspect", "events",
+        "inspect",
+        "events",
         env={"STAR_REDIS_URL": "redis://127.0.0.1:1/0", "STAR_REDIS_RECONNECT_TIMEOUT_S": "0.3"},
     )
     assert out.returncode == 2

@@ -61,7 +61,9 @@ def strategy_for(tp: typing.Any) -> st.SearchStrategy[typing.Any]:
         return st.sampled_from(EventKind)
     if dataclasses.is_dataclass(tp):
         return message_strategy(tp)  # type: ignore[arg-type]
-    return {int: ints, float: floats, str: text, bool: st.booleans(), bytes: st.binary(max_size=8)}[tp]
+    return {int: ints, float: floats, str: text, bool: st.booleans(), bytes: st.binary(max_size=8)}[
+        tp
+    ]
 
 
 def message_strategy(cls: type[typing.Any]) -> st.SearchStrategy[typing.Any]:
@@ -82,7 +84,10 @@ def test_every_message_round_trips(cls: type[wire.Message], data: st.DataObject)
 
 
 @settings(max_examples=30, deadline=None)
-@given(msgs=st.lists(st.one_of(*(message_strategy(c) for c in FRAMES)), max_size=6), cut=st.integers(1, 64))
+@given(
+    msgs=st.lists(st.one_of(*(message_strategy(c) for c in FRAMES)), max_size=6),
+    cut=st.integers(1, 64),
+)
 def test_frames_survive_arbitrary_chunking(msgs: list[wire.Message], cut: int) -> None:
     blob = b"".join(frame(m) for m in msgs)
     dec = FrameDecoder()
@@ -171,5 +176,11 @@ def test_bus_messages_are_not_frames() -> None:
 
 
 def test_generate_carries_opaque_kv_params() -> None:
-    g = Generate(3, "cmpl-1", [1, 2, 3], {"max_tokens": 8, "temperature": 0.0}, {"remote_block_ids": [1, 2], "x": None})
+    g = Generate(
+        3,
+        "cmpl-1",
+        [1, 2, 3],
+        {"max_tokens": 8, "temperature": 0.0},
+        {"remote_block_ids": [1, 2], "x": None},
+    )
     assert decode(frame(g)[4:]) == g
