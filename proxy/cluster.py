@@ -123,7 +123,7 @@ class Directory:
         fresh_load = {n: m for n, (t, m) in self._load.items() if now - t <= self.staleness_s}
         out: dict[str, Member] = {}
         for name, (t, r) in self._reports.items():
-            if now - t <= self.staleness_s:
+            if now - t <= self.staleness_s and not r.draining:  # draining: takes no new streams
                 out[name] = Member(
                     r.instance,
                     r.role,
@@ -154,6 +154,7 @@ class Directory:
                 len(r.requests),
             )
             for _t, r in self._reports.values()
+            if not r.draining
         ]
         stale = [m for m in last if m.role == role and self._down.get(m.address, 0.0) <= now]
         if stale:
@@ -178,7 +179,12 @@ class Directory:
                 return m.address
         now = time.monotonic()
         known = self._reports.get(instance)
-        if known is None or known[1].role != role or self._down.get(known[1].address, 0.0) > now:
+        if (
+            known is None
+            or known[1].role != role
+            or known[1].draining
+            or self._down.get(known[1].address, 0.0) > now
+        ):
             return None
         log.warning("no fresh report; using the last known address", role=role, instance=instance)
         return known[1].address

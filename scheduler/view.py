@@ -7,7 +7,9 @@ its worker announces ``worker_down``, until it reports again) and, per DESIGN
 §3, books each decided move on the target at once — until the migration's
 outcome arrives on ``<prefix>:events`` the request counts on the target, not
 on the source, and both instances are "in flight" (no second migration).
-A decision with no outcome after ``decision_timeout_s`` expires.
+A decision with no outcome after ``decision_timeout_s`` expires. An instance
+whose reports say ``draining`` (its worker is stopping) is a migration
+source only, and is left out of the dispatch view.
 
 Time is passed in (``now``, monotonic seconds); nothing here does IO.
 """
@@ -173,12 +175,13 @@ class ClusterView:
                     in_flight=name in busy_instances,
                     busy=frozenset(report.in_flight) | frozenset(r.id for r in incoming),
                     trace=trace,
+                    draining=report.draining,
                 )
             )
         return out
 
     def load_entries(self, workloads: dict[str, float], now_wall: float) -> list[LoadEntry]:
-        """The dispatch view for proxies (every live instance, both roles)."""
+        """The dispatch view for proxies (every live instance, both roles, but draining)."""
         booked: dict[str, int] = {}
         for flight in self.in_flight.values():
             if flight.load is not None:
@@ -200,6 +203,7 @@ class ClusterView:
                 ts=now_wall,
             )
             for r in self.live()
+            if not r.draining
         ]
 
 

@@ -135,6 +135,9 @@ class Report(Message):
     in_flight: list[str] = field(default_factory=list)
     waiting: int = 0
     preemptions: int = 0
+    # Its worker is stopping: it takes no new streams (nor migrated requests),
+    # its running ones may still be moved away until ``worker_down``.
+    draining: bool = False
 
     def summary(self) -> dict[str, str]:
         return {"kind": self.KIND, "instance": self.instance, "load": str(self.used_tokens)}

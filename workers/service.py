@@ -5,10 +5,11 @@ token server and announces ``worker_up``. The report loop wakes every
 ``report_every_steps`` decode steps or ``report_interval_s`` seconds,
 whichever comes first, and XADDs a :class:`~star.wire.Report` built from the
 engine's own numbers (DESIGN §4). SIGTERM drains: no new streams, running
-ones finish within ``drain_timeout_s``, then ``worker_down`` and the engine
-stops. An engine that dies under the worker stops the reports and the worker
-(exit status 1, ``worker_down`` announced): fresh reports of a dead engine
-would keep it a dispatch and migration target.
+ones finish within ``drain_timeout_s`` (the reports go on, marked
+``draining``), then ``worker_down`` and the engine stops. An engine that
+dies under the worker stops the reports and the worker (exit status 1,
+``worker_down`` announced): fresh reports of a dead engine would keep it a
+dispatch and migration target.
 """
 
 from __future__ import annotations
@@ -96,6 +97,9 @@ class WorkerService(Service):
                 predictions=await self.engine.predictions(),
                 delta=sched.delta,
                 horizon=sched.horizon,
+                # Set from the stop request on, through the drain: the scheduler
+                # then moves requests off it but not onto it (scheduler.view).
+                draining=self.exiting,
             )
             try:
                 await self.bus.publish("reports", report)

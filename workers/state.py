@@ -161,6 +161,7 @@ def build_report(
     delta: int,
     horizon: int,
     in_flight: Sequence[str] = (),
+    draining: bool = False,
 ) -> Report:
     """The report of a worker whose engine is in state ``stats``.
 
@@ -169,6 +170,7 @@ def build_report(
     time (the bus's), ``predictions`` maps request id to R-hat, and
     ``delta``/``horizon`` must be the scheduler's (it ignores a trace of any
     other length). ``preemptions`` is cumulative since the engine started.
+    ``draining``: the worker is stopping and takes no new streams.
     """
     loads = request_loads(stats.running, predictions)
     trace = load_trace(((r.tokens, r.predicted_remaining) for r in loads), delta, horizon)
@@ -188,4 +190,5 @@ def build_report(
         in_flight=list(in_flight),
         waiting=stats.waiting,
         preemptions=stats.preemptions,
+        draining=draining,
     )

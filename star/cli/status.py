@@ -64,6 +64,7 @@ async def collect(settings: Settings) -> dict[str, Any]:
                 "role": r.role,
                 "address": r.address,
                 "fresh": age <= settings.scheduler.staleness_s,
+                "draining": r.draining,
                 "age_s": round(age, 2),
                 "used_tokens": r.used_tokens,
                 "capacity_tokens": r.capacity_tokens,
@@ -144,6 +145,8 @@ def render(doc: dict[str, Any]) -> str:
         lines.append("(no reports on the bus)")
     for i in doc["instances"]:
         stale = "" if i["fresh"] else f"  STALE ({i['age_s']:.0f}s)"
+        if i["draining"]:
+            stale += "  DRAINING"
         reqs = " ".join(f"{q['id']}:{q['tokens']}" for q in i["requests"][:6])
         if len(i["requests"]) > 6:
             reqs += f" (+{len(i['requests']) - 6})"

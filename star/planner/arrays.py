@@ -87,7 +87,9 @@ class ClusterArrays:
     is used), whether it takes part in a migration already, and optionally
     the worker's own pre-simulated trace (``traces`` rows where
     ``has_trace``; used only in ``predicted`` mode with H + 1 points, as
-    :func:`star.planner.trace.uses_worker_trace` says).
+    :func:`star.planner.trace.uses_worker_trace` says) and whether it is
+    ``draining`` (None: none is; a draining instance is never underloaded,
+    so never a target).
     """
 
     offsets: IntArray
@@ -101,6 +103,7 @@ class ClusterArrays:
     in_flight: BoolArray
     traces: FloatArray | None = None
     has_trace: BoolArray | None = None
+    draining: BoolArray | None = None
 
     @property
     def size(self) -> int:
@@ -170,8 +173,9 @@ def plan_arrays(arrays: ClusterArrays, params: PlannerParams) -> ArrayPlan:
 
     Phase 1, "Instance Classification (Lines 11-16)": w_i = sum_j beta_j
     L_i(tau_j); O = {i : w_i > (1+theta) w-bar}; U = {i : L_i(0) < (1+theta)
-    w-bar}. Phases 2 and 3 run in :func:`star.planner.kernels.select`. The
-    contract is :func:`star.planner.plan`'s.
+    w-bar}, draining instances left out of U. Phases 2 and 3 run in
+    :func:`star.planner.kernels.select`. The contract is
+    :func:`star.planner.plan`'s.
     """
     const = _constants(params)
     beta, tau = const.beta, const.tau
@@ -200,6 +204,8 @@ def plan_arrays(arrays: ClusterArrays, params: PlannerParams) -> ArrayPlan:
     slack = CLASSIFY_RTOL * abs(bound)
     over = work > bound + slack
     under = traces[:, 0] < bound - slack
+    if arrays.draining is not None:
+        under &= ~arrays.draining  # takes no new requests; may still be a source
     variance = kernels.weighted_variance(traces, beta)
 
     def nothing() -> ArrayPlan:
@@ -301,6 +307,7 @@ def from_instances(instances: Sequence[Instance], params: PlannerParams) -> Clus
                     eligible[start + j] = False
     traces: FloatArray | None = None
     has: BoolArray | None = None
+    draining = np.array([inst.draining for inst in instances], dtype=np.bool_)
     points = grid(params).size
     if kind is ModeKind.PREDICTED:
         has = np.array(
@@ -323,4 +330,5 @@ def from_instances(instances: Sequence[Instance], params: PlannerParams) -> Clus
         in_flight=np.array([inst.in_flight for inst in instances], dtype=np.bool_),
         traces=traces,
         has_trace=has if traces is not None else None,
+        draining=draining if draining.any() else None,
     )

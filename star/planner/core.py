@@ -258,7 +258,8 @@ def plan(instances: Sequence[Instance], params: PlannerParams, *, explain: bool 
     Selection (Lines 24-34)": the candidate with the most negative Delta-V,
     if Delta-V < -min_gain; up to ``max_migrations`` of them, each instance in
     at most one. Requests that are not migratable or in ``busy``, and
-    instances ``in_flight``, never take part. ``no-migration`` mode reports the
+    instances ``in_flight``, never take part; a ``draining`` instance is
+    never in U (a source only). ``no-migration`` mode reports the
     classification (on current loads) and never moves anything.
 
     ``explain=True`` also fills ``Plan.candidates`` with every (r, s, t) of

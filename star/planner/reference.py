@@ -65,7 +65,7 @@ def reference_plan(
     bound = (1.0 + params.theta) * mean
     slack = CLASSIFY_RTOL * abs(bound)
     over = [i for i in range(n) if work[i] > bound + slack]
-    under = [i for i in range(n) if traces[i][0] < bound - slack]
+    under = [i for i in range(n) if traces[i][0] < bound - slack and not instances[i].draining]
     ids = [inst.id for inst in instances]
     v0 = weighted_variance(traces, beta)
     workloads = dict(zip(ids, work, strict=True))

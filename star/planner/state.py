@@ -9,6 +9,7 @@ The schema (documented for operators in ``docs/plan-state.md``)::
         {"id": "decode-0", "capacity_tokens": 400000,
          "bytes_per_token": 131072, "step_time_s": 0.02,       # optional
          "in_flight": false, "busy": ["req-7"],                 # optional
+         "draining": false,                                     # optional
          "trace": [..H+1 numbers..] | null,                     # optional
          "requests": [
            {"id": "req-1", "tokens": 1200,
@@ -131,7 +132,7 @@ def _instance(obj: Any, path: str) -> Instance:
         m,
         path,
         {"id", "capacity_tokens"},
-        {"bytes_per_token", "step_time_s", "in_flight", "busy", "trace", "requests"},
+        {"bytes_per_token", "step_time_s", "in_flight", "draining", "busy", "trace", "requests"},
     )
     requests = tuple(
         _request(r, f"{path}.requests[{j}]")
@@ -157,6 +158,7 @@ def _instance(obj: Any, path: str) -> Instance:
         in_flight=_bool(m.get("in_flight", False), f"{path}.in_flight"),
         busy=busy,
         trace=trace,
+        draining=_bool(m.get("draining", False), f"{path}.draining"),
     )
 
 
@@ -253,6 +255,8 @@ def state_from_instances(
             row["step_time_s"] = inst.step_time_s
         if inst.in_flight:
             row["in_flight"] = True
+        if inst.draining:
+            row["draining"] = True
         if inst.busy:
             row["busy"] = sorted(inst.busy)
         if inst.trace is not None:

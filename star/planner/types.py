@@ -76,6 +76,8 @@ class Instance:
     length matches the horizon and falls back to computing it from
     ``requests`` otherwise. ``in_flight`` marks an instance already taking
     part in a migration; ``busy`` lists requests that are being migrated.
+    A ``draining`` instance (its worker is stopping) takes no new requests:
+    it may be a migration source, never a target.
     """
 
     id: str
@@ -86,6 +88,7 @@ class Instance:
     in_flight: bool = False
     busy: frozenset[str] = field(default_factory=frozenset)
     trace: tuple[float, ...] | None = None
+    draining: bool = False
 
 
 @dataclass(frozen=True, slots=True)

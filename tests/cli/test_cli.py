@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -13,6 +14,7 @@ from star.ports import listen
 from star.wire import Decision, Event, EventKind
 from tests.conftest import bus_settings, redis_settings
 from tests.redis_server import RedisServer
+from tests.reports import report
 
 
 def star(
@@ -87,6 +89,28 @@ async def test_inspect_prints_decoded_entries_and_dead_letters(redis_server: Red
 
     out = star("inspect", "dead", env=env)
     assert "not msgpack" in out.stdout
+
+
+async def test_status_shows_a_draining_instance(redis_server: RedisServer) -> None:
+    bs = bus_settings()
+    bus = Bus.from_settings(redis_settings(redis_server), bs)
+    await bus.publish("reports", dataclasses.replace(report("decode-0"), draining=True))
+    await bus.publish("reports", report("decode-1"))
+    await bus.close()
+    env = {"STAR_REDIS_URL": redis_server.url, "STAR_BUS_PREFIX": bs.prefix}
+
+    out = star("status", "--json", env=env)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert {i["instance"]: i["draining"] for i in doc["instances"]} == {
+        "decode-0": True,
+        "decode-1": False,
+    }
+    out = star("status", env=env)
+    lines = {
+        line.split()[0]: line for line in out.stdout.splitlines() if line.startswith("decode-")
+    }
+    assert lines["decode-0"].endswith("DRAINING") and "DRAINING" not in lines["decode-1"]
 
 
 def test_inspect_follow_streams_new_entries(redis_server: RedisServer) -> None:

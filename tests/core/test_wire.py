@@ -184,3 +184,13 @@ def test_generate_carries_opaque_kv_params() -> None:
         {"remote_block_ids": [1, 2], "x": None},
     )
     assert decode(frame(g)[4:]) == g
+
+
+def test_report_draining_round_trips_and_defaults_for_older_entries() -> None:
+    r = Report("i", "decode", 1, 0.0, "a:1", 10, 1, 2, 0.1, 32, [1.0], [], draining=True)
+    assert decode_as(encode(r), Report).draining is True
+    older = msgpack.unpackb(encode(r))
+    del older["draining"]  # what a worker from before the field published
+    back = decode_as(msgpack.packb(older), Report)
+    assert back.draining is False
+    assert back == dataclasses.replace(r, draining=False)

@@ -86,6 +86,7 @@ def cluster_st(
                 in_flight=flags and draw(st.sampled_from([False] * 7 + [True])),
                 busy=busy,
                 trace=trace,
+                draining=flags and draw(st.sampled_from([False] * 7 + [True])),
             )
         )
     return out

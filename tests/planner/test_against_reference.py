@@ -121,6 +121,7 @@ def test_moves_respect_capacity_flags_and_one_per_instance(
         r = next(r for r in src.requests if r.id == m.request)
         assert r.migratable and r.id not in src.busy
         assert not src.in_flight and not dst.in_flight
+        assert not dst.draining  # a draining instance is a source only
         assert m.source in result.overloaded and m.target in result.underloaded
         assert m.source != m.target
         index = [i.id for i in cluster].index(m.target)

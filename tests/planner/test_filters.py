@@ -126,6 +126,29 @@ def test_instances_in_flight_take_no_part(which: str) -> None:
     assert result.overloaded == ("s",)  # still classified, for the operator
 
 
+@pytest.mark.parametrize(
+    ("draining", "moves"),
+    [
+        pytest.param((), [("big", "s", "t")], id="none: the idle t takes the move"),
+        pytest.param(("t",), [("big", "s", "u")], id="t: never a target, u takes it"),
+        pytest.param(("s",), [("big", "s", "t")], id="s: still a source"),
+        pytest.param(("t", "u"), [], id="t and u: no target left"),
+    ],
+)
+def test_a_draining_instance_is_a_source_never_a_target(
+    draining: tuple[str, ...], moves: list[tuple[str, str, str]]
+) -> None:
+    cluster = [
+        inst("s", req("big", 7000, 5000), req("pinned", 3000, 5000, migratable=False)),
+        inst("t", draining="t" in draining),
+        inst("u", req("small", 500, 5000), draining="u" in draining),
+    ]
+    result = explained(cluster)
+    assert [(m.request, m.source, m.target) for m in result.moves] == moves
+    assert not set(result.underloaded) & set(draining)
+    assert not {c.target for c in result.candidates} & set(draining)
+
+
 def test_min_gain_suppresses_small_moves() -> None:
     cluster = hot_and_cold()
     gain = -plan(cluster, P).moves[0].delta_v

@@ -41,6 +41,15 @@ def test_example_decodes_and_round_trips() -> None:
     assert instances[1].busy == frozenset({"chat-203"})
 
 
+def test_draining_decodes_and_round_trips() -> None:
+    instances, _ = instances_from_state(_edit("instances.2.draining", True))
+    assert [i.draining for i in instances] == [False, False, True, False]
+    again, _ = instances_from_state(state_from_instances(instances))
+    assert again == instances
+    with pytest.raises(StateError, match=r"instances\[2\]\.draining: expected true or false"):
+        instances_from_state(_edit("instances.2.draining", "yes"))
+
+
 def _edit(path: str, value: Any) -> dict[str, Any]:
     d = copy.deepcopy(doc())
     node: Any = d

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -97,3 +98,13 @@ async def test_stale_reports_are_tried_when_nothing_is_fresh() -> None:
         report("decode-2", address="h:3", used=900),
     )
     assert [m.instance for m in b.directory.members("decode")] == ["decode-2"]
+
+
+async def test_a_draining_instance_gets_no_new_streams_nor_migrations() -> None:
+    # decode-0 is the least loaded and reachable, but its worker is stopping.
+    draining = dataclasses.replace(report("decode-0", address="h:1"), draining=True)
+    b, pool = backend([draining, report("decode-1", address="h:2", used=900)], dead=set())
+    assert (await b.pick_reachable("decode", "current-load", 10)).instance == "decode-1"
+    assert pool.tried == ["h:2"]
+    assert b.decode_address("decode-0") is None  # not a migration target either
+    assert b.decode_address("decode-1") == "h:2"

@@ -210,3 +210,47 @@ def test_a_down_instance_is_neither_source_nor_target() -> None:
     assert [(m.source, m.target) for m in moves] == [("a", "c")]
     v.mark_down("a", time.time() + 1)
     assert not plan(v.instances(params), params).moves
+
+
+# (reports as (instance, loads, draining), planner moves as (source, target),
+# instances in the dispatch view). "a" is overloaded, "b" idle, "c" light.
+DRAIN_CASES = [
+    pytest.param(
+        [("a", [4000, 3000, 2500], False), ("b", [10], False)],
+        [("a", "b")],
+        ["a", "b"],
+        id="none draining",
+    ),
+    pytest.param(
+        [("a", [4000, 3000, 2500], False), ("b", [10], True)],
+        [],
+        ["a"],
+        id="a draining instance is never a target",
+    ),
+    pytest.param(
+        [("a", [4000, 3000, 2500], False), ("b", [10], True), ("c", [300], False)],
+        [("a", "c")],
+        ["a", "c"],
+        id="the next target is taken instead",
+    ),
+    pytest.param(
+        [("a", [4000, 3000, 2500], True), ("b", [10], False)],
+        [("a", "b")],
+        ["b"],
+        id="a draining instance is still a source",
+    ),
+]
+
+
+@pytest.mark.parametrize(("reports", "moves", "dispatch"), DRAIN_CASES)
+def test_a_draining_instance_is_a_source_only_and_out_of_dispatch(
+    reports: list[tuple[str, list[int], bool]], moves: list[tuple[str, str]], dispatch: list[str]
+) -> None:
+    params = PlannerParams(mode=Mode.parse("current"))
+    v = view()
+    for name, loads, draining in reports:
+        v.apply_report(dataclasses.replace(report(name, loads), draining=draining), now=0.0)
+    instances = v.instances(params)
+    assert sorted(i.id for i in instances) == sorted(r[0] for r in reports)  # all still planned
+    assert [(m.source, m.target) for m in plan(instances, params).moves] == moves
+    assert sorted(e.instance for e in v.load_entries({}, 0.0)) == dispatch

@@ -227,3 +227,23 @@ def test_build_report() -> None:
     )
     # And it survives the wire.
     assert decode_as(encode(report), Report) == report
+    assert report.draining is False
+
+
+@pytest.mark.parametrize("draining", [False, True])
+def test_build_report_says_whether_the_worker_is_draining(draining: bool) -> None:
+    report = build_report(
+        snapshot(),
+        None,
+        instance="decode-0",
+        role="decode",
+        seq=1,
+        ts=1700000000.0,
+        address="127.0.0.1:9000",
+        predictions={},
+        delta=10,
+        horizon=2,
+        draining=draining,
+    )
+    assert report.draining is draining
+    assert decode_as(encode(report), Report).draining is draining
