@@ -48,7 +48,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "<prefix>:reports, with the scheduler's parameters ([scheduler] settings)"
         ),
     )
-    p.add_argument("--config", metavar="PATH", help="STAR TOML config (with --from-redis; default $STAR_CONFIG)")
+    p.add_argument(
+        "--config",
+        metavar="PATH",
+        help="STAR TOML config (with --from-redis; default $STAR_CONFIG)",
+    )
     p.add_argument(
         "--mode",
         help="planner mode: no-migration, current, predicted, oracle, bins:2|4|6",
