@@ -51,8 +51,10 @@ class Cluster:
 
     def start(self, node: str, **env: str) -> subprocess.Popen[bytes]:
         proc = subprocess.Popen(
-            ["star", "scheduler", "--node", node], env=self.env(**env),
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            ["star", "scheduler", "--node", node],
+            env=self.env(**env),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         self.procs.append(proc)
         return proc
@@ -124,8 +126,12 @@ async def test_imbalance_yields_decision_load_view_and_expiry(cluster: Cluster, 
         assert view[d.target].tokens > sum(LIGHT)
 
         out = await asyncio.to_thread(
-            subprocess.run, ["star", "status", "--json"], capture_output=True, text=True,
-            env=cluster.env(STAR_SCHEDULER_DECISION_TIMEOUT_S="60"), timeout=60,
+            subprocess.run,
+            ["star", "status", "--json"],
+            capture_output=True,
+            text=True,
+            env=cluster.env(STAR_SCHEDULER_DECISION_TIMEOUT_S="60"),
+            timeout=60,
         )
         assert out.returncode == 0, out.stderr
         import json
@@ -146,9 +152,19 @@ async def test_imbalance_yields_decision_load_view_and_expiry(cluster: Cluster, 
             assert m["outcome"] in {"in flight", "expired"}, m
 
         # Nobody executes it: the decision expires after decision_timeout_s.
-        await wait_for(events, lambda m: isinstance(m, Event) and m.event is EventKind.EXPIRED and m.migration == d.id, within_s=30)
+        await wait_for(
+            events,
+            lambda m: isinstance(m, Event) and m.event is EventKind.EXPIRED and m.migration == d.id,
+            within_s=30,
+        )
 
-        body = await asyncio.to_thread(lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode())
+        body = await asyncio.to_thread(
+            lambda: (
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30)
+                .read()
+                .decode()
+            )
+        )
         assert "star_scheduler_tick_seconds_count" in body
         assert "star_scheduler_leader 1.0" in body
         assert 'star_scheduler_decisions_total{mode="current",outcome="decided"}' in body
@@ -164,10 +180,18 @@ async def test_instance_whose_reports_stop_goes_stale(cluster: Cluster, bus: Bus
     reporter = asyncio.create_task(cluster.report_forever(bus))
     cluster.start("solo")
     try:
-        await wait_for(events, lambda m: isinstance(m, Event) and m.event is EventKind.LEADER, within_s=60)
+        await wait_for(
+            events, lambda m: isinstance(m, Event) and m.event is EventKind.LEADER, within_s=60
+        )
         await asyncio.sleep(0.5)
         del cluster.reporting["c"]
-        await wait_for(events, lambda m: isinstance(m, Event) and m.event is EventKind.INSTANCE_STALE and m.instance == "c", within_s=30)
+        await wait_for(
+            events,
+            lambda m: (
+                isinstance(m, Event) and m.event is EventKind.INSTANCE_STALE and m.instance == "c"
+            ),
+            within_s=30,
+        )
         # The load view is rewritten every tick; wait for the first one after "c" went stale.
         deadline = time.monotonic() + 30
         while set(view := await bus.read_load()) != {"a", "b"} and time.monotonic() < deadline:  # noqa: ASYNC110 (state in Redis)
@@ -188,7 +212,9 @@ async def test_standby_takes_over_after_sigkill(cluster: Cluster, bus: Bus) -> N
     ttl = {"STAR_SCHEDULER_LOCK_TTL_S": "1.5"}
     procs = {"n1": cluster.start("n1", **ttl), "n2": cluster.start("n2", **ttl)}
     try:
-        first = await wait_for(events, lambda m: isinstance(m, Event) and m.event is EventKind.LEADER, within_s=60)
+        first = await wait_for(
+            events, lambda m: isinstance(m, Event) and m.event is EventKind.LEADER, within_s=60
+        )
         leader_event = first[-1]
         assert isinstance(leader_event, Event)
         leader = leader_event.origin.split(":", 1)[1]
@@ -199,7 +225,15 @@ async def test_standby_takes_over_after_sigkill(cluster: Cluster, bus: Bus) -> N
 
         procs[leader].send_signal(signal.SIGKILL)
         killed_at = time.time()
-        got = await wait_for(events, lambda m: isinstance(m, Event) and m.event is EventKind.LEADER and m.origin == f"scheduler:{standby}", within_s=30)
+        got = await wait_for(
+            events,
+            lambda m: (
+                isinstance(m, Event)
+                and m.event is EventKind.LEADER
+                and m.origin == f"scheduler:{standby}"
+            ),
+            within_s=30,
+        )
         new = got[-1]
         assert isinstance(new, Event)
         # The standby stamps its LEADER event when it wins the lock, so the
@@ -209,7 +243,9 @@ async def test_standby_takes_over_after_sigkill(cluster: Cluster, bus: Bus) -> N
         assert takeover <= 8.0, f"takeover took {takeover:.2f}s (lock ttl 1.5 s)"
         assert int(new.data["fence"]) > first_fence
         # Only the standby remains; its decisions carry the new fence.
-        later = await wait_for(decisions, lambda m: isinstance(m, Decision) and m.fence > first_fence, within_s=30)
+        later = await wait_for(
+            decisions, lambda m: isinstance(m, Decision) and m.fence > first_fence, within_s=30
+        )
         assert all(isinstance(m, Decision) for m in later)
     finally:
         reporter.cancel()
@@ -235,7 +271,12 @@ async def test_plan_from_redis_explains_the_live_state(cluster: Cluster, bus: Bu
         await bus.publish("reports", report(name, loads))
     env = cluster.env(STAR_SCHEDULER_STALENESS_S="60")  # process start-up is slow under load
     out = await asyncio.to_thread(
-        subprocess.run, ["star", "plan", "--from-redis", "--json"], capture_output=True, text=True, env=env, timeout=60
+        subprocess.run,
+        ["star", "plan", "--from-redis", "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
     )
     assert out.returncode == 0, out.stderr
     import json
@@ -247,6 +288,11 @@ async def test_plan_from_redis_explains_the_live_state(cluster: Cluster, bus: Bu
 
     empty = {**env, "STAR_BUS_PREFIX": "nothing-here"}
     out = await asyncio.to_thread(
-        subprocess.run, ["star", "plan", "--from-redis"], capture_output=True, text=True, env=empty, timeout=60
+        subprocess.run,
+        ["star", "plan", "--from-redis"],
+        capture_output=True,
+        text=True,
+        env=empty,
+        timeout=60,
     )
     assert out.returncode == 2 and "no fresh decode reports" in out.stderr
