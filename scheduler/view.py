@@ -16,6 +16,7 @@ Time is passed in (``now``, monotonic seconds); nothing here does IO.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from star.planner.types import Instance, Move, PlannerParams, Request
@@ -205,6 +206,44 @@ class ClusterView:
             for r in self.live()
             if not r.draining
         ]
+
+
+def rebuild(
+    reports: Iterable[Report],
+    events: Iterable[Event],
+    decisions: Iterable[Decision],
+    *,
+    staleness_s: float,
+    decision_timeout_s: float,
+    now: float,
+    now_wall: float,
+) -> ClusterView:
+    """The scheduler's view rebuilt from what the bus holds now (``star plan --from-redis``).
+
+    The live scheduler's rules, applied in one go: ``worker_down`` first (a
+    report sent before it does not count, one sent after it does), then the
+    newest reports (received when they were sent, by the wall clock), the
+    decisions booked and resolved by the events in their order, expiry. A
+    message's wall-clock ``ts`` becomes monotonic ``now`` minus its age.
+    """
+    events = list(events)
+    view = ClusterView(staleness_s, decision_timeout_s)
+
+    def received(ts: float) -> float:
+        return now - max(0.0, now_wall - ts)
+
+    for event in events:
+        if event.event is EventKind.WORKER_DOWN and event.instance:
+            view.mark_down(event.instance, event.ts)
+    for report in reports:
+        view.apply_report(report, received(report.ts))
+    view.mark_stale(now)
+    for decision in decisions:
+        view.book(decision, received(decision.ts))
+    for event in events:
+        view.apply_event(event)
+    view.expire(now)
+    return view
 
 
 def to_request(r: RequestLoad, busy: bool = False) -> Request:

@@ -13,6 +13,7 @@ import json
 import math
 import sys
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any, TextIO
 
 from star.planner import Instance, Plan, PlannerParams, Verdict, plan, remaining_for
@@ -21,6 +22,9 @@ from star.planner.trace import instance_traces
 from star.planner.types import ModeKind, Request
 
 _VERDICT_ORDER = {v: i for i, v in enumerate(Verdict)}
+# How far back --from-redis reads <prefix>:events and <prefix>:decisions.
+EVENTS_READ = 20_000
+DECISIONS_READ = 2_000
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -44,8 +48,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--from-redis",
         action="store_true",
         help=(
-            "use the live state: the newest fresh report of every instance on "
-            "<prefix>:reports, with the scheduler's parameters ([scheduler] settings)"
+            "use the live state as the scheduler sees it: the newest fresh report of "
+            "every instance, less those whose worker announced worker_down, with the "
+            "migrations not yet resolved booked, and the scheduler's parameters "
+            "([scheduler] settings)"
         ),
     )
     p.add_argument(
@@ -96,35 +102,52 @@ def load_state(args: argparse.Namespace) -> tuple[list[Instance], PlannerParams]
 
 
 def _live_state(args: argparse.Namespace) -> tuple[list[Instance], PlannerParams]:
-    """The scheduler's view rebuilt from the newest reports on the bus."""
+    """The scheduler's view rebuilt from the bus: the newest reports, the
+    ``worker_down`` events, the decisions not yet resolved (:func:`scheduler.view.rebuild`)."""
     import asyncio
     import time
 
     from scheduler.service import planner_params
-    from scheduler.view import ClusterView
+    from scheduler.view import rebuild
     from star.bus import Bus, BusUnavailable
     from star.settings import load_settings
-    from star.wire import Report
+    from star.wire import Decision, Event, Message, Report, WireError, decode
 
     settings = load_settings(args.config)
     params = params_from_dict(_overrides({}, args), base=planner_params(settings))
 
-    async def newest() -> list[Report]:
+    def decoded(rows: list[tuple[str, dict[bytes, bytes]]]) -> list[Message]:
+        out: list[Message] = []
+        for _id, raw in rows:
+            try:
+                out.append(decode(raw.get(b"body", b"")))
+            except WireError:
+                continue  # a consumer group dead-letters it; nothing to plan on
+        return out
+
+    async def read() -> tuple[list[Report], list[Message], list[Message]]:
         bus = Bus.from_settings(settings.redis, settings.bus)
         try:
-            return list((await bus.latest_reports()).values())
+            reports = list((await bus.latest_reports()).values())
+            events = await bus.tail("events", EVENTS_READ)
+            decisions = await bus.tail("decisions", DECISIONS_READ)
         finally:
             await bus.close()
+        return reports, decoded(events), decoded(decisions)
 
     try:
-        reports = asyncio.run(newest())
+        reports, events, decisions = asyncio.run(read())
     except BusUnavailable as exc:
         raise ValueError(str(exc)) from None
-    view = ClusterView(settings.scheduler.staleness_s, settings.scheduler.decision_timeout_s)
-    now, wall = time.monotonic(), time.time()
-    for report in reports:
-        view.apply_report(report, now - max(0.0, wall - report.ts))
-    view.mark_stale(now)
+    view = rebuild(
+        reports,
+        [e for e in events if isinstance(e, Event)],
+        [d for d in decisions if isinstance(d, Decision)],
+        staleness_s=settings.scheduler.staleness_s,
+        decision_timeout_s=settings.scheduler.decision_timeout_s,
+        now=time.monotonic(),
+        now_wall=time.time(),
+    )
     instances = view.instances(params)
     if not instances:
         raise ValueError(
@@ -165,8 +188,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def reason(result: Plan, params: PlannerParams) -> str:
-    """One sentence on why this tick migrates what it does, or nothing."""
+def reason(result: Plan, params: PlannerParams, draining: Sequence[str] = ()) -> str:
+    """One sentence on why this tick migrates what it does, or nothing.
+
+    ``draining``: the instances that are (never underloaded, so never a target).
+    """
     if result.moves:
         n = len(result.moves)
         return f"{n} migration{'s' if n > 1 else ''} lower the weighted variance V"
@@ -184,6 +210,12 @@ def reason(result: Plan, params: PlannerParams) -> str:
             f"not above 1 + theta = {1 + params.theta:.3f}"
         )
     if not result.underloaded:
+        if draining:
+            return (
+                "no instance is underloaded (draining ones never are: "
+                f"{', '.join(draining)}) and every other current load is at least "
+                "(1 + theta) x mean"
+            )
         return "no instance is underloaded: every current load is at least (1 + theta) x mean"
     if not result.candidates:
         return "no candidate: no underloaded instance other than the overloaded source"
@@ -195,6 +227,10 @@ def reason(result: Plan, params: PlannerParams) -> str:
         )
     blocked = ", ".join(f"{counts[v]} {v.value}" for v in Verdict if counts[v])
     return f"every candidate was filtered out ({blocked})"
+
+
+def _draining(instances: Sequence[Instance]) -> list[str]:
+    return [inst.id for inst in instances if inst.draining]
 
 
 def _requests_by_key(instances: list[Instance]) -> dict[tuple[str, str], Request]:
@@ -230,6 +266,7 @@ def plan_to_json(result: Plan, instances: list[Instance], params: PlannerParams)
                 "overloaded": inst.id in over,
                 "underloaded": inst.id in under,
                 "in_flight": inst.in_flight,
+                "draining": inst.draining,
                 "requests": len(inst.requests),
                 "load_now": loads[i],
                 "workload": result.workloads[inst.id],
@@ -264,7 +301,7 @@ def plan_to_json(result: Plan, instances: list[Instance], params: PlannerParams)
         ],
         "variance_before": result.variance_before,
         "variance_after": result.variance_after,
-        "reason": reason(result, params),
+        "reason": reason(result, params, _draining(instances)),
     }
 
 
@@ -305,7 +342,7 @@ def render_text(
         f"min_gain={params.min_gain:g}, max_migrations={params.max_migrations}\n"
     )
     if not instances:
-        out.write(f"decision: nothing to do ({reason(result, params)})\n")
+        out.write(f"decision: nothing to do ({reason(result, params, _draining(instances))})\n")
         return
     bound = (1 + params.theta) * result.mean_workload
     out.write(
@@ -330,7 +367,11 @@ def render_text(
                 _tokens(w),
                 f"{ratio:.3f}",
                 _tokens(inst.capacity_tokens),
-                "in flight" if inst.in_flight else "",
+                ", ".join(
+                    note
+                    for note, on in (("in flight", inst.in_flight), ("draining", inst.draining))
+                    if on
+                ),
             ]
         )
     _table(rows, {2, 3, 4, 5, 6}, out)
@@ -378,7 +419,7 @@ def render_text(
                 f"remaining {_remaining(m.remaining, params)})\n"
             )
     else:
-        out.write(f"decision: no migration ({reason(result, params)})\n")
+        out.write(f"decision: no migration ({reason(result, params, _draining(instances))})\n")
     before, after = result.variance_before, result.variance_after
     change = f" ({(after - before) / before:+.1%})" if before > 0 else ""
     out.write(f"weighted variance V: {before:.4g} -> {after:.4g}{change}\n")

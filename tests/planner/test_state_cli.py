@@ -178,6 +178,20 @@ def test_star_plan_reads_stdin(
     assert code == 0 and json.loads(out)["moves"][0]["request"] == "x"
 
 
+def test_star_plan_says_a_draining_instance_is_no_target(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state = state_from_instances(
+        [inst("a", req("x", 900, 500), req("y", 500, 500)), inst("b", draining=True)]
+    )
+    monkeypatch.setattr("sys.stdin", io.StringIO(json.dumps(state)))
+    code, out, _ = run_cli(["--input", "-"], capsys)
+    assert code == 0
+    row = next(line for line in out.splitlines() if line.startswith("b "))
+    assert row.endswith("draining")
+    assert "decision: no migration (no instance is underloaded (draining ones never are: b)" in out
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

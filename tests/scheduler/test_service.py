@@ -296,3 +296,49 @@ async def test_plan_from_redis_explains_the_live_state(cluster: Cluster, bus: Bu
         timeout=60,
     )
     assert out.returncode == 2 and "no fresh decode reports" in out.stderr
+
+
+async def test_plan_from_redis_sees_worker_down_draining_and_moves_in_flight(
+    cluster: Cluster, bus: Bus
+) -> None:
+    """`star plan --from-redis` plans on the scheduler's view, not on the reports alone.
+
+    b, c and d are equally light; the planner breaks the tie by position, so
+    without worker_down and draining honoured the move would go to b.
+    """
+    import dataclasses
+    import json
+
+    await bus.publish("reports", report("a", HEAVY))
+    for name in ("b", "c", "d"):
+        r = report(name, LIGHT)
+        await bus.publish("reports", dataclasses.replace(r, draining=name == "c"))
+    await bus.publish("events", Event(EventKind.WORKER_DOWN, time.time(), "b", instance="b"))
+    env = cluster.env(STAR_SCHEDULER_STALENESS_S="60", STAR_SCHEDULER_DECISION_TIMEOUT_S="60")
+
+    async def star_plan() -> dict[str, object]:
+        out = await asyncio.to_thread(
+            subprocess.run,
+            ["star", "plan", "--from-redis", "--json"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
+        assert out.returncode == 0, out.stderr
+        doc: dict[str, object] = json.loads(out.stdout)
+        return doc
+
+    doc = await star_plan()
+    rows = {i["id"]: i for i in doc["instances"]}  # type: ignore[attr-defined]
+    assert sorted(rows) == ["a", "c", "d"]  # b is down
+    assert rows["c"]["draining"] and not rows["d"]["draining"]
+    assert [(m["source"], m["target"]) for m in doc["moves"]] == [("a", "d")]  # type: ignore[attr-defined]
+
+    # The scheduler decided that move; until its outcome both ends are in flight.
+    move = Decision("m1", "a-r0", "a", "d", 1, -1.0, "current", time.time())
+    await bus.publish("decisions", move)
+    doc = await star_plan()
+    rows = {i["id"]: i for i in doc["instances"]}  # type: ignore[attr-defined]
+    assert rows["a"]["in_flight"] and rows["d"]["in_flight"] and not rows["c"]["in_flight"]
+    assert doc["moves"] == []

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from scheduler.view import ClusterView
+from scheduler.view import ClusterView, rebuild
 from star.planner import plan
 from star.planner.types import Mode, PlannerParams
 from star.wire import Decision, Event, EventKind, Report
@@ -254,3 +254,95 @@ def test_a_draining_instance_is_a_source_only_and_out_of_dispatch(
     assert sorted(i.id for i in instances) == sorted(r[0] for r in reports)  # all still planned
     assert [(m.source, m.target) for m in plan(instances, params).moves] == moves
     assert sorted(e.instance for e in v.load_entries({}, 0.0)) == dispatch
+
+
+def down_event(instance: str, ts: float) -> Event:
+    return Event(EventKind.WORKER_DOWN, ts, instance, instance=instance)
+
+
+# (reports as (instance, seq, ts, draining), events, decisions as (id, source,
+# target, ts), planner instances as (id, in_flight, draining)); now is wall 200.
+REBUILD_CASES = [
+    pytest.param(
+        [("a", 1, 199.0, False), ("b", 1, 199.0, False)],
+        [],
+        [],
+        [("a", False, False), ("b", False, False)],
+        id="fresh reports",
+    ),
+    pytest.param(
+        [("a", 1, 199.0, False), ("b", 1, 190.0, False)],
+        [],
+        [],
+        [("a", False, False)],
+        id="a stale report",
+    ),
+    pytest.param(
+        [("a", 1, 199.0, False), ("b", 1, 199.0, False)],
+        [down_event("b", 199.5)],
+        [],
+        [("a", False, False)],
+        id="worker_down after the last report",
+    ),
+    pytest.param(
+        [("a", 1, 199.0, False), ("b", 1, 199.5, False)],
+        [down_event("b", 199.0)],
+        [],
+        [("a", False, False), ("b", False, False)],
+        id="a report after the worker_down (restarted)",
+    ),
+    pytest.param(
+        [("a", 1, 199.0, False), ("b", 1, 199.0, True)],
+        [],
+        [],
+        [("a", False, False), ("b", False, True)],
+        id="draining",
+    ),
+    pytest.param(
+        [("a", 1, 199.0, False), ("b", 1, 199.0, False), ("c", 1, 199.0, False)],
+        [],
+        [("m1", "a", "b", 199.0)],
+        [("a", True, False), ("b", True, False), ("c", False, False)],
+        id="a decision not yet resolved is booked",
+    ),
+    pytest.param(
+        [("a", 1, 199.0, False), ("b", 1, 199.0, False)],
+        [Event(EventKind.RESUMED, 199.5, "proxy", migration="m1")],
+        [("m1", "a", "b", 199.0)],
+        [("a", False, False), ("b", False, False)],
+        id="a resolved decision is not",
+    ),
+    pytest.param(
+        [("a", 1, 199.0, False), ("b", 1, 199.0, False)],
+        [],
+        [("m1", "a", "b", 189.0)],
+        [("a", False, False), ("b", False, False)],
+        id="nor an expired one",
+    ),
+]
+
+
+@pytest.mark.parametrize(("reports", "events", "decisions", "planned"), REBUILD_CASES)
+def test_rebuild_applies_the_schedulers_rules(
+    reports: list[tuple[str, int, float, bool]],
+    events: list[Event],
+    decisions: list[tuple[str, str, str, float]],
+    planned: list[tuple[str, bool, bool]],
+) -> None:
+    v = rebuild(
+        [
+            dataclasses.replace(report(name, [100]), seq=seq, ts=ts, draining=draining)
+            for name, seq, ts, draining in reports
+        ],
+        events,
+        [
+            dataclasses.replace(decision(mid, f"{src}-r0", src, dst), ts=ts)
+            for mid, src, dst, ts in decisions
+        ],
+        staleness_s=3.0,
+        decision_timeout_s=10.0,
+        now=1000.0,
+        now_wall=200.0,
+    )
+    got = [(i.id, i.in_flight, i.draining) for i in v.instances(P)]
+    assert sorted(got) == planned
