@@ -65,6 +65,8 @@ class Child:
     argv: list[str]
     log: Path
     proc: subprocess.Popen[bytes] | None = None
+    extra_env: dict[str, str] = field(default_factory=dict)
+    pass_fds: tuple[int, ...] = ()  # inherited descriptors (the proxy's listening socket)
 
 
 @dataclass
@@ -80,7 +82,7 @@ class Launcher:
         extra_env: dict[str, str] | None = None,
         pass_fds: tuple[int, ...] = (),
     ) -> Child:
-        child = Child(name, argv, self.run_dir / f"{name}.log")
+        child = Child(name, argv, self.run_dir / f"{name}.log", None, dict(extra_env or {}), pass_fds)
         with child.log.open("wb") as out:
             child.proc = subprocess.Popen(
                 argv,
@@ -233,7 +235,8 @@ class LocalCluster:
         self.redis_url = redis_url or ""
         # The proxy's port is bound here and the socket handed to the proxy
         # (``star proxy --fd``): a port merely picked now and bound by the
-        # proxy seconds later was once taken in between (star.ports).
+        # proxy seconds later was once taken in between (star.ports). It stays
+        # open here until stop(), so a proxy started again gets the same port.
         try:
             self._proxy_sock: socket.socket | None = listen("127.0.0.1", port)
         except OSError as exc:
@@ -346,16 +349,14 @@ class LocalCluster:
             self.launcher.start(
                 "scheduler", [*star, "scheduler", "--node", "scheduler-0", "--metrics-port", "0"]
             )
-        sock, self._proxy_sock = self._proxy_sock, None
-        if sock is None:
-            raise CliError("this cluster was already started")
-        with sock:  # the proxy holds its own copy from here on
-            fd = sock.fileno()
-            self.launcher.start(
-                "proxy",
-                [*star, "proxy", "--fd", str(fd), *model_args, *self.proxy_args],
-                pass_fds=(fd,),
-            )
+        if self._proxy_sock is None:
+            raise CliError("this cluster was stopped")
+        fd = self._proxy_sock.fileno()
+        self.launcher.start(
+            "proxy",
+            [*star, "proxy", "--fd", str(fd), *model_args, *self.proxy_args],
+            pass_fds=(fd,),
+        )
 
     def check(self) -> None:
         """Raise :class:`ClusterError` if a process has exited."""
@@ -402,10 +403,10 @@ class LocalCluster:
 
     def stop(self, timeout_s: float = 20.0) -> None:
         """Stop everything (SIGTERM, then SIGKILL of whole process groups)."""
-        if self._proxy_sock is not None:  # never started
+        self.launcher.stop(timeout_s)
+        if self._proxy_sock is not None:
             self._proxy_sock.close()
             self._proxy_sock = None
-        self.launcher.stop(timeout_s)
 
 
 def _wait_redis(url: str, launcher: Launcher, timeout_s: float) -> None:

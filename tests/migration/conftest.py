@@ -322,6 +322,31 @@ def signal_all(pids: list[int], sig: int) -> None:
             os.kill(pid, sig)
 
 
+async def dispatched_to(bus: Bus, request: str) -> str:
+    ev = await wait_event(bus, request, lambda e: e.event is EventKind.DISPATCHED, "dispatched")
+    return ev.instance
+
+
+@contextlib.asynccontextmanager
+async def source_paused(
+    fleet: LocalCluster, bus: Bus, request: str
+) -> AsyncIterator[tuple[str, list[int]]]:
+    """Stop every decode engine, find the one ``request`` runs on, let the others go on.
+
+    Finding it scans the events stream, which takes hundreds of ms late in a
+    session: long enough for a fast engine (2 ms a step) to end a 400-token
+    request first. So nothing decodes until it is known. Yields (source, its
+    engine pids), paused; they run again when the block exits.
+    """
+    with contextlib.ExitStack() as stack:
+        pids = {name: stack.enter_context(engine_paused(fleet, name)) for name in DECODE}
+        source = await dispatched_to(bus, request)
+        for name, others in pids.items():
+            if name != source:
+                signal_all(others, signal.SIGCONT)
+        yield source, pids[source]
+
+
 async def run_in_bursts(
     pids: list[int], done: Callable[[], Awaitable[bool]], what: str, within_s: float = 600.0
 ) -> None:
@@ -342,8 +367,9 @@ async def run_in_bursts(
 def restart(fleet: LocalCluster, name: str) -> None:
     """Start ``name`` again with its argv (after :func:`kill` or a crash); returns at once.
 
-    The killed child's log is kept as ``<name>.<n>.log``. Workers are bound
-    to a core by the fleet's own rule (``LocalCluster.start``).
+    The killed child's log is kept as ``<name>.<n>.log``. It gets the same
+    environment and descriptors; workers are bound to a core by the fleet's
+    own rule (``LocalCluster.start``).
     """
     children = fleet.launcher.children
     old = next(c for c in children if c.name == name)
@@ -364,7 +390,8 @@ def restart(fleet: LocalCluster, name: str) -> None:
     if name in workers and "VLLM_CPU_OMP_THREADS_BIND" not in fleet.env:
         cores = sorted(os.sched_getaffinity(0))
         extra["VLLM_CPU_OMP_THREADS_BIND"] = str(cores[workers.index(name) % len(cores)])
-    fleet.launcher.start(name, old.argv, extra)
+    # The same environment and inherited descriptors (the proxy's socket, held by the fleet).
+    fleet.launcher.start(name, old.argv, {**old.extra_env, **extra}, old.pass_fds)
 
 
 async def wait_new_worker(

@@ -35,10 +35,12 @@ from tests.migration.conftest import (
     Completion,
     assert_same,
     complete,
+    dispatched_to,
     engine_paused,
     ghost,
     proxy_sees,
     run_in_bursts,
+    source_paused,
     stream_with,
     wait_event,
     wait_kv_idle,
@@ -68,11 +70,6 @@ SCHEDULER_STALENESS_S = 15  # the loop-closed test's scheduler
 def prompt(n: int) -> str:
     topics = ("animals", "fruits", "trees", "metals", "birds", "tools")
     return f"give me a very long list of {topics[n % len(topics)]} starting with owl {n}."
-
-
-async def dispatched_to(bus: Bus, request: str) -> str:
-    ev = await wait_event(bus, request, lambda e: e.event is EventKind.DISPATCHED, "dispatched")
-    return ev.instance
 
 
 async def all_events(bus: Bus, request: str) -> list[Event]:
@@ -120,10 +117,11 @@ async def migrate_at(
         return sum(e.event is EventKind.RESUMED for e in evs) >= n
 
     async def drive(request: str) -> None:
-        path.append(await dispatched_to(bus, request))
         paused = contextlib.ExitStack()  # the engine of the instance the request is on
         try:
-            paused.enter_context(engine_paused(fleet, path[0]))
+            async with source_paused(fleet, bus, request) as (source, _):
+                path.append(source)
+                paused.enter_context(engine_paused(fleet, source))
             for hop in range(hops):
                 source, target = path[-1], other(path[-1])
                 if manual_cli:
@@ -275,11 +273,10 @@ async def test_stop_strings_and_budget_across_a_handoff(fleet: LocalCluster, bus
 
     async def on_chunk(c: Completion) -> None:
         if c.chunks == 20:
-            source = await dispatched_to(bus, c.id)
             # The source's engine stands still until the proxy has acted on the
             # decision: a fast engine could otherwise end the request first, and
             # the proxy's refusal ("finished") come after the request's last event.
-            with engine_paused(fleet, source):
+            async with source_paused(fleet, bus, c.id) as (source, _):
                 d = manual_decision(c.id, source, other(source))
                 await bus.publish("decisions", d)
                 sent.append(d.id)
@@ -324,8 +321,7 @@ async def test_refusals_leave_the_stream_alone(fleet: LocalCluster, bus: Bus) ->
 
     async def on_chunk(c: Completion) -> None:
         if c.chunks == 1:  # as early as possible: a fast engine ends it in seconds
-            source = await dispatched_to(bus, c.id)
-            with engine_paused(fleet, source):  # the request cannot end before the decision
+            async with source_paused(fleet, bus, c.id) as (source, _):  # the request cannot end before the decision
                 await bus.publish("decisions", manual_decision(c.id, source, other(source)))
                 await wait_event(bus, c.id, lambda e: e.event is EventKind.REFUSED, "refused", 120)
 
@@ -347,10 +343,9 @@ async def test_already_migrating_is_refused_and_the_first_goes_on(
 
     async def on_chunk(c: Completion) -> None:
         if c.chunks == 1:  # as early as possible: a fast engine ends it in seconds
-            source = await dispatched_to(bus, c.id)
             # The source's engine stands still until the proxy has judged all
             # three, so the request cannot end first however slow the bus is.
-            with engine_paused(fleet, source):
+            async with source_paused(fleet, bus, c.id) as (source, _):
                 for target in ("decode-9", other(source), other(source)):
                     await bus.publish("decisions", manual_decision(c.id, source, target))
                 await wait_event(bus, c.id, already_migrating, "refused", 120)
@@ -376,8 +371,7 @@ async def test_target_dead_continues_on_the_source_by_recompute(
 
     async def on_chunk(c: Completion) -> None:
         if c.chunks == 1:  # as early as possible: a fast engine ends it in seconds
-            source = await dispatched_to(bus, c.id)
-            with engine_paused(fleet, source):  # the request cannot end before the decision
+            async with source_paused(fleet, bus, c.id) as (source, _):  # the request cannot end before the decision
                 await ghost(bus, "decode-ghost", dead)
                 await proxy_sees(fleet, "decode-ghost")
                 await bus.publish("decisions", manual_decision(c.id, source, "decode-ghost"))

@@ -40,12 +40,13 @@ from tests.migration.conftest import (
     restart,
     run_in_bursts,
     signal_all,
+    source_paused,
     stream_with,
     wait_event,
     wait_kv_idle,
     wait_new_worker,
 )
-from tests.migration.test_fleet import all_events, dispatched_to, other, prompt
+from tests.migration.test_fleet import all_events, other, prompt
 from tests.migration.test_fleet import pytestmark as fleet_marks
 
 pytestmark = fleet_marks  # the same fleet, the same skip rule
@@ -96,8 +97,7 @@ async def stream_paused(
             seen.append(c)
 
     async def drive(request: str) -> None:
-        source = await dispatched_to(bus, request)
-        with engine_paused(fleet, source) as pids:
+        async with source_paused(fleet, bus, request) as (source, pids):
 
             async def pullable() -> bool:
                 return seen[0].chunks >= PULL_AFTER
@@ -235,11 +235,10 @@ async def test_the_owning_proxy_dies_the_worker_frees_the_request(
     seen: dict[str, str] = {}
 
     async def scenario(request: str) -> None:
-        instance = await dispatched_to(bus, request)
-        seen.update(request=request, instance=instance)
         # It is decoding there (the client has a token); its engine stands
         # still around the kill, so the request cannot end first.
-        with engine_paused(fleet, instance):
+        async with source_paused(fleet, bus, request) as (instance, _):
+            seen.update(request=request, instance=instance)
             seen["killed_at"] = str(time.time())
             kill(fleet, "proxy")
 
