@@ -14,6 +14,7 @@ dispatch and migration target.
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import structlog
@@ -49,6 +50,7 @@ class WorkerService(Service):
         self.server: TokenServer | None = None
         self.bus: Bus | None = None
         self.seq = 0
+        self._report_now = asyncio.Event()  # set when the drain begins: say so at once
 
     async def startup(self) -> None:
         cfg = self.settings.worker
@@ -81,7 +83,7 @@ class WorkerService(Service):
         cfg, sched = self.settings.worker, self.settings.scheduler
         previous: EngineStats | None = None
         while True:
-            await self.engine.wait_decode_steps(cfg.report_every_steps, cfg.report_interval_s)
+            await self._next_report(cfg.report_every_steps, cfg.report_interval_s)
             if self.engine.dead:
                 raise EngineDead(f"the engine of {self.instance} died; the worker exits")
             stats = self.engine.stats()
@@ -109,7 +111,24 @@ class WorkerService(Service):
                 log.error("report unpublishable; retrying with the next", error=str(exc))
             previous = stats
 
+    async def _next_report(self, steps: int, interval_s: float) -> None:
+        """Until ``steps`` decode steps, ``interval_s``, or the drain's start, whichever is first."""
+        assert self.engine is not None
+        clock = asyncio.ensure_future(self.engine.wait_decode_steps(steps, interval_s))
+        now = asyncio.ensure_future(self._report_now.wait())
+        try:
+            await asyncio.wait({clock, now}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in (clock, now):
+                waiter.cancel()
+            await asyncio.gather(clock, now, return_exceptions=True)
+        self._report_now.clear()
+
     async def drain(self) -> None:
+        # The first draining report goes out now, not at the next report tick
+        # (up to report_interval_s later, while the scheduler could still pick
+        # this instance as a migration target).
+        self._report_now.set()
         if self.server is not None:
             await self.server.shutdown(self.settings.worker.drain_timeout_s)
 

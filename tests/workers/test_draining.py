@@ -82,3 +82,36 @@ async def test_reports_say_draining_from_the_stop_until_worker_down(
         serving.cancel()
         await asyncio.gather(serving, return_exceptions=True)
         await bus.close()
+
+
+async def test_the_first_draining_report_goes_out_when_the_drain_begins(
+    redis_server: RedisServer,
+) -> None:
+    # Reports every 30 s: the drain's start must not wait for the next one.
+    settings = Settings(
+        redis=redis_settings(redis_server),
+        bus=bus_settings(),
+        worker=WorkerSettings(instance="decode-y", report_interval_s=30.0, drain_timeout_s=30.0),
+    )
+    worker = Worker(settings)
+    worker.sock.close()  # no token server here
+    serving = asyncio.create_task(worker.serve(install_signals=False))
+    bus = Bus.from_settings(settings.redis, settings.bus)
+    try:
+        async with asyncio.timeout(WITHIN_S):
+            while not worker.started:  # noqa: ASYNC110 (the service's own flag)
+                await asyncio.sleep(0.02)
+        assert await reports(bus) == []  # nothing before the stop: the interval is long
+        worker.request_exit()
+        async with asyncio.timeout(5.0):  # far under report_interval_s
+            while not await reports(bus):  # noqa: ASYNC110 (state in Redis)
+                await asyncio.sleep(0.02)
+        assert [r.draining for r in await reports(bus)] == [True]
+        assert isinstance(worker.server, DrainingServer)
+        worker.server.finish.set()
+        async with asyncio.timeout(WITHIN_S):
+            assert await asyncio.shield(serving) == 0
+    finally:
+        serving.cancel()
+        await asyncio.gather(serving, return_exceptions=True)
+        await bus.close()
