@@ -51,6 +51,33 @@ RELEASE_TIMEOUT_S = 10.0
 MAX_RECOVERIES = 3
 
 
+def leg_frame(
+    stream: int,
+    request_id: str,
+    prompt: list[int],
+    sampling: dict[str, Any],
+    generated: list[int],
+    kv: dict[str, Any] | None,
+) -> Generate:
+    """The Generate that opens a leg: the first, or a continuation after ``generated`` tokens.
+
+    A continuation's prompt is the original prompt plus every token sent, its
+    budgets are reduced (:func:`star.sampling.continuation`), and it says how
+    many tokens came before (``continued``, which the target's predictor tap
+    reads: its first row there is mid-answer).
+    """
+    if not generated:
+        return Generate(stream, request_id, list(prompt), sampling, kv)
+    return Generate(
+        stream,
+        request_id,
+        list(prompt) + generated,
+        continuation(sampling, len(generated)),
+        kv,
+        continued=len(generated),
+    )
+
+
 class RunState(enum.StrEnum):
     DECODING = "decoding"  # tokens flow from one instance
     RELEASING = "releasing"  # Release sent; tokens may still come
@@ -184,16 +211,17 @@ class DecodeRun:
     async def _open(self, instance: str, address: str, kv: dict[str, Any] | None) -> None:
         client = await self.owner.pool.get(address)
         stream = client.open()
-        prompt = list(self.req.prompt_token_ids) + self.generated
-        sampling = (
-            continuation(self.sampling, len(self.generated)) if self.generated else self.sampling
-        )
         self.leg = _Leg(instance, address, client, stream)
         self.where = instance
         self.owner.owned[self.req.request_id] = instance
         await client.send(
-            Generate(
-                stream.id, self.req.request_id, prompt, sampling, kv, continued=len(self.generated)
+            leg_frame(
+                stream.id,
+                self.req.request_id,
+                self.req.prompt_token_ids,
+                self.sampling,
+                self.generated,
+                kv,
             )
         )
 

@@ -6,7 +6,15 @@ import time
 
 import pytest
 
-from proxy.migration import TRANSITIONS, IllegalTransition, RunEvent, RunState, next_state, refusal
+from proxy.migration import (
+    TRANSITIONS,
+    IllegalTransition,
+    RunEvent,
+    RunState,
+    leg_frame,
+    next_state,
+    refusal,
+)
 from star.sampling import continuation, migration_blocker
 from star.wire import Decision
 from tests.reports import report
@@ -46,6 +54,17 @@ def test_continuation_reduces_the_budgets() -> None:
     assert continuation({"max_tokens": 5}, 4) == {"max_tokens": 1}
     with pytest.raises(ValueError, match="no tokens left"):
         continuation({"max_tokens": 5}, 5)
+
+
+def test_a_continuation_leg_carries_every_token_sent_and_says_how_many() -> None:
+    sampling = {"max_tokens": 100, "min_tokens": 30, "temperature": 0.0}
+    first = leg_frame(1, "r", [5, 6], sampling, [], None)
+    assert (first.prompt_token_ids, first.sampling, first.continued) == ([5, 6], sampling, 0)
+    kv = {"do_remote_decode": True}
+    moved = leg_frame(2, "r", [5, 6], sampling, [7, 8, 9], kv)
+    assert moved.prompt_token_ids == [5, 6, 7, 8, 9]
+    assert moved.sampling == {"max_tokens": 97, "min_tokens": 27, "temperature": 0.0}
+    assert (moved.continued, moved.kv_transfer_params, moved.stream) == (3, kv, 2)
 
 
 def test_every_transition_of_the_table() -> None:
