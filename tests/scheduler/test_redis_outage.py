@@ -20,7 +20,7 @@ from star.bus import Bus, Subscriber
 from star.wire import Event, EventKind
 from tests.conftest import redis_settings
 from tests.redis_server import RedisServer
-from tests.scheduler.test_service import LIGHT, Cluster, wait_for
+from tests.scheduler.conftest import LIGHT, Cluster, wait_for
 
 pytestmark = pytest.mark.timeout(600)
 

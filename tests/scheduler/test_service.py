@@ -3,104 +3,28 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import subprocess
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Iterator
-
-import pytest
 
 from star.bus import Bus, Subscriber
 from star.wire import Decision, Event, EventKind
-from tests.conftest import bus_settings, redis_settings
-from tests.redis_server import RedisServer, free_port
+from tests.redis_server import free_port
+from tests.scheduler.conftest import HEAVY, LIGHT, Cluster, wait_for
 from tests.scheduler.reports import report
 
-HEAVY = [4000, 3000, 2500, 2000]
-LIGHT = [300]
 
-
-class Cluster:
-    """Processes and a fake-worker reporter sharing one bus prefix."""
-
-    def __init__(self, server: RedisServer) -> None:
-        self.server = server
-        self.settings = bus_settings()
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self.reporting = {"a": HEAVY, "b": LIGHT, "c": LIGHT}
-
-    def env(self, **extra: str) -> dict[str, str]:
-        return {
-            **os.environ,
-            "STAR_REDIS_URL": self.server.url,
-            "STAR_BUS_PREFIX": self.settings.prefix,
-            "STAR_SCHEDULER_INTERVAL_S": "0.1",
-            "STAR_SCHEDULER_MODE": "current",
-            # Reports come every 0.2 s; a loaded machine can stall the reporter or
-            # the scheduler for a second or more, so staleness and the lock TTL
-            # leave room (the takeover test sets its own short TTL).
-            "STAR_SCHEDULER_STALENESS_S": "3.0",
-            "STAR_SCHEDULER_DECISION_TIMEOUT_S": "1.5",
-            "STAR_SCHEDULER_LOCK_TTL_S": "5.0",
-            "STAR_SCHEDULER_METRICS_PORT": "0",
-            "STAR_LOG_FORMAT": "json",
-            **extra,
-        }
-
-    def start(self, node: str, **env: str) -> subprocess.Popen[bytes]:
-        proc = subprocess.Popen(
-            ["star", "scheduler", "--node", node],
-            env=self.env(**env),
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        self.procs.append(proc)
-        return proc
-
-    async def report_forever(self, bus: Bus) -> None:
-        seq = 0
-        while True:
-            seq += 1
-            for name, loads in list(self.reporting.items()):
-                await bus.publish("reports", report(name, loads, seq=seq))
-            await asyncio.sleep(0.2)
-
-    def stop(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-
-
-@pytest.fixture
-def cluster(redis_server: RedisServer) -> Iterator[Cluster]:
-    c = Cluster(redis_server)
-    yield c
-    c.stop()
-
-
-@pytest.fixture
-async def bus(cluster: Cluster) -> AsyncIterator[Bus]:
-    b = Bus.from_settings(redis_settings(cluster.server), cluster.settings)
-    yield b
-    await b.close()
-
-
-async def wait_for(sub: Subscriber, pred: object, within_s: float) -> list[object]:
-    deadline = time.monotonic() + within_s
-    seen: list[object] = []
-    while time.monotonic() < deadline:
-        for e in await sub.read(block_ms=100):
-            seen.append(e.msg)
-            if pred(e.msg):  # type: ignore[operator]
-                return seen
-    raise AssertionError(f"timed out; saw {seen!r:.2000}")
+async def plan_from_redis(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    """``star plan --from-redis [args]`` as an operator runs it, off the event loop."""
+    return await asyncio.to_thread(
+        subprocess.run,
+        ["star", "plan", "--from-redis", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
 
 
 async def test_imbalance_yields_decision_load_view_and_expiry(cluster: Cluster, bus: Bus) -> None:
@@ -270,14 +194,7 @@ async def test_plan_from_redis_explains_the_live_state(cluster: Cluster, bus: Bu
     for name, loads in cluster.reporting.items():
         await bus.publish("reports", report(name, loads))
     env = cluster.env(STAR_SCHEDULER_STALENESS_S="60")  # process start-up is slow under load
-    out = await asyncio.to_thread(
-        subprocess.run,
-        ["star", "plan", "--from-redis", "--json"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-    )
+    out = await plan_from_redis(env, "--json")
     assert out.returncode == 0, out.stderr
     import json
 
@@ -287,14 +204,7 @@ async def test_plan_from_redis_explains_the_live_state(cluster: Cluster, bus: Bu
     assert doc["mode"] == "current"  # from STAR_SCHEDULER_MODE, like the scheduler
 
     empty = {**env, "STAR_BUS_PREFIX": "nothing-here"}
-    out = await asyncio.to_thread(
-        subprocess.run,
-        ["star", "plan", "--from-redis"],
-        capture_output=True,
-        text=True,
-        env=empty,
-        timeout=60,
-    )
+    out = await plan_from_redis(empty)
     assert out.returncode == 2 and "no fresh decode reports" in out.stderr
 
 
@@ -317,14 +227,7 @@ async def test_plan_from_redis_sees_worker_down_draining_and_moves_in_flight(
     env = cluster.env(STAR_SCHEDULER_STALENESS_S="60", STAR_SCHEDULER_DECISION_TIMEOUT_S="60")
 
     async def star_plan() -> dict[str, object]:
-        out = await asyncio.to_thread(
-            subprocess.run,
-            ["star", "plan", "--from-redis", "--json"],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=60,
-        )
+        out = await plan_from_redis(env, "--json")
         assert out.returncode == 0, out.stderr
         doc: dict[str, object] = json.loads(out.stdout)
         return doc

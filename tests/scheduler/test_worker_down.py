@@ -9,32 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator
-
-import pytest
 
 from star.bus import Bus, Subscriber
 from star.wire import Event, EventKind
-from tests.conftest import redis_settings
-from tests.redis_server import RedisServer
-from tests.scheduler.test_service import LIGHT, Cluster, wait_for
+from tests.scheduler.conftest import LIGHT, Cluster, wait_for
 
 STALENESS_S = 60.0  # reports stay fresh for the whole test
 WITHIN_S = 30.0  # bounds a wait for something that must happen, on a loaded box
-
-
-@pytest.fixture
-def cluster(redis_server: RedisServer) -> Iterator[Cluster]:
-    c = Cluster(redis_server)
-    yield c
-    c.stop()
-
-
-@pytest.fixture
-async def bus(cluster: Cluster) -> AsyncIterator[Bus]:
-    b = Bus.from_settings(redis_settings(cluster.server), cluster.settings)
-    yield b
-    await b.close()
 
 
 async def down(bus: Bus, instance: str) -> None:
