@@ -52,6 +52,19 @@ class Member:
     workload: float
     running: int
 
+    @classmethod
+    def of_report(cls, r: Report) -> Member:
+        """The instance as its own report has it (workload: the tokens it holds now)."""
+        return cls(
+            r.instance,
+            r.role,
+            r.address,
+            r.used_tokens,
+            r.capacity_tokens,
+            float(r.used_tokens),
+            len(r.requests),
+        )
+
 
 def choose(policy: str, members: list[Member], pending: dict[str, int], rr: int) -> Member:
     """Pick a decode instance: ``round-robin``, ``current-load`` or ``predicted``.
@@ -124,15 +137,7 @@ class Directory:
         out: dict[str, Member] = {}
         for name, (t, r) in self._reports.items():
             if now - t <= self.staleness_s and not r.draining:  # draining: takes no new streams
-                out[name] = Member(
-                    r.instance,
-                    r.role,
-                    r.address,
-                    r.used_tokens,
-                    r.capacity_tokens,
-                    float(r.used_tokens),
-                    len(r.requests),
-                )
+                out[name] = Member.of_report(r)
         for name, m in fresh_load.items():
             if name in out or not self._reports:
                 out[name] = m  # the scheduler's view (with booked moves) wins
@@ -143,19 +148,7 @@ class Directory:
         # Redis is unreachable. Instances last heard of that have not refused a
         # connection are still worth trying; a dead one is marked down on the
         # first refused connection, and only then is the answer 503.
-        last = [
-            Member(
-                r.instance,
-                r.role,
-                r.address,
-                r.used_tokens,
-                r.capacity_tokens,
-                float(r.used_tokens),
-                len(r.requests),
-            )
-            for _t, r in self._reports.values()
-            if not r.draining
-        ]
+        last = [Member.of_report(r) for _t, r in self._reports.values() if not r.draining]
         stale = [m for m in last if m.role == role and self._down.get(m.address, 0.0) <= now]
         if stale:
             log.warning(
