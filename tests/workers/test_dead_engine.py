@@ -10,7 +10,9 @@ server instead of vLLM (tests/workers/test_engine.py runs the real ones).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import warnings
+from collections.abc import AsyncIterator
 from typing import Any
 
 from star.bus import Bus
@@ -86,31 +88,49 @@ async def entries(bus: Bus, stream: str) -> list[Any]:
     return [decode(raw[b"body"]) for _id, raw in await bus.tail(stream, 1000)]
 
 
-async def test_a_dead_engine_stops_the_reports_and_the_worker(redis_server: RedisServer) -> None:
-    settings = Settings(
-        redis=redis_settings(redis_server),
-        bus=bus_settings(),
-        worker=WorkerSettings(instance="decode-x", report_interval_s=0.05, drain_timeout_s=1.0),
+async def reports(bus: Bus) -> list[Report]:
+    return [m for m in await entries(bus, "reports") if isinstance(m, Report)]
+
+
+def worker_settings(redis_server: RedisServer, **worker: Any) -> Settings:
+    return Settings(
+        redis=redis_settings(redis_server), bus=bus_settings(), worker=WorkerSettings(**worker)
     )
-    worker = Worker(settings)
+
+
+@contextlib.asynccontextmanager
+async def serving(
+    worker: WorkerService,
+) -> AsyncIterator[tuple[asyncio.Task[int], Bus]]:
+    """``worker`` serving (no token server), and a bus on its Redis; both stopped on exit."""
     worker.sock.close()  # no token server here
-    serving = asyncio.create_task(worker.serve(install_signals=False))
-    bus = Bus.from_settings(settings.redis, settings.bus)
+    task = asyncio.create_task(worker.serve(install_signals=False))
+    bus = Bus.from_settings(worker.settings.redis, worker.settings.bus)
     try:
+        yield task, bus
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await bus.close()
+
+
+async def test_a_dead_engine_stops_the_reports_and_the_worker(redis_server: RedisServer) -> None:
+    worker = Worker(
+        worker_settings(
+            redis_server, instance="decode-x", report_interval_s=0.05, drain_timeout_s=1.0
+        )
+    )
+    async with serving(worker) as (task, bus):
         async with asyncio.timeout(WITHIN_S):
-            while len([m for m in await entries(bus, "reports") if isinstance(m, Report)]) < 2:  # noqa: ASYNC110 (state in Redis)
+            while len(await reports(bus)) < 2:  # noqa: ASYNC110 (state in Redis)
                 await asyncio.sleep(0.02)
         assert isinstance(worker.engine, DyingEngine)
         worker.engine.die()
         async with asyncio.timeout(10):  # 200 report intervals
-            status = await asyncio.shield(serving)
+            status = await asyncio.shield(task)
         assert status == 1  # a failed worker, for systemd / star up to notice
-        reports = [m for m in await entries(bus, "reports") if isinstance(m, Report)]
+        got = await reports(bus)
         events = [m for m in await entries(bus, "events") if isinstance(m, Event)]
         assert [(e.event, e.instance) for e in events] == [(EventKind.WORKER_DOWN, "decode-x")]
-        assert all(r.ts < events[0].ts for r in reports)  # nothing reported after it
+        assert all(r.ts < events[0].ts for r in got)  # nothing reported after it
         assert worker.engine.shut_down
-    finally:
-        serving.cancel()
-        await asyncio.gather(serving, return_exceptions=True)
-        await bus.close()

@@ -12,11 +12,17 @@ from __future__ import annotations
 import asyncio
 
 from star.bus import Bus
-from star.settings import Settings, WorkerSettings
-from star.wire import Event, EventKind, Report
-from tests.conftest import bus_settings, redis_settings
+from star.wire import Event, EventKind
 from tests.redis_server import RedisServer
-from tests.workers.test_dead_engine import WITHIN_S, DyingEngine, WorkerService, entries
+from tests.workers.test_dead_engine import (
+    WITHIN_S,
+    DyingEngine,
+    WorkerService,
+    entries,
+    reports,
+    serving,
+    worker_settings,
+)
 
 
 class DrainingServer:
@@ -40,23 +46,15 @@ class Worker(WorkerService):
         self.server = DrainingServer()  # type: ignore[assignment]
 
 
-async def reports(bus: Bus) -> list[Report]:
-    return [m for m in await entries(bus, "reports") if isinstance(m, Report)]
-
-
 async def test_reports_say_draining_from_the_stop_until_worker_down(
     redis_server: RedisServer,
 ) -> None:
-    settings = Settings(
-        redis=redis_settings(redis_server),
-        bus=bus_settings(),
-        worker=WorkerSettings(instance="decode-x", report_interval_s=0.05, drain_timeout_s=30.0),
+    worker = Worker(
+        worker_settings(
+            redis_server, instance="decode-x", report_interval_s=0.05, drain_timeout_s=30.0
+        )
     )
-    worker = Worker(settings)
-    worker.sock.close()  # no token server here
-    serving = asyncio.create_task(worker.serve(install_signals=False))
-    bus = Bus.from_settings(settings.redis, settings.bus)
-    try:
+    async with serving(worker) as (task, bus):
         async with asyncio.timeout(WITHIN_S):
             while len(await reports(bus)) < 2:  # noqa: ASYNC110 (state in Redis)
                 await asyncio.sleep(0.02)
@@ -70,7 +68,7 @@ async def test_reports_say_draining_from_the_stop_until_worker_down(
                 await asyncio.sleep(0.02)
         worker.server.finish.set()
         async with asyncio.timeout(WITHIN_S):
-            assert await asyncio.shield(serving) == 0
+            assert await asyncio.shield(task) == 0
         got = await reports(bus)
         flags = [r.draining for r in got]
         first = flags.index(True)
@@ -78,26 +76,18 @@ async def test_reports_say_draining_from_the_stop_until_worker_down(
         assert [r.seq for r in got] == sorted(r.seq for r in got)
         events = [m for m in await entries(bus, "events") if isinstance(m, Event)]
         assert [(e.event, e.instance) for e in events] == [(EventKind.WORKER_DOWN, "decode-x")]
-    finally:
-        serving.cancel()
-        await asyncio.gather(serving, return_exceptions=True)
-        await bus.close()
 
 
 async def test_the_first_draining_report_goes_out_when_the_drain_begins(
     redis_server: RedisServer,
 ) -> None:
     # Reports every 30 s: the drain's start must not wait for the next one.
-    settings = Settings(
-        redis=redis_settings(redis_server),
-        bus=bus_settings(),
-        worker=WorkerSettings(instance="decode-y", report_interval_s=30.0, drain_timeout_s=30.0),
+    worker = Worker(
+        worker_settings(
+            redis_server, instance="decode-y", report_interval_s=30.0, drain_timeout_s=30.0
+        )
     )
-    worker = Worker(settings)
-    worker.sock.close()  # no token server here
-    serving = asyncio.create_task(worker.serve(install_signals=False))
-    bus = Bus.from_settings(settings.redis, settings.bus)
-    try:
+    async with serving(worker) as (task, bus):
         async with asyncio.timeout(WITHIN_S):
             while not worker.started:  # noqa: ASYNC110 (the service's own flag)
                 await asyncio.sleep(0.02)
@@ -110,8 +100,4 @@ async def test_the_first_draining_report_goes_out_when_the_drain_begins(
         assert isinstance(worker.server, DrainingServer)
         worker.server.finish.set()
         async with asyncio.timeout(WITHIN_S):
-            assert await asyncio.shield(serving) == 0
-    finally:
-        serving.cancel()
-        await asyncio.gather(serving, return_exceptions=True)
-        await bus.close()
+            assert await asyncio.shield(task) == 0
