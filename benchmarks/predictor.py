@@ -44,12 +44,12 @@ def time_mlp(
     """
     import torch
 
-    from star.predictor.model import FastPredictor, build_mlp, single_threaded_numpy_blas
+    from star.predictor.model import FastPredictor, build_mlp, single_threaded_host_blas
 
     model = build_mlp(dim, hidden, uncertainty=outputs == 2, log_target=True).to(device).eval()
     fast = FastPredictor(model)
     if fast.host:
-        single_threaded_numpy_blas()
+        single_threaded_host_blas()
     x = torch.randn(batch, dim, device=device)
 
     def sync() -> None:

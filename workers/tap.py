@@ -53,6 +53,8 @@ log = structlog.get_logger(__name__)
 
 QUALNAME = "workers.tap.HiddenStateTap"
 
+_NONE = np.zeros(0)  # fuse_round's per-row arrays for new requests, in a round without any
+
 CONTINUED_KEY = "star_continued"
 """``SamplingParams.extra_args`` key the worker sets on a request continued after a handoff.
 
@@ -81,6 +83,9 @@ class _TapState:
         self.power = float(predictor.config.power) if predictor is not None else 0.0
         self.first_weight = float(predictor.config.first_weight) if predictor is not None else 1.0
         self.collect = collect
+        # Whether the rows can be read as a numpy view (float32 on the host;
+        # found out on the first round).
+        self.as_numpy = self.fast is not None and self.fast.host
         self.active = predictor is not None or collect
         self.calls = 0
         # Set by the step watcher when a step schedules a new or resumed
@@ -158,10 +163,13 @@ class HiddenStateTap:
             model.compute_logits = compute_logits
             if hasattr(runner, "execute_model"):
                 runner.execute_model = self._star_tap_watch(runner.execute_model)
-        if state.fast is not None and state.fast.host:
-            from star.predictor.model import single_threaded_numpy_blas
+        if state.fast is not None:
+            if state.fast.host:
+                from star.predictor.model import single_threaded_host_blas
 
-            single_threaded_numpy_blas()
+                single_threaded_host_blas()
+            # Compiled (or loaded from numba's disk cache) now, not in a model step.
+            state.fast.warm()
         if profile and not getattr(self, "_star_tap_steps_timed", False):
             # Time the model steps too (only once asked: no cost otherwise).
             self._star_tap_steps_timed = True
@@ -234,6 +242,7 @@ class HiddenStateTap:
         n = batch.num_reqs
         if n == 0 or hidden_states.shape[0] < n:  # not the sampling call of a step
             return False
+        discard = runner.discard_request_mask.np[:n]
         if tap.calls % tap.every:
             # Not a round: only requests whose prompt completes in this step
             # (their first row, zero tokens generated), found with one
@@ -242,73 +251,110 @@ class HiddenStateTap:
             if not keep.any():
                 tap.prefilling = False  # nothing to look at until a new request comes
                 return False
-            keep &= ~runner.discard_request_mask.np[:n]
-            due = False
-        else:
-            keep = ~runner.discard_request_mask.np[:n]
-            due = True
-        return self._star_tap_round(tap, hidden_states, np.flatnonzero(keep), due)
+            keep &= ~discard
+            return self._star_tap_round(tap, hidden_states, np.flatnonzero(keep), False)
+        # A round: every request but a partial prefill's (usually all of them:
+        # then slices, not copies).
+        rows = np.flatnonzero(~discard) if discard.any() else None
+        return self._star_tap_round(tap, hidden_states, rows, True)
 
     def _star_tap_round(self, tap: _TapState, hidden_states: Any, rows: Any, due: bool) -> bool:
-        """One round on the rows ``rows`` of this step: predict, and/or collect."""
-        import torch
-
-        runner = self.model_runner
-        batch = runner.input_batch
+        """One round on the rows ``rows`` of this step (None: all): predict, and/or collect."""
+        batch = self.model_runner.input_batch
         n = batch.num_reqs
-        if len(rows) == 0:
-            return False
-        every = len(rows) == n
-        # Tokens generated so far (the step's own token is not sampled yet).
-        prompt = batch.num_prompt_tokens[rows]
-        generated = batch.num_tokens_no_spec[rows] - prompt
         req_ids = batch.req_ids
-        ids = req_ids[:n] if every else [req_ids[i] for i in rows.tolist()]
-        # A view when every request is in this round (on the host FastPredictor
-        # reads it as a numpy view too: no copy).
-        picked = hidden_states[:n] if every else hidden_states[torch.from_numpy(rows)]
+        if rows is None:
+            # Tokens generated so far (the step's own token is not sampled yet).
+            prompt = batch.num_prompt_tokens[:n]
+            generated = batch.num_tokens_no_spec[:n] - prompt
+            ids = req_ids[:n]
+        elif len(rows) == 0:
+            return False
+        else:
+            prompt = batch.num_prompt_tokens[rows]
+            generated = batch.num_tokens_no_spec[rows] - prompt
+            ids = [req_ids[i] for i in rows.tolist()]
         if tap.fast is not None:
-            r_hat, sigma = tap.fast(picked)
-            self._star_tap_serve(tap, due, ids, r_hat, sigma, generated)
+            raw = tap.fast.raw_host(self._star_tap_rows(tap, hidden_states, n, rows))
+            self._star_tap_serve(tap, due, ids, raw, generated)
             tap.predict_batches += 1
             tap.predict_rows += len(ids)
         if tap.collect:
+            import torch
+
+            picked = hidden_states[:n] if rows is None else hidden_states[torch.from_numpy(rows)]
             with torch.inference_mode():
                 tap.hidden.append(picked.detach().float().cpu().clone())
             tap.samples.extend(zip(ids, prompt.tolist(), generated.tolist(), strict=True))
         return True
+
+    @staticmethod
+    def _star_tap_rows(tap: _TapState, hidden_states: Any, n: int, rows: Any) -> Any:
+        """The round's rows of ``hidden_states`` (``rows`` None: the first ``n``) for the MLP.
+
+        On the host a float32 array as a numpy view, sliced in numpy: right
+        after the forward pass each torch call costs tens of microseconds
+        (``star bench predictor --engine``). Otherwise (a GPU, bfloat16) a tensor.
+        """
+        import torch
+
+        if tap.as_numpy:
+            try:
+                array = hidden_states.numpy()
+            except (TypeError, RuntimeError):  # not float32 on the host, or needs grad
+                tap.as_numpy = False
+            else:
+                return array[:n] if rows is None else array[rows]
+        return hidden_states[:n] if rows is None else hidden_states[torch.from_numpy(rows)]
 
     def _star_tap_serve(
         self,
         tap: _TapState,
         due: bool,
         ids: list[str],
-        r_hat: Any,
-        sigma: Any,
+        raw: Any,
         generated: Any,
     ) -> None:
         """Fuse one round into each request's served R-hat (hard-bounded by its cap).
 
-        :func:`star.predictor.model.fuse_step` on numpy vectors, the fusion
-        state kept per request in arrays (one dictionary lookup per row).
+        :func:`star.predictor.kernels.fuse_round` decodes the MLP's raw
+        outputs and runs :func:`star.predictor.model.fuse_step` on every row
+        in one compiled call; the fusion state is kept per request in arrays
+        (one dictionary lookup per row).
         """
+        from star.predictor.kernels import fuse_round
+
+        fast = tap.fast
+        assert fast is not None
         slot = tap.slot
-        at = np.array([slot.get(rid, -1) for rid in ids], dtype=np.intp)
-        new = at < 0
-        any_new = bool(new.any())
-        old = np.where(new, 0, at)
-        g = generated.astype(np.float64)
-        w = np.maximum(sigma.astype(np.float64), 1e-6) ** -tap.power
-        decay = np.where(new, 0.0, tap.decay)
-        cap = tap.cap[old] if len(tap.cap) else np.zeros(len(ids))
+        found = [slot.get(rid, -1) for rid in ids]
+        at = np.array(found, dtype=np.intp)
+        any_new = -1 in found
         if any_new:  # a request's first round: its prompt's row, unless it was moved here
-            fresh = np.flatnonzero(new)
+            fresh = np.flatnonzero(at < 0)
             looked = [self._star_tap_first(ids[i]) for i in fresh.tolist()]
-            cap[fresh] = [c for c, _ in looked]
-            w[fresh[[not moved for _, moved in looked]]] *= tap.first_weight
-        weight = w + decay * tap.weight[old] if len(tap.weight) else w
-        total = w * (r_hat + g) + (decay * tap.total[old] if len(tap.total) else 0.0)
-        served = np.maximum(np.minimum(total / weight, cap) - g, 0.0)
+            first = np.ones(len(ids))
+            fresh_cap = np.zeros(len(ids))
+            fresh_cap[fresh] = [c for c, _ in looked]
+            first[fresh[[not moved for _, moved in looked]]] = tap.first_weight
+        else:
+            first = fresh_cap = _NONE
+        g = generated.astype(np.float64)
+        weight, total, cap, served = fuse_round(
+            raw,
+            fast.log_target,
+            fast.uncertainty,
+            fast.scale,
+            at,
+            first,
+            fresh_cap,
+            g,
+            tap.weight,
+            tap.total,
+            tap.cap,
+            tap.decay,
+            tap.power,
+        )
         if due:
             # A round holds every running request: finished ones are forgotten.
             tap.slot = dict(zip(ids, range(len(ids)), strict=True))
@@ -321,6 +367,7 @@ class HiddenStateTap:
             )
             return
         # A prompt-completion round: update the known requests, append the new.
+        new = at < 0
         known = at[~new]
         for name, value in (
             ("weight", weight),

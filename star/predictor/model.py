@@ -21,11 +21,13 @@ the model it belongs to, hidden size, data hash, metrics).
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -203,37 +205,48 @@ def fuse_step(
     return (weight, total), max(total / weight - generated, 0.0)
 
 
-def single_threaded_numpy_blas() -> bool:
-    """Have numpy's own BLAS run on the calling process's thread alone (threadpoolctl).
+def single_threaded_host_blas() -> bool:
+    """Have the BLAS that numpy and scipy ship run on the calling process's thread alone.
 
     The predictor's products are small (tens of rows): OpenBLAS would split
     them over its threads, which then spin for a while after each call,
     stealing the core the engine's model runs on; single-threaded they take
-    tens of microseconds. Only the BLAS that numpy itself ships is limited,
-    not a BLAS torch may use for the model. Returns whether one was found.
+    tens of microseconds. The compiled MLP (:func:`star.predictor.kernels.mlp`)
+    calls scipy's BLAS (numba's ``@`` goes through ``scipy.linalg.cython_blas``),
+    numpy's ``@`` numpy's own. A BLAS torch may use for the model is left
+    alone (threadpoolctl). Returns whether one was found.
     """
+    import scipy.linalg.cython_blas  # noqa: F401 - loads scipy's BLAS so that it is found
     from threadpoolctl import ThreadpoolController
 
     found = False
     for lib in ThreadpoolController().select(user_api="blas").lib_controllers:
-        if "numpy" in str(lib.filepath):
+        path = str(lib.filepath)
+        if "numpy" in path or "scipy" in path:
             lib.set_num_threads(1)
             found = True
     return found
 
 
-NUMPY_MAX_PARAMS = 1_000_000
-"""Largest MLP :class:`FastPredictor` runs in numpy on the host (see ``star bench predictor``)."""
+HOST_MAX_PARAMS = 1_000_000
+"""Largest MLP :class:`FastPredictor` runs in its compiled kernel on the host (see ``star bench predictor``)."""
 
 
 class FastPredictor:
-    """The MLP for the engine's hot path: inference only, few tensor operations.
+    """The MLP for the engine's hot path: inference only, few calls.
 
     The input standardisation is folded into the first layer (W' = W / std,
-    b' = b - W' mean), each layer is one ``addmm`` (+ an in-place ReLU) on
-    pre-transposed weights, and the output decoding happens in numpy on the
-    few rows that come back. :meth:`__call__` gives (R-hat, sigma) in tokens,
-    the same numbers as
+    b' = b - W' mean) and the weights are pre-transposed. On the host a
+    small MLP runs in one compiled call (:func:`star.predictor.kernels.mlp`:
+    a single-threaded BLAS product per layer, bias and ReLU in place; see
+    :func:`single_threaded_host_blas`): torch's OpenMP threads, shared with
+    the engine's model, made its few small products 3-40x slower, and one
+    numpy call per operation costs several times more right after the
+    model's forward pass than in a loop of its own. A large one (the paper's
+    8.4 M parameters) and any on a GPU run as one ``addmm`` per layer in torch.
+    :meth:`raw_host` gives the raw outputs as a numpy array, which
+    :func:`star.predictor.kernels.fuse_round` decodes and fuses;
+    :meth:`__call__` gives (R-hat, sigma) in tokens, the same numbers as
     :meth:`LengthPredictor.predict_with_sigma` up to float rounding.
     """
 
@@ -251,32 +264,31 @@ class FastPredictor:
                 for w, b in params
             ]
         self.dtype = self.layers[0][0].dtype
-        # On the host a small MLP runs in numpy (single-threaded BLAS, see
-        # :func:`single_threaded_numpy_blas`): torch's OpenMP threads, shared
-        # with the engine's model, made its few small products 3-40x slower.
-        # A large one (the paper's 8.4 M parameters) is faster in torch.
         size = sum(w.numel() + b.numel() for w, b in self.layers)
-        self.host = torch.device(dev).type == "cpu" and size <= NUMPY_MAX_PARAMS
-        self.np_layers = (
-            [(w.float().numpy(), b.float().numpy()) for w, b in self.layers] if self.host else []
-        )
+        self.host = torch.device(dev).type == "cpu" and size <= HOST_MAX_PARAMS
+        self.np_weights = tuple(w.float().numpy() for w, _ in self.layers) if self.host else ()
+        self.np_biases = tuple(b.float().numpy() for _, b in self.layers) if self.host else ()
         self.uncertainty = cfg.uncertainty
         self.log_target = cfg.log_target
         self.scale = float(cfg.target_scale)
         self.config = cfg
 
+    def warm(self) -> float:
+        """Compile (or load) the kernels for this MLP; returns the seconds it took."""
+        from star.predictor import kernels
+
+        seconds = kernels.warm(depth=len(self.layers))
+        if self.host:
+            start = time.perf_counter()
+            self.raw_numpy(np.zeros((1, self.config.input_dim), dtype=np.float32))
+            seconds += time.perf_counter() - start
+        return seconds
+
     def raw_numpy(self, hidden: Any) -> Any:
         """The raw outputs (batch, outputs) of a (batch, d) float32 numpy array (host only)."""
-        import numpy as np
+        from star.predictor.kernels import mlp
 
-        h = hidden
-        last = len(self.np_layers) - 1
-        for i, (wt, b) in enumerate(self.np_layers):
-            h = h @ wt
-            h += b
-            if i < last:
-                np.maximum(h, 0.0, out=h)
-        return h
+        return mlp(np.ascontiguousarray(hidden, dtype=np.float32), self.np_weights, self.np_biases)
 
     def raw(self, hidden: torch.Tensor) -> torch.Tensor:
         """The raw outputs (batch, outputs) of a (batch, d) tensor on the model's device."""
@@ -289,20 +301,22 @@ class FastPredictor:
                     h.relu_()
             return h
 
+    def raw_host(self, hidden: Any) -> Any:
+        """The raw outputs as a float32 numpy array on the host, from a (batch, d) tensor or,
+        on the host, a float32 numpy array."""
+        if isinstance(hidden, np.ndarray):
+            return self.raw_numpy(hidden)
+        if self.host:
+            h = hidden.detach()
+            return self.raw_numpy((h if h.dtype == torch.float32 else h.float()).numpy())
+        return np.ascontiguousarray(self.raw(hidden).float().cpu().numpy())
+
     def __call__(self, hidden: Any) -> tuple[Any, Any]:
         """(R-hat, sigma) in tokens, float32 numpy arrays (sigma = 1 without the scale output).
 
         ``hidden``: a (batch, d) tensor, or on the host a float32 numpy array.
         """
-        import numpy as np
-
-        if isinstance(hidden, np.ndarray):
-            raw = self.raw_numpy(hidden)
-        elif self.host:
-            h = hidden.detach()
-            raw = self.raw_numpy((h if h.dtype == torch.float32 else h.float()).numpy())
-        else:
-            raw = self.raw(hidden).cpu().numpy()
+        raw = self.raw_host(hidden)
         r_hat = raw[:, 0].copy()
         if self.log_target:
             np.expm1(r_hat, out=r_hat)

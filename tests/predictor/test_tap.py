@@ -185,6 +185,27 @@ def test_tap_serves_the_evaluations_fusion_clipped_to_the_cap(tmp_path: Path) ->
             assert r_hat == pytest.approx(unclipped[-1], rel=1e-4)
 
 
+def test_rows_a_numpy_view_cannot_hold_go_through_torch(tmp_path: Path) -> None:
+    # On the host float32 rows are read as a numpy view; bfloat16 ones (a CPU
+    # engine in bf16) cannot be: the tap notices once and serves from torch.
+    model = _model()
+    served = []
+    for dtype in (torch.float32, torch.bfloat16):
+        tap = _tap(tmp_path / str(dtype), model, every=2)
+        runner = tap.model_runner
+        _add(runner, "a", None)
+        hidden = torch.linspace(-1, 1, DIM).repeat(1, 1)
+        runner.set_batch([("a", 0, True, False)])
+        runner.step(hidden.to(dtype), new=("a",))
+        runner.set_batch([("a", 1, False, False)])
+        runner.step(hidden.to(dtype))
+        assert tap._star_tap.as_numpy == (dtype == torch.float32)
+        got = tap.star_tap_predictions()
+        assert got["batches"] == 2
+        served.append(got["requests"]["a"][0])
+    assert served[1] == pytest.approx(served[0], rel=0.05)
+
+
 def test_a_request_moved_here_gets_no_prompt_weight_on_its_first_row(tmp_path: Path) -> None:
     # Two requests see the same rows; "moved" continues one that generated 120
     # tokens on another engine (the worker marks it, below), so its first row
