@@ -237,9 +237,12 @@ def run(args: argparse.Namespace) -> int:
             what = f"no checkpoint at {ckpt}" if ckpt else "the tiny model ships no predictor"
             print(f"bench predictor: {what}", file=sys.stderr)
             return 1
-        overhead = asyncio.run(
-            engine_overhead(str(tiny_model_path()), str(ckpt), args.engine_requests, args.every)
-        )
+        from star.logs import stdout_to_stderr
+
+        with stdout_to_stderr():  # the engine's logs; stdout holds the table or --json alone
+            overhead = asyncio.run(
+                engine_overhead(str(tiny_model_path()), str(ckpt), args.engine_requests, args.every)
+            )
     if args.json:
         print(json.dumps({"mlp": rows, "engine": overhead}, indent=1))
         return 0

@@ -8,18 +8,49 @@ migration_id=...)`` so every line of that unit carries it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import sys
+from collections.abc import Iterator
 from typing import Any, TextIO
 
 import structlog
 
 from star.settings import LogSettings
 
-_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
+_LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+}
 
 
-def configure_logging(settings: LogSettings | None = None, stream: TextIO | None = None, **context: Any) -> None:
+@contextlib.contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """Within the block, whatever is written to file descriptor 1 goes to 2.
+
+    vLLM, NIXL and an unconfigured structlog log to stdout, each through a
+    handler that captured the stream (or the file descriptor, in C++) when it
+    was set up; a command whose stdout is its result (``star bench predictor
+    --engine --json | jq``) runs an engine inside this block, and child
+    processes started in it inherit the redirection.
+    """
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def configure_logging(
+    settings: LogSettings | None = None, stream: TextIO | None = None, **context: Any
+) -> None:
     """Configure structlog (and route stdlib logging through it).
 
     ``context`` is bound for the life of the process, e.g. ``role="scheduler"``.

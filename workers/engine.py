@@ -496,6 +496,10 @@ def _environ(values: Mapping[str, str | None]) -> Iterator[None]:
         _set_environ(saved)
 
 
+def _already_shut_down(timeout: float | None = None) -> None:
+    """``AsyncLLM.shutdown`` once :meth:`EngineHandle.shutdown` has run it."""
+
+
 class EngineHandle:
     """A running engine: generate, abort, stats, shutdown.
 
@@ -715,4 +719,11 @@ class EngineHandle:
             with contextlib.suppress(asyncio.CancelledError):
                 await handler
         await asyncio.to_thread(self.llm.shutdown)
+        # AsyncLLM.__del__ calls shutdown() again. After a request has run, the
+        # AsyncLLM sits in a reference cycle that only the collector frees,
+        # often at interpreter exit, when vLLM's module globals are already
+        # None: "Exception ignored in AsyncLLM.__del__ ... TypeError". It is
+        # shut down; the second call (an instance attribute, found first) does
+        # nothing.
+        self.llm.shutdown = _already_shut_down  # type: ignore[method-assign]
         log.info("engine stopped", role=self.role)
