@@ -353,6 +353,7 @@ class DecodeRun:
             "release sent",
             target=cmd.decision.target,
             origin=cmd.decision.origin,
+            reason=cmd.decision.reason,
         )
         await self.leg.client.send(Release(self.leg.stream.id, cmd.decision.id))
 

@@ -282,6 +282,7 @@ class SchedulerService(Service):
                 source=move.source,
                 target=move.target,
                 delta_v=round(move.delta_v, 3),
+                reason=move.reason,
                 tick=self.tick,
             )
         # After booking, so proxies dispatch against the post-move view.

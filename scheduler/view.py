@@ -270,4 +270,5 @@ def decision_for(
         mode=mode,
         ts=ts,
         fence=fence,
+        reason=move.reason,
     )

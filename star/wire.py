@@ -158,6 +158,7 @@ class Decision(Message):
     ts: float
     fence: int = 0  # leader's fencing token; 0 for manual decisions
     origin: str = "scheduler"  # or "manual" (star migrate)
+    reason: str = "balance"  # Algorithm 1's; "drain": the source is draining (star.planner.drain)
 
     def summary(self) -> dict[str, str]:
         return {

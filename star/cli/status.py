@@ -103,6 +103,7 @@ async def collect(settings: Settings) -> dict[str, Any]:
             "target": d.target,
             "age_s": round(now - d.ts, 2),
             "origin": d.origin,
+            "reason": d.reason,
         }
         outcome = resolved.get(d.id)
         if outcome is None and now - d.ts <= settings.scheduler.decision_timeout_s:
@@ -160,7 +161,8 @@ def render(doc: dict[str, Any]) -> str:
         lines.append("migrations in flight:")
         for m in doc["in_flight"]:
             lines.append(
-                f"  {m['id']} {m['request']}: {m['source']} -> {m['target']} ({m['age_s']:.1f}s, {m['origin']})"
+                f"  {m['id']} {m['request']}: {m['source']} -> {m['target']} "
+                f"({m['age_s']:.1f}s, {m['origin']}, {m['reason']})"
             )
     else:
         lines.append("migrations in flight: none")

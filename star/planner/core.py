@@ -22,6 +22,7 @@ from itertools import repeat
 import numpy as np
 
 from star.planner.arrays import CLASSIFY_RTOL, from_instances, noise_floor, plan_arrays
+from star.planner.drain import evacuations
 from star.planner.trace import (
     BoolArray,
     FloatArray,
@@ -32,6 +33,8 @@ from star.planner.trace import (
     weights,
 )
 from star.planner.types import (
+    BALANCE,
+    DRAIN,
     Candidate,
     Instance,
     ModeKind,
@@ -262,6 +265,10 @@ def plan(instances: Sequence[Instance], params: PlannerParams, *, explain: bool 
     never in U (a source only). ``no-migration`` mode reports the
     classification (on current loads) and never moves anything.
 
+    After Algorithm 1, each draining instance in no move moves one request
+    out (:mod:`star.planner.drain`, ``Move.reason`` "drain"); the variance
+    after counts those moves too.
+
     ``explain=True`` also fills ``Plan.candidates`` with every (r, s, t) of
     O x U and its :class:`Verdict` (for ``star plan``); the moves are the same.
     """
@@ -269,27 +276,35 @@ def plan(instances: Sequence[Instance], params: PlannerParams, *, explain: bool 
     n = len(instances)
     if n == 0:
         return Plan((), {}, 0.0, (), (), 0.0, 0.0)
-    decided = plan_arrays(from_instances(instances, params), params)
+    arrays = from_instances(instances, params)
+    decided = plan_arrays(arrays, params)
     ids = [inst.id for inst in instances]
     moves: list[Move] = []
-    for q, s, t, dv, rem in zip(
+
+    def move(q: int, s: int, t: int, dv: float, reason: str) -> Move:
+        r = instances[s].requests[q - int(arrays.offsets[s])]
+        return Move(
+            r.id, ids[s], ids[t], dv, int(r.tokens), float(decided.remaining_all[q]), reason
+        )
+
+    for q, s, t, dv in zip(
         decided.rows.tolist(),
         decided.sources.tolist(),
         decided.targets.tolist(),
         decided.delta_v.tolist(),
-        decided.remaining.tolist(),
         strict=True,
     ):
-        owner = instances[s]
-        r = owner.requests[q - _first_row(instances, s)]
-        moves.append(Move(r.id, ids[s], ids[t], dv, int(r.tokens), rem))
+        moves.append(move(q, s, t, dv, BALANCE))
+    evacuated = evacuations(arrays, decided, params)
+    moves += [move(q, s, t, dv, DRAIN) for q, s, t, dv in evacuated]
     over, under = decided.overloaded, decided.underloaded
     candidates: tuple[Candidate, ...] = ()
     if explain and over.any() and under.any() and params.mode.kind is not ModeKind.NO_MIGRATION:
         tau = grid(params)
         cap = np.array([inst.capacity_tokens for inst in instances], dtype=np.float64)
         pre = _Prefix.build(decided.traces, weights(params), tau, cap)
-        candidates = _explain(instances, over, under, pre, params, tau, moves)
+        balance = [m for m in moves if m.reason == BALANCE]
+        candidates = _explain(instances, over, under, pre, params, tau, balance)
     return Plan(
         moves=tuple(moves),
         workloads=dict(zip(ids, decided.workloads.tolist(), strict=True)),
@@ -297,10 +312,6 @@ def plan(instances: Sequence[Instance], params: PlannerParams, *, explain: bool 
         overloaded=tuple([ids[i] for i in np.flatnonzero(over).tolist()]),
         underloaded=tuple([ids[i] for i in np.flatnonzero(under).tolist()]),
         variance_before=decided.variance_before,
-        variance_after=decided.variance_after,
+        variance_after=decided.variance_after + sum(dv for *_, dv in evacuated),
         candidates=candidates,
     )
-
-
-def _first_row(instances: Sequence[Instance], s: int) -> int:
-    return sum(len(instances[i].requests) for i in range(s))

@@ -26,7 +26,16 @@ from star.planner.trace import (
     weighted_variance,
     weights,
 )
-from star.planner.types import Candidate, Instance, ModeKind, Move, Plan, PlannerParams, Verdict
+from star.planner.types import (
+    DRAIN,
+    Candidate,
+    Instance,
+    ModeKind,
+    Move,
+    Plan,
+    PlannerParams,
+    Verdict,
+)
 
 
 def reference_traces(instances: Sequence[Instance], params: PlannerParams) -> FloatArray:
@@ -52,6 +61,8 @@ def reference_plan(
     """Plan one tick by full enumeration; same contract as :func:`star.planner.plan`.
 
     Ties on Delta-V go to the smallest (source, request, target) by position.
+    Evacuation of draining instances follows Algorithm 1 as in
+    :mod:`star.planner.drain`.
     """
     validate_params(params)
     n = len(instances)
@@ -70,7 +81,7 @@ def reference_plan(
     v0 = weighted_variance(traces, beta)
     workloads = dict(zip(ids, work, strict=True))
     head = (workloads, mean, tuple(ids[i] for i in over), tuple(ids[i] for i in under))
-    if params.mode.kind is ModeKind.NO_MIGRATION or not over or not under:
+    if params.mode.kind is ModeKind.NO_MIGRATION:
         return Plan((), *head, v0, v0)
 
     def too_short(inst: Instance, tokens: float, remaining: float) -> bool:
@@ -123,7 +134,7 @@ def reference_plan(
     now = traces.copy()
     used = {i for i, inst in enumerate(instances) if inst.in_flight}
     moves: list[Move] = []
-    for _ in range(params.max_migrations):
+    for _ in range(params.max_migrations if over and under else 0):
         best: tuple[float, int, int, int] | None = None
         best_gains = False
         for s in over:
@@ -154,9 +165,40 @@ def reference_plan(
         r = instances[s].requests[ri]
         moves.append(Move(r.id, ids[s], ids[t], dv, int(r.tokens), remaining[s][ri]))
 
+    # Evacuation (star.planner.drain): each draining instance in no move moves
+    # out its longest request (then the least KV) that may and is worth moving,
+    # to the least loaded instance (then the first) that is not draining, in no
+    # move, and has room for it.
+    for s, src in enumerate(instances):
+        if not src.draining or s in used:
+            continue
+        order = sorted(
+            (r for r in range(len(src.requests)) if eligible(s, r)),
+            key=lambda r: (-remaining[s][r], float(src.requests[r].tokens), r),
+        )
+        for ri in order:
+            c = contrib[s][ri]
+            room = [
+                t
+                for t, dst in enumerate(instances)
+                if t not in used
+                and not dst.draining
+                and float((c + now[t]).max()) <= dst.capacity_tokens
+            ]
+            if not room:
+                continue
+            t = min(room, key=lambda t: (work[t], t))
+            dv = float(delta_vs(c[None, :], s, t, now)[0])
+            now[s] -= c
+            now[t] += c
+            used |= {s, t}
+            r = src.requests[ri]
+            moves.append(Move(r.id, ids[s], ids[t], dv, int(r.tokens), remaining[s][ri], DRAIN))
+            break
+
     candidates: list[Candidate] = []
-    if explain:
-        chosen = {(m.request, m.source, m.target) for m in moves}
+    if explain and over and under:
+        chosen = {(m.request, m.source, m.target) for m in moves if m.reason != DRAIN}
         for s in over:
             src = instances[s]
             if not src.requests:

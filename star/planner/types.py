@@ -139,7 +139,11 @@ class Candidate:
 
 @dataclass(frozen=True, slots=True)
 class Move:
-    """A migration the planner decided: move ``request`` from ``source`` to ``target``."""
+    """A migration the planner decided: move ``request`` from ``source`` to ``target``.
+
+    ``reason`` is :data:`BALANCE` (Algorithm 1: it lowers the load variance)
+    or :data:`DRAIN` (the source is draining: :mod:`star.planner.drain`).
+    """
 
     request: str
     source: str
@@ -147,6 +151,11 @@ class Move:
     delta_v: float
     tokens: int
     remaining: float
+    reason: str = "balance"
+
+
+BALANCE = "balance"
+DRAIN = "drain"
 
 
 @dataclass(frozen=True, slots=True)

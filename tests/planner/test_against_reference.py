@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from star.planner import Instance, Plan, PlannerParams, Verdict, plan
 from star.planner.reference import reference_plan
+from star.planner.types import BALANCE, DRAIN
 from tests.planner.helpers import (
     apply_moves,
     close,
@@ -82,7 +83,8 @@ def test_explain_lists_every_candidate_with_the_reference_verdict(
         assert close(a.delta_v, b.delta_v, tol), (a, b)
         if same:
             assert a.verdict == b.verdict, (a, b)
-    chosen = {(m.request, m.source, m.target) for m in fast.moves}
+    # Candidates are Algorithm 1's (O x U); evacuation moves are not among them.
+    chosen = {(m.request, m.source, m.target) for m in fast.moves if m.reason == BALANCE}
     assert {
         k for k, x in zip(keys, fast.candidates, strict=True) if x.verdict is Verdict.CHOSEN
     } == chosen
@@ -101,8 +103,8 @@ def test_applying_the_moves_changes_v_by_the_predicted_amount(
     assert close(result.variance_before, v0, tol)
     assert close(v1 - v0, sum(m.delta_v for m in result.moves), tol)
     assert close(result.variance_after, v1, tol)
-    for m in result.moves:
-        assert m.delta_v < -params.min_gain  # every move is a real gain
+    for m in result.moves:  # every move is a real gain, unless its source drains
+        assert m.delta_v < -params.min_gain or m.reason == DRAIN
 
 
 @SETTINGS
@@ -122,13 +124,16 @@ def test_moves_respect_capacity_flags_and_one_per_instance(
         assert r.migratable and r.id not in src.busy
         assert not src.in_flight and not dst.in_flight
         assert not dst.draining  # a draining instance is a source only
-        assert m.source in result.overloaded and m.target in result.underloaded
+        if m.reason == BALANCE:
+            assert m.source in result.overloaded and m.target in result.underloaded
+        else:  # an evacuation: from a draining instance, wherever it fits
+            assert m.reason == DRAIN and src.draining
         assert m.source != m.target
         index = [i.id for i in cluster].index(m.target)
         assert loads[index].max() <= dst.capacity_tokens
         used += [m.source, m.target]
     assert len(used) == len(set(used))
-    assert len(result.moves) <= params.max_migrations
+    assert sum(m.reason == BALANCE for m in result.moves) <= params.max_migrations
 
 
 @settings(max_examples=60, deadline=None)

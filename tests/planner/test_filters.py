@@ -132,7 +132,9 @@ def test_instances_in_flight_take_no_part(which: str) -> None:
         pytest.param((), [("big", "s", "t")], id="none: the idle t takes the move"),
         pytest.param(("t",), [("big", "s", "u")], id="t: never a target, u takes it"),
         pytest.param(("s",), [("big", "s", "t")], id="s: still a source"),
-        pytest.param(("t", "u"), [], id="t and u: no target left"),
+        pytest.param(
+            ("t", "u"), [("small", "u", "s")], id="t and u: no target left, u evacuated to s"
+        ),
     ],
 )
 def test_a_draining_instance_is_a_source_never_a_target(

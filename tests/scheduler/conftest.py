@@ -27,6 +27,7 @@ class Cluster:
         self.settings = bus_settings()
         self.procs: list[subprocess.Popen[bytes]] = []
         self.reporting = {"a": HEAVY, "b": LIGHT, "c": LIGHT}
+        self.draining: set[str] = set()  # instances whose reports say draining
 
     def env(self, **extra: str) -> dict[str, str]:
         return {
@@ -61,7 +62,8 @@ class Cluster:
         while True:
             seq += 1
             for name, loads in list(self.reporting.items()):
-                await bus.publish("reports", report(name, loads, seq=seq))
+                draining = name in self.draining
+                await bus.publish("reports", report(name, loads, seq=seq, draining=draining))
             await asyncio.sleep(0.2)
 
     def stop(self) -> None:

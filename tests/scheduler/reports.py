@@ -15,6 +15,7 @@ def report(
     role: str = "decode",
     remaining: float | None = 5_000.0,
     in_flight: list[str] | None = None,
+    draining: bool = False,
 ) -> Report:
     return Report(
         instance=instance,
@@ -28,6 +29,9 @@ def report(
         step_time_s=0.02,
         delta=32,
         trace=[],
-        requests=[RequestLoad(f"{instance}-r{i}", n, n // 2, remaining) for i, n in enumerate(loads)],
+        requests=[
+            RequestLoad(f"{instance}-r{i}", n, n // 2, remaining) for i, n in enumerate(loads)
+        ],
         in_flight=in_flight or [],
+        draining=draining,
     )

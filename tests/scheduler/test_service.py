@@ -98,6 +98,39 @@ async def test_imbalance_yields_decision_load_view_and_expiry(cluster: Cluster, 
         reporter.cancel()
 
 
+async def test_a_draining_instance_is_evacuated_though_the_load_is_even(
+    cluster: Cluster, bus: Bus
+) -> None:
+    # b and c carry the same load: Algorithm 1 moves nothing. b drains (its
+    # worker got SIGTERM): its request goes to c, in a decision saying why.
+    cluster.reporting = {"b": LIGHT, "c": LIGHT}
+    cluster.draining = {"b"}
+    decisions = Subscriber(bus, "decisions", Decision, start="0")
+    reporter = asyncio.create_task(cluster.report_forever(bus))
+    cluster.start("solo", STAR_SCHEDULER_DECISION_TIMEOUT_S="60")
+    try:
+        got = await wait_for(decisions, lambda m: isinstance(m, Decision), within_s=60)
+        d = got[-1]
+        assert isinstance(d, Decision)
+        assert (d.request, d.source, d.target, d.reason) == ("b-r0", "b", "c", "drain")
+        assert d.origin == "scheduler" and d.delta_v > 0  # evens nothing out: V rises
+        out = await asyncio.to_thread(
+            subprocess.run,
+            ["star", "status", "--json"],
+            capture_output=True,
+            text=True,
+            env=cluster.env(STAR_SCHEDULER_DECISION_TIMEOUT_S="60"),
+            timeout=60,
+        )
+        assert out.returncode == 0, out.stderr
+        import json
+
+        (flight,) = json.loads(out.stdout)["in_flight"]
+        assert (flight["request"], flight["reason"]) == ("b-r0", "drain")
+    finally:
+        reporter.cancel()
+
+
 async def test_instance_whose_reports_stop_goes_stale(cluster: Cluster, bus: Bus) -> None:
     cluster.reporting = {"a": LIGHT, "b": LIGHT, "c": LIGHT}
     events = Subscriber(bus, "events", Event, start="0")

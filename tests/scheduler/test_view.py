@@ -223,9 +223,9 @@ DRAIN_CASES = [
     ),
     pytest.param(
         [("a", [4000, 3000, 2500], False), ("b", [10], True)],
-        [],
+        [("b", "a")],
         ["a"],
-        id="a draining instance is never a target",
+        id="a draining instance is never a target; its own request is evacuated",
     ),
     pytest.param(
         [("a", [4000, 3000, 2500], False), ("b", [10], True), ("c", [300], False)],
