@@ -16,6 +16,8 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -31,11 +33,12 @@ from star.bus import Bus
 from star.cli.migrate import manual_decision
 from star.cli.up import LocalCluster, group_members
 from star.settings import BusSettings, RedisSettings
-from star.wire import Event, EventKind
-from tests.procs import cluster_env, reaper, sigterm_interrupts
+from star.wire import Event, EventKind, LoadEntry, decode
+from tests.procs import RUN_MARK, cluster_env, reaper, sigterm_interrupts
 from tests.reports import report
 
 DECODE = ("decode-0", "decode-1")
+SCHEDULER_STALENESS_S = 15  # the staleness window of a test's scheduler
 # How long a source holds released blocks. A target that knows the source
 # (it pulled from it before) declines a read within 5 s of the hold's end
 # (vLLM's _KV_BLOCKS_EXPIRY_SAFETY_MARGIN) and recomputes without trying it:
@@ -407,3 +410,91 @@ async def wait_new_worker(
             return report.address
         await asyncio.sleep(0.5)
     raise AssertionError(f"{name} did not come back within {within_s} s; logs in {fleet.run_dir}")
+
+
+async def out_of_the_schedulers_view(bus: Bus) -> None:
+    """Wait until no decode instance but the fleet's can be in a new scheduler's view.
+
+    An instance announced by an earlier test (the ghost of
+    test_target_dead_continues_on_the_source_by_recompute) is not there: a
+    scheduler that counts it live would move requests to it, and a request
+    that loses its target too often fails (the proxy's recovery budget). A
+    scheduler starts its view a staleness window back.
+    """
+    ghosts = [
+        r
+        for r in (await bus.latest_reports()).values()
+        if r.role == "decode" and r.instance not in DECODE
+    ]
+    left = max((r.ts + SCHEDULER_STALENESS_S + 1.0 - time.time() for r in ghosts), default=0.0)
+    await asyncio.sleep(max(left, 0.0))
+
+
+async def wait_leader(bus: Bus, since: float, within_s: float) -> None:
+    """Wait for a scheduler's ``leader`` event stamped after ``since`` (wall clock)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        for _i, raw in await bus.tail("events", 500):
+            ev = decode(raw[b"body"])
+            if isinstance(ev, Event) and ev.event is EventKind.LEADER and ev.ts >= since:
+                return
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"no scheduler became leader within {within_s} s")
+
+
+async def steer_dispatch(bus: Bus, to: str) -> None:
+    """Make the proxy send new requests to decode instance ``to``.
+
+    The dispatch view (``star:load``) says every other decode instance is
+    full; the proxy polls it every 0.25 s. A scheduler's own view replaces it
+    at its first tick.
+    """
+    reports = await bus.latest_reports()
+    fake = [
+        LoadEntry(
+            name, "decode", reports[name].address, tokens, 1 << 20, float(tokens), 0, time.time()
+        )
+        for name, tokens in ((d, 0 if d == to else 1 << 19) for d in DECODE)
+    ]
+    await bus.publish_load(fake, ttl_s=120)
+    await asyncio.sleep(1.0)
+
+
+async def leading_scheduler(fleet: LocalCluster, bus: Bus) -> subprocess.Popen[bytes]:
+    """Start a ``star scheduler`` (``current`` mode) on the fleet's bus; returns once it leads.
+
+    Stop it with :func:`stop_scheduler`.
+    """
+    env = {
+        **os.environ,
+        RUN_MARK: fleet.env[RUN_MARK],  # the reaper's, should this process die first
+        "STAR_REDIS_URL": fleet.redis_url,
+        "STAR_SCHEDULER_MODE": "current",
+        "STAR_SCHEDULER_STALENESS_S": str(SCHEDULER_STALENESS_S),
+    }
+    env.pop("STAR_CONFIG", None)
+    started_at = time.time()
+    argv = [sys.executable, "-m", "star.cli.main", "scheduler", "--node", "sched-test"]
+    sched = subprocess.Popen(  # noqa: ASYNC220 - a short-lived child of the test
+        [*argv, "--metrics-port", "0"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        await wait_leader(bus, started_at, within_s=300)
+    except BaseException:
+        stop_scheduler(sched)
+        raise
+    return sched
+
+
+def stop_scheduler(sched: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(sched.pid, signal.SIGTERM)
+    try:
+        sched.wait(15)
+    except subprocess.TimeoutExpired:
+        os.killpg(sched.pid, signal.SIGKILL)
+        sched.wait(5)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -29,7 +28,7 @@ from star.cli.migrate import manual_decision, migrate
 from star.cli.up import LocalCluster
 from star.model.task import Prompt
 from star.settings import BusSettings, RedisSettings, load_settings
-from star.wire import Event, EventKind, Generate, Handoff, LoadEntry, Release, Tokens, decode
+from star.wire import Event, EventKind, Generate, Handoff, Release, Tokens, decode
 from tests.migration.conftest import (
     DECODE,
     Completion,
@@ -38,9 +37,13 @@ from tests.migration.conftest import (
     dispatched_to,
     engine_paused,
     ghost,
+    leading_scheduler,
+    out_of_the_schedulers_view,
     proxy_sees,
     run_in_bursts,
     source_paused,
+    steer_dispatch,
+    stop_scheduler,
     stream_with,
     wait_event,
     wait_kv_idle,
@@ -64,7 +67,6 @@ pytestmark = [
 
 MAX_TOKENS = 1000  # long enough that a decision lands before the request ends
 ACTED = {EventKind.MIGRATING, EventKind.REFUSED}  # the proxy's answers to a decision
-SCHEDULER_STALENESS_S = 15  # the loop-closed test's scheduler
 
 
 def prompt(n: int) -> str:
@@ -321,7 +323,8 @@ async def test_refusals_leave_the_stream_alone(fleet: LocalCluster, bus: Bus) ->
 
     async def on_chunk(c: Completion) -> None:
         if c.chunks == 1:  # as early as possible: a fast engine ends it in seconds
-            async with source_paused(fleet, bus, c.id) as (source, _):  # the request cannot end before the decision
+            # The request cannot end before the decision.
+            async with source_paused(fleet, bus, c.id) as (source, _):
                 await bus.publish("decisions", manual_decision(c.id, source, other(source)))
                 await wait_event(bus, c.id, lambda e: e.event is EventKind.REFUSED, "refused", 120)
 
@@ -371,7 +374,8 @@ async def test_target_dead_continues_on_the_source_by_recompute(
 
     async def on_chunk(c: Completion) -> None:
         if c.chunks == 1:  # as early as possible: a fast engine ends it in seconds
-            async with source_paused(fleet, bus, c.id) as (source, _):  # the request cannot end before the decision
+            # The request cannot end before the decision.
+            async with source_paused(fleet, bus, c.id) as (source, _):
                 await ghost(bus, "decode-ghost", dead)
                 await proxy_sees(fleet, "decode-ghost")
                 await bus.publish("decisions", manual_decision(c.id, source, "decode-ghost"))
@@ -397,15 +401,7 @@ async def test_the_loop_closed_scheduler_migrates_an_imbalanced_load(
         for _i, raw in await bus.tail("events", 20_000)
         if isinstance(e := decode(raw[b"body"]), Event)
     }
-    reports = await bus.latest_reports()
-    fake = [  # the dispatch view says decode-1 is full, so every request lands on decode-0
-        LoadEntry(
-            name, "decode", reports[name].address, tokens, 1 << 20, float(tokens), 0, time.time()
-        )
-        for name, tokens in ((DECODE[0], 0), (DECODE[1], 1 << 19))
-    ]
-    await bus.publish_load(fake, ttl_s=120)
-    await asyncio.sleep(1.0)  # the proxy polls the view every 0.25 s
+    await steer_dispatch(bus, DECODE[0])
     tasks = [asyncio.create_task(complete(fleet, prompt(20 + i), 1200)) for i in range(4)]
     sched = None
     try:
@@ -429,14 +425,6 @@ async def test_the_loop_closed_scheduler_migrates_an_imbalanced_load(
             await asyncio.sleep(0.1)
         placed = {rid: await dispatched_to(bus, rid) for rid in rids}
         assert sorted(placed.values()) == [DECODE[0]] * 4, placed
-        env = {
-            **os.environ,
-            RUN_MARK: fleet.env[RUN_MARK],  # the reaper's, should this process die first
-            "STAR_REDIS_URL": fleet.redis_url,
-            "STAR_SCHEDULER_MODE": "current",
-            "STAR_SCHEDULER_STALENESS_S": str(SCHEDULER_STALENESS_S),
-        }
-        env.pop("STAR_CONFIG", None)
         deadline = time.monotonic() + 120
         while not set(rids) <= {r.id for r in (await bus.latest_reports())[DECODE[0]].requests}:
             assert time.monotonic() < deadline, "decode-0 never reported the four requests"
@@ -444,25 +432,8 @@ async def test_the_loop_closed_scheduler_migrates_an_imbalanced_load(
         # decode-0's engine stands still until the scheduler (slow to start on
         # a loaded box) leads, so the requests cannot end before it plans.
         # (A paused engine's worker reports nothing: its tap cannot answer.)
-        started_at = time.time()
         with engine_paused(fleet, DECODE[0]):
-            sched = subprocess.Popen(  # noqa: ASYNC220 - a short-lived child of this test
-                [
-                    sys.executable,
-                    "-m",
-                    "star.cli.main",
-                    "scheduler",
-                    "--node",
-                    "sched-test",
-                    "--metrics-port",
-                    "0",
-                ],
-                env=env,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-            await wait_leader(bus, started_at, within_s=300)
+            sched = await leading_scheduler(fleet, bus)
         moved = await wait_any(bus, rids, EventKind.RESUMED, within_s=180)
         decisions = [e for e in await bus.request_events(moved) if e.event is EventKind.MIGRATING]
         assert decisions[0].data["origin"] == "scheduler"
@@ -485,43 +456,7 @@ async def test_the_loop_closed_scheduler_migrates_an_imbalanced_load(
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         if sched is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(sched.pid, signal.SIGTERM)
-            try:
-                sched.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(sched.pid, signal.SIGKILL)
-                sched.wait(5)
-
-
-async def out_of_the_schedulers_view(bus: Bus) -> None:
-    """Wait until no decode instance but the fleet's can be in a new scheduler's view.
-
-    An instance announced by an earlier test (the ghost of
-    test_target_dead_continues_on_the_source_by_recompute) is not there: a
-    scheduler that counts it live would move requests to it, and a request
-    that loses its target too often fails (the proxy's recovery budget). A
-    scheduler starts its view a staleness window back.
-    """
-    ghosts = [
-        r
-        for r in (await bus.latest_reports()).values()
-        if r.role == "decode" and r.instance not in DECODE
-    ]
-    left = max((r.ts + SCHEDULER_STALENESS_S + 1.0 - time.time() for r in ghosts), default=0.0)
-    await asyncio.sleep(max(left, 0.0))
-
-
-async def wait_leader(bus: Bus, since: float, within_s: float) -> None:
-    """Wait for a scheduler's ``leader`` event stamped after ``since`` (wall clock)."""
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        for _i, raw in await bus.tail("events", 500):
-            ev = decode(raw[b"body"])
-            if isinstance(ev, Event) and ev.event is EventKind.LEADER and ev.ts >= since:
-                return
-        await asyncio.sleep(0.2)
-    raise AssertionError(f"no scheduler became leader within {within_s} s")
+            stop_scheduler(sched)
 
 
 async def wait_any(bus: Bus, rids: list[str], kind: EventKind, within_s: float) -> str:
@@ -543,8 +478,6 @@ async def test_no_kv_block_leaks_after_the_tests(fleet: LocalCluster, bus: Bus) 
 
 def test_star_migrate_cli_reports_a_refusal(fleet: LocalCluster) -> None:
     import os
-    import subprocess
-    import sys
 
     env = {**os.environ, RUN_MARK: fleet.env[RUN_MARK], "STAR_REDIS_URL": fleet.redis_url}
     env.pop("STAR_CONFIG", None)
