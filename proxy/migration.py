@@ -58,13 +58,15 @@ def leg_frame(
     sampling: dict[str, Any],
     generated: list[int],
     kv: dict[str, Any] | None,
+    fusion: list[float] | None = None,
 ) -> Generate:
     """The Generate that opens a leg: the first, or a continuation after ``generated`` tokens.
 
     A continuation's prompt is the original prompt plus every token sent, its
     budgets are reduced (:func:`star.sampling.continuation`), and it says how
     many tokens came before (``continued``, which the target's predictor tap
-    reads: its first row there is mid-answer).
+    reads: its first row there is mid-answer) and the source's predictor
+    state (``fusion``, from the :class:`Handoff`), which the tap continues.
     """
     if not generated:
         return Generate(stream, request_id, list(prompt), sampling, kv)
@@ -75,6 +77,7 @@ def leg_frame(
         continuation(sampling, len(generated)),
         kv,
         continued=len(generated),
+        fusion=fusion,
     )
 
 
@@ -177,6 +180,7 @@ class DecodeRun:
         self.recoveries = 0
         self.last_token_s = 0.0
         self.handoff_s = 0.0
+        self.fusion: list[float] | None = None  # the predictor state of the last handoff
         self.where = ""  # the instance of the latest leg (kept after it closes)
         self.source: tuple[str, str] | None = None  # (instance, address) of the last source
 
@@ -222,6 +226,7 @@ class DecodeRun:
                 self.sampling,
                 self.generated,
                 kv,
+                self.fusion,
             )
         )
 
@@ -376,6 +381,7 @@ class DecodeRun:
         self.fire(RunEvent.HANDOFF)
         self.handoff_s = time.monotonic()
         kv = dict(msg.kv_transfer_params)
+        self.fusion = msg.fusion  # the predictor state goes on with every later leg
         self.emit(
             EventKind.RELEASED,
             "handoff",
@@ -383,6 +389,7 @@ class DecodeRun:
             tokens=msg.num_tokens,
             kv_tokens=int(kv.get("remote_num_tokens") or 0),
             release_ms=round((self.handoff_s - cmd.since) * 1000, 2),
+            predictor_state=msg.fusion is not None,
         )
         await self._close_leg(abort=False)
         self.source = (source.instance, source.address)

@@ -226,6 +226,8 @@ class Generate(Message):
 
     ``continued``: on a continuation, how many tokens the request had already
     generated; they end ``prompt_token_ids`` (0 for a fresh request).
+    ``fusion``: on a continuation, the length predictor's state the source
+    handed over (:class:`Handoff`), or None.
     """
 
     KIND: ClassVar[str] = "generate"
@@ -235,6 +237,7 @@ class Generate(Message):
     sampling: dict[str, Any]  # vLLM SamplingParams keyword arguments
     kv_transfer_params: dict[str, Any] | None = None
     continued: int = 0
+    fusion: list[float] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,13 +272,20 @@ class Release(Message):
 
 @dataclass(frozen=True, slots=True)
 class Handoff(Message):
-    """Answer to :class:`Release`: where the held KV is and how many tokens it covers."""
+    """Answer to :class:`Release`: where the held KV is and how many tokens it covers.
+
+    ``fusion``: the source's length-predictor state for the request (sum of
+    weights, sum of weighted final lengths counted from the original prompt;
+    ``workers.tap.HiddenStateTap.star_tap_state``), for the target's
+    predictor to continue; None without one.
+    """
 
     KIND: ClassVar[str] = "handoff"
     stream: int
     migration: str
     kv_transfer_params: dict[str, Any]
     num_tokens: int
+    fusion: list[float] | None = None
 
 
 @dataclass(frozen=True, slots=True)

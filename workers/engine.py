@@ -59,7 +59,7 @@ from workers.protocol import (
     TokenDelta,
 )
 from workers.state import EngineStats, RunningRequest
-from workers.tap import CONTINUED_KEY, TapClient
+from workers.tap import CONTINUED_KEY, FUSION_KEY, TapClient
 from workers.tap import QUALNAME as TAP_EXTENSION
 from workers.vllm_ext import RELEASE_KEY, release_id
 
@@ -328,8 +328,11 @@ def sampling_params(request: GenerateRequest, role: str) -> SamplingParams:
         kv.setdefault("do_remote_decode", True)
     extra: dict[str, Any] = {"kv_transfer_params": kv} if kv else {}
     if request.continued > 0:
-        # The tap (workers/tap.py) reads it: this request's first row is mid-answer.
+        # The tap (workers/tap.py) reads it: this request's first row is mid-answer,
+        # and it may continue the source's fusion.
         extra[CONTINUED_KEY] = int(request.continued)
+        if request.fusion is not None:
+            extra[FUSION_KEY] = [float(x) for x in request.fusion]
     try:
         return SamplingParams(
             **kwargs,
@@ -647,7 +650,12 @@ class EngineHandle:
         assert live is not None
         live.release = asyncio.get_running_loop().create_future()
         await self.llm.engine_core.abort_requests_async([release_id(internal[-1], migration)])
-        return await asyncio.shield(live.release)
+        info = await asyncio.shield(live.release)
+        # The predictor's state goes with the KV: as of the last report (at
+        # most one round old). Asking the engine for it here would lengthen
+        # every handoff (measured: +1-2 ms release -> handoff); a request
+        # released before its first report brings none.
+        return dataclasses.replace(info, fusion=self.tap.fusion.get(request_id))
 
     # -- numbers --------------------------------------------------------------------------
 

@@ -137,6 +137,7 @@ class GenerateRequest:
     sampling: Mapping[str, Any]
     kv_transfer_params: Mapping[str, Any] | None = None
     continued: int = 0  # tokens generated before this leg (they end the prompt)
+    fusion: list[float] | None = None  # the source's predictor state (workers.tap.FUSION_KEY)
 
     @classmethod
     def from_frame(cls, msg: Generate) -> GenerateRequest:
@@ -147,6 +148,7 @@ class GenerateRequest:
             sampling=msg.sampling,
             kv_transfer_params=msg.kv_transfer_params,
             continued=msg.continued,
+            fusion=msg.fusion,
         )
 
 
@@ -182,6 +184,7 @@ class HandoffInfo:
 
     kv_transfer_params: dict[str, Any]
     num_tokens: int
+    fusion: list[float] | None = None  # the length predictor's state (workers.tap.FUSION_KEY)
 
 
 class Engine(Protocol):

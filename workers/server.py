@@ -249,6 +249,7 @@ class _Connection:
                     migration=migration,
                     kv_transfer_params=info.kv_transfer_params,
                     num_tokens=info.num_tokens,
+                    fusion=info.fusion,
                 )
             )
 

@@ -63,6 +63,15 @@ is then mid-answer, not at the end of a real prompt, and is fused without
 the prompt row's extra weight.
 """
 
+FUSION_KEY = "star_fusion"
+"""``SamplingParams.extra_args`` key of the fusion state a continued request brings along.
+
+``[sum of weights, sum of weighted final lengths]`` on the engine it left
+(as of its last :meth:`HiddenStateTap.star_tap_predictions`), final lengths
+counted from the request's original prompt; its first row here continues
+that fusion instead of starting one.
+"""
+
 
 def external_id(internal: str) -> str:
     """The caller's request id of a vLLM internal id (``<external>-<8 chars>``)."""
@@ -95,6 +104,9 @@ class _TapState:
         # weights, sum of weighted final lengths), its cap (most output tokens
         # it may still reach), the R-hat served and the tokens generated then.
         self.slot: dict[str, int] = {}
+        # Requests continued here after a handoff: tokens generated before (their
+        # final lengths here are counted from the continuation's prompt).
+        self.moved: dict[str, int] = {}
         self.weight = np.zeros(0)
         self.total = np.zeros(0)
         self.cap = np.zeros(0)
@@ -223,9 +235,10 @@ class HiddenStateTap:
 
         return timed
 
-    def _star_tap_first(self, rid: str) -> tuple[int, bool]:
+    def _star_tap_first(self, rid: str) -> tuple[int, int, list[float] | None]:
         """(Most output tokens request ``rid`` can reach: max_tokens, and the model length;
-        whether it continues a request from another engine, :data:`CONTINUED_KEY`)."""
+        tokens it generated on other engines before, :data:`CONTINUED_KEY`; the fusion
+        state it brings, :data:`FUSION_KEY`, or None)."""
         runner = self.model_runner
         req = runner.requests[rid]
         cap = int(runner.max_model_len) - int(req.num_prompt_tokens)
@@ -233,7 +246,9 @@ class HiddenStateTap:
         if params is not None and params.max_tokens is not None:
             cap = min(cap, int(params.max_tokens))
         extra = getattr(params, "extra_args", None) or {}
-        return cap, bool(extra.get(CONTINUED_KEY))
+        fusion = extra.get(FUSION_KEY)
+        carried = [float(x) for x in fusion] if isinstance(fusion, list | tuple) else None
+        return cap, int(extra.get(CONTINUED_KEY) or 0), carried
 
     def _star_tap_take(self, tap: _TapState, hidden_states: Any) -> bool:
         """Take this step's rows if any are due; returns whether a round ran."""
@@ -330,13 +345,30 @@ class HiddenStateTap:
         found = [slot.get(rid, -1) for rid in ids]
         at = np.array(found, dtype=np.intp)
         any_new = -1 in found
+        weight0, total0, cap0, from_at = tap.weight, tap.total, tap.cap, at
         if any_new:  # a request's first round: its prompt's row, unless it was moved here
             fresh = np.flatnonzero(at < 0)
-            looked = [self._star_tap_first(ids[i]) for i in fresh.tolist()]
             first = np.ones(len(ids))
             fresh_cap = np.zeros(len(ids))
-            fresh_cap[fresh] = [c for c, _ in looked]
-            first[fresh[[not moved for _, moved in looked]]] = tap.first_weight
+            carried: list[tuple[int, int, list[float]]] = []  # (row, cap, fusion state)
+            for i in fresh.tolist():
+                cap_i, before, fusion = self._star_tap_first(ids[i])
+                fresh_cap[i] = cap_i
+                if not before:
+                    first[i] = tap.first_weight
+                    continue
+                tap.moved[ids[i]] = before
+                if fusion is not None and len(fusion) == 2:
+                    # Final lengths here count from the continuation's prompt.
+                    carried.append((i, cap_i, [fusion[0], fusion[1] - before * fusion[0]]))
+            if carried:
+                # Rows that bring a fusion state continue it, as known rows do.
+                base = len(tap.weight)
+                from_at = at.copy()
+                from_at[[i for i, _, _ in carried]] = np.arange(base, base + len(carried))
+                weight0 = np.concatenate([tap.weight, [w for _, _, (w, _) in carried]])
+                total0 = np.concatenate([tap.total, [t for _, _, (_, t) in carried]])
+                cap0 = np.concatenate([tap.cap, [float(c) for _, c, _ in carried]])
         else:
             first = fresh_cap = _NONE
         g = generated.astype(np.float64)
@@ -345,19 +377,21 @@ class HiddenStateTap:
             fast.log_target,
             fast.uncertainty,
             fast.scale,
-            at,
+            from_at,
             first,
             fresh_cap,
             g,
-            tap.weight,
-            tap.total,
-            tap.cap,
+            weight0,
+            total0,
+            cap0,
             tap.decay,
             tap.power,
         )
         if due:
             # A round holds every running request: finished ones are forgotten.
             tap.slot = dict(zip(ids, range(len(ids)), strict=True))
+            if tap.moved:
+                tap.moved = {rid: n for rid, n in tap.moved.items() if rid in tap.slot}
             tap.weight, tap.total, tap.cap, tap.served, tap.generated = (
                 weight,
                 total,
@@ -386,7 +420,8 @@ class HiddenStateTap:
                 slot[ids[i]] = base + k
 
     def star_tap_predictions(self) -> dict[str, Any]:
-        """The last prediction round: ``{"requests": {id: [R-hat, generated]}, timing...}``."""
+        """The last prediction round: ``{"requests": {id: [R-hat, generated, weight, total]},
+        timing...}`` (weight, total: the request's fusion state, :data:`FUSION_KEY`)."""
         tap: _TapState | None = getattr(self, "_star_tap", None)
         if tap is None:
             return {
@@ -397,9 +432,19 @@ class HiddenStateTap:
                 "rows": 0,
                 "steps": 0,
             }
+        moved = tap.moved
         return {
+            # [R-hat, generated, and the fusion state to hand over with the request
+            # (FUSION_KEY): sum of weights, sum of weighted final lengths counted
+            # from the original prompt]
             "requests": {
-                rid: [float(tap.served[i]), int(tap.generated[i])] for rid, i in tap.slot.items()
+                rid: [
+                    float(tap.served[i]),
+                    int(tap.generated[i]),
+                    float(tap.weight[i]),
+                    float(tap.total[i] + moved.get(rid, 0) * tap.weight[i]),
+                ]
+                for rid, i in tap.slot.items()
             },
             "predict_s": tap.predict_s,
             "check_s": tap.check_s,
@@ -467,6 +512,9 @@ class TapClient:
         self.hidden_size = 0
         self.has_predictor = False
         self.timing = TapTiming()
+        # External id -> fusion state as of the last predictions() (FUSION_KEY):
+        # handed over with a released request.
+        self.fusion: dict[str, list[float]] = {}
 
     async def install(
         self, every: int, checkpoint: str = "", collect: bool = False, profile: bool = False
@@ -503,11 +551,15 @@ class TapClient:
             float(result.get("step_s", 0.0)),
         )
         out: dict[str, float] = {}
-        for internal, (r_hat, g) in result["requests"].items():
+        fusion: dict[str, list[float]] = {}
+        for internal, (r_hat, g, *state) in result["requests"].items():
             rid = external_id(internal)
             now = generated.get(rid)
             if now is not None:
                 out[rid] = max(float(r_hat) - max(now - int(g), 0), 1.0)
+            if len(state) == 2:
+                fusion[rid] = [float(state[0]), float(state[1])]
+        self.fusion = fusion
         return out
 
     async def drain(self) -> dict[str, Any]:

@@ -69,6 +69,12 @@ async def test_a_stopping_worker_hands_its_request_over_and_exits(
         )
         assert moving.data["reason"] == "drain" and moving.data["origin"] == "scheduler"
         assert moving.data["target"] == target
+        # The source had reported the request's predictions since its prompt
+        # round, so the handoff carried its length predictor's fusion state.
+        released = await wait_event(
+            bus, rid, lambda e: e.event is EventKind.RELEASED, "released", 120
+        )
+        assert released.data["predictor_state"] is True
         await wait_event(bus, rid, lambda e: e.event is EventKind.RESUMED, "resumed", 120)
         exit_code.append(await asyncio.to_thread(worker.wait, 3 * DRAIN_TIMEOUT_S))
 

@@ -65,6 +65,11 @@ def test_a_continuation_leg_carries_every_token_sent_and_says_how_many() -> None
     assert moved.prompt_token_ids == [5, 6, 7, 8, 9]
     assert moved.sampling == {"max_tokens": 97, "min_tokens": 27, "temperature": 0.0}
     assert (moved.continued, moved.kv_transfer_params, moved.stream) == (3, kv, 2)
+    assert moved.fusion is None and first.fusion is None
+    # The source's predictor state (from its Handoff) goes on with a continuation only.
+    carried = leg_frame(3, "r", [5, 6], sampling, [7, 8, 9], kv, [2.5, 400.0])
+    assert carried.fusion == [2.5, 400.0]
+    assert leg_frame(4, "r", [5, 6], sampling, [], None, [2.5, 400.0]).fusion is None
 
 
 def test_every_transition_of_the_table() -> None:

@@ -183,7 +183,9 @@ class FakeLLM:
 
 
 async def test_tap_client_ages_predictions_by_tokens_since() -> None:
-    llm = FakeLLM({"a-abcdefgh": [100.0, 40], "b-12345678": [5.0, 10], "gone-aaaaaaaa": [9.0, 1]})
+    llm = FakeLLM(
+        {"a-abcdefgh": [100.0, 40, 2.0, 280.0], "b-12345678": [5.0, 10], "gone-aaaaaaaa": [9.0, 1]}
+    )
     client = TapClient(llm)
     assert await client.predictions({"a": 1}) == {}  # not installed: no RPC
     assert llm.calls == []
@@ -191,6 +193,8 @@ async def test_tap_client_ages_predictions_by_tokens_since() -> None:
     got = await client.predictions({"a": 70, "b": 30})
     # a: predicted 100 at 40 generated, 30 tokens since -> 70; b: floored at one token.
     assert got == {"a": 70.0, "b": 1.0}
+    # The fusion state a released request takes along, by the caller's id.
+    assert client.fusion == {"a": [2.0, 280.0]}
     assert client.timing.mean_batch_s == pytest.approx(0.001)
 
 

@@ -152,6 +152,25 @@ async def test_tap_predicts_every_k_steps_for_running_requests(worker: Any) -> N
     )
 
 
+async def test_a_release_hands_over_the_predictors_fusion_state(worker: Any) -> None:
+    # What the Handoff carries to the target's tap (tests/predictor/test_tap.py
+    # checks that the target continues it): the state as of the last report.
+    engine = worker.engine
+    async with running(engine, 1, "h") as (rid,):
+
+        async def reported() -> bool:
+            await engine.predictions()
+            return rid in engine.tap.fusion
+
+        await until(reported)
+        generated = engine._live[rid].generated
+        info = await engine.release(rid, "m-fusion-test")
+    assert info.fusion is not None
+    weight, total = info.fusion
+    assert weight > 0 and math.isfinite(total) and total / weight > 0  # a final length
+    assert info.num_tokens > generated
+
+
 async def test_reports_carry_r_hat_and_its_future_load(worker: Any) -> None:
     bus, instance = worker.bus, worker.instance
 

@@ -26,7 +26,7 @@ from star.predictor.model import (
     fuse_step,
     save_checkpoint,
 )
-from workers.tap import CONTINUED_KEY, HiddenStateTap
+from workers.tap import CONTINUED_KEY, FUSION_KEY, HiddenStateTap
 
 DIM = 8
 PROMPT = 5
@@ -102,8 +102,16 @@ def _tap(tmp_path: Path, model: LengthPredictor, every: int, **runner_kw: Any) -
     return tap
 
 
-def _add(runner: FakeRunner, rid: str, max_tokens: int | None, continued: int = 0) -> None:
-    extra = {CONTINUED_KEY: continued} if continued else None
+def _add(
+    runner: FakeRunner,
+    rid: str,
+    max_tokens: int | None,
+    continued: int = 0,
+    fusion: list[float] | None = None,
+) -> None:
+    extra: dict[str, Any] | None = {CONTINUED_KEY: continued} if continued else None
+    if extra is not None and fusion is not None:
+        extra[FUSION_KEY] = fusion
     runner.requests[rid] = types.SimpleNamespace(
         num_prompt_tokens=PROMPT,
         sampling_params=types.SimpleNamespace(max_tokens=max_tokens, extra_args=extra),
@@ -176,7 +184,7 @@ def test_tap_serves_the_evaluations_fusion_clipped_to_the_cap(tmp_path: Path) ->
         pred, sigma = ev.mlp_predictions(model, samples)
         unclipped = ev.fused(samples, pred, sigma, 0.6, 2.0, 3.0)
         want = ev.clip(unclipped, samples, cap)
-        r_hat, g = got["requests"][rid]
+        r_hat, g, *_ = got["requests"][rid]
         assert g == gens[-1]
         assert r_hat == pytest.approx(max(want[-1], 0.0), rel=1e-4, abs=1e-3)
         if rid == "b":  # the bound bites: at most 12 - 9 tokens to go
@@ -235,6 +243,52 @@ def test_a_request_moved_here_gets_no_prompt_weight_on_its_first_row(tmp_path: P
         want = ev.fused(samples, pred, sigma, 0.6, 2.0, first)[-1]
         assert got[rid][0] == pytest.approx(want, rel=1e-4, abs=1e-3), rid
     assert got["fresh"][0] != pytest.approx(got["moved"][0], rel=1e-3)
+
+
+def test_a_moved_request_continues_the_fusion_it_brings(tmp_path: Path) -> None:
+    # "r" runs 6 steps on engine a, is moved with a's fusion state and runs 4
+    # more on engine b: b must serve what one engine would have served over
+    # all ten rows (b counts tokens from the continuation's prompt, the state
+    # from the original one).
+    model = _model()
+    hidden = np.random.default_rng(2).normal(size=(10, DIM)).astype(np.float32)
+    taken: list[int] = []  # the steps whose rows the taps took
+
+    def run(tap: Any, steps: range) -> None:
+        for step in steps:
+            gen = step - steps.start
+            tap.model_runner.set_batch([("r", gen, gen == 0, False)])
+            tap.model_runner.step(
+                torch.from_numpy(hidden[step : step + 1]), new=("r",) * (gen == 0)
+            )
+            if gen == 0 or (gen + 1) % 2 == 0:  # the prompt's row, then every 2nd step
+                taken.append(step)
+
+    a = _tap(tmp_path / "a", model, every=2)
+    _add(a.model_runner, "r", None)
+    run(a, range(0, 6))
+    state = a.star_tap_predictions()["requests"]["r"][2:]  # what a's worker hands over
+    b = _tap(tmp_path / "b", model, every=2)
+    _add(b.model_runner, "r", None, continued=6, fusion=state)
+    run(b, range(6, 10))
+    gens = np.array(taken)
+    samples = Samples.from_columns(
+        hidden[gens],
+        {k: np.zeros_like(gens) for k in ("remaining", "final", "request", "prompt", "capped")}
+        | {"generated": gens},
+    )
+    pred, sigma = ev.mlp_predictions(model, samples)
+    want = ev.fused(samples, pred, sigma, 0.6, 2.0, 3.0)[-1]
+    served, generated, *state_b = b.star_tap_predictions()["requests"]["r"]
+    assert generated == 3 and served == pytest.approx(want, rel=1e-4, abs=1e-3)
+    # b's own state is in the original prompt's terms again, for a next move.
+    assert state_b[1] / state_b[0] == pytest.approx(served + 6 + 3, rel=1e-6)
+    # Without the state, the same rows on b start a fusion of their own.
+    c = _tap(tmp_path / "c", model, every=2)
+    _add(c.model_runner, "r", None, continued=6)
+    run(c, range(6, 10))
+    alone = c.star_tap_predictions()["requests"]["r"][0]
+    assert alone != pytest.approx(want, rel=1e-3)
 
 
 def test_a_due_round_forgets_finished_requests_and_collects_copies(tmp_path: Path) -> None:

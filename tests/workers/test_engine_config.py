@@ -246,6 +246,14 @@ def test_sampling_marks_a_continuation_for_the_tap(eng: ModuleType) -> None:
     }
     recomputed = GenerateRequest("r", [1, 2, 3], {"max_tokens": 7}, continued=2)
     assert eng.sampling_params(recomputed, "decode").extra_args == {CONTINUED_KEY: 2}
+    # With the source's predictor state (a Handoff's), the tap continues its fusion.
+    from workers.tap import FUSION_KEY
+
+    carried = GenerateRequest("r", [1, 2, 3], {"max_tokens": 7}, continued=2, fusion=[1.5, 9.0])
+    assert eng.sampling_params(carried, "decode").extra_args == {
+        CONTINUED_KEY: 2,
+        FUSION_KEY: [1.5, 9.0],
+    }
 
 
 def test_sampling_on_prefill_keeps_the_kv_for_decode(eng: ModuleType) -> None:
