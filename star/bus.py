@@ -363,6 +363,21 @@ class Bus:
         rows = await self.retrying(f"XREVRANGE {key}", lambda: xrevrange(self.redis, key, count))
         return [(as_str(i), f) for i, f in reversed(rows)]
 
+    async def since(self, stream: str, seconds: float) -> list[tuple[str, dict[bytes, bytes]]]:
+        """The raw entries of a stream added in the last ``seconds`` (by entry id), oldest first.
+
+        Entry ids are Redis's millisecond clock, so this is the time window a
+        service reads (``start`` a window back), however busy the stream.
+        """
+        key = self.keys.stream(stream)
+        start = f"{max(0, int((time.time() - seconds) * 1000))}-0"
+
+        async def op() -> list[tuple[bytes, dict[bytes, bytes]]]:
+            rows = await self.redis.xrange(key, min=start, max="+")
+            return cast(list[tuple[bytes, dict[bytes, bytes]]], rows)
+
+        return [(as_str(i), f) for i, f in await self.retrying(f"XRANGE {key}", op)]
+
     async def latest_reports(self, count: int = 4096) -> dict[str, Report]:
         """The newest report of each instance among the last ``count`` entries.
 

@@ -22,9 +22,6 @@ from star.planner.trace import instance_traces
 from star.planner.types import ModeKind, Request
 
 _VERDICT_ORDER = {v: i for i, v in enumerate(Verdict)}
-# How far back --from-redis reads <prefix>:events and <prefix>:decisions.
-EVENTS_READ = 20_000
-DECISIONS_READ = 2_000
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -129,8 +126,12 @@ def _live_state(args: argparse.Namespace) -> tuple[list[Instance], PlannerParams
         bus = Bus.from_settings(settings.redis, settings.bus)
         try:
             reports = list((await bus.latest_reports()).values())
-            events = await bus.tail("events", EVENTS_READ)
-            decisions = await bus.tail("decisions", DECISIONS_READ)
+            # The windows the scheduler reads (scheduler.service): worker_down
+            # events a staleness window back, decisions until they expire, and
+            # their outcomes after them.
+            cfg = settings.scheduler
+            events = await bus.since("events", max(cfg.staleness_s, cfg.decision_timeout_s))
+            decisions = await bus.since("decisions", cfg.decision_timeout_s)
         finally:
             await bus.close()
         return reports, decoded(events), decoded(decisions)

@@ -9,7 +9,7 @@ import time
 import urllib.request
 
 from star.bus import Bus, Subscriber
-from star.wire import Decision, Event, EventKind
+from star.wire import Decision, Event, EventKind, encode
 from tests.redis_server import free_port
 from tests.scheduler.conftest import HEAVY, LIGHT, Cluster, wait_for
 from tests.scheduler.reports import report
@@ -265,6 +265,13 @@ async def test_plan_from_redis_sees_worker_down_draining_and_moves_in_flight(
         doc: dict[str, object] = json.loads(out.stdout)
         return doc
 
+    # A busy events stream: the worker_down is followed by more events than
+    # any fixed count would read back; it is still within the staleness window.
+    filler = encode(Event(EventKind.DISPATCHED, time.time(), "proxy", request="x", instance="d"))
+    pipe = bus.redis.pipeline(transaction=False)
+    for _ in range(25_000):
+        pipe.xadd(bus.keys.events, {b"body": filler})
+    await pipe.execute()
     doc = await star_plan()
     rows = {i["id"]: i for i in doc["instances"]}  # type: ignore[attr-defined]
     assert sorted(rows) == ["a", "c", "d"]  # b is down
