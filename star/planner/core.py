@@ -30,6 +30,7 @@ from star.planner.trace import (
     cutoffs,
     grid,
     remaining_array,
+    too_short,
     weights,
 )
 from star.planner.types import (
@@ -167,19 +168,6 @@ class _Prefix:
         return out
 
 
-def _too_short(
-    tokens: FloatArray,
-    remaining: FloatArray,
-    bpt: FloatArray,
-    step: FloatArray,
-    params: PlannerParams,
-) -> BoolArray:
-    """Paper Algorithm 1 line 20: keep r only if R-hat(r) > C_mig(r) / T_exec."""
-    c_mig = tokens * bpt / params.bandwidth_bytes_per_s + params.handoff_latency_s
-    out: BoolArray = ~(remaining > c_mig / step)
-    return out
-
-
 def _explain(
     instances: Sequence[Instance],
     over: BoolArray,
@@ -212,7 +200,7 @@ def _explain(
         size += pre.y[targets[None, :], k[:, None]]
         gain = unscaled < threshold - noise * size
         step = src.step_time_s if src.step_time_s > 0 else params.default_step_time_s
-        short = _too_short(
+        short = too_short(
             tokens,
             remaining,
             np.full(len(reqs), float(src.bytes_per_token)),

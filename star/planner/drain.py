@@ -29,7 +29,7 @@ import numpy as np
 
 from star.planner.arrays import ArrayPlan, ClusterArrays
 from star.planner.kernels import IntArray
-from star.planner.trace import grid, weights
+from star.planner.trace import contribution, grid, too_short, weights
 from star.planner.types import ModeKind, PlannerParams
 
 
@@ -55,7 +55,8 @@ def evacuations(
     if not sources.size or not free.any():
         return []
     tau = grid(params)
-    traces = decided.traces.copy()
+    # Only instances in no move are looked at: the traces the tick began with.
+    traces = decided.traces
     remaining = decided.remaining_all
     tokens = arrays.tokens
     step = np.where(arrays.step_time_s > 0, arrays.step_time_s, params.default_step_time_s)
@@ -64,14 +65,12 @@ def evacuations(
     for s in sources.tolist():
         rows = np.arange(arrays.offsets[s], arrays.offsets[s + 1])
         rows = rows[arrays.eligible[rows]]
-        cost_steps = (
-            tokens[rows] * arrays.bytes_per_token[s] / params.bandwidth_bytes_per_s
-            + params.handoff_latency_s
-        ) / step[s]
-        rows = rows[remaining[rows] > cost_steps]
+        rows = rows[
+            ~too_short(tokens[rows], remaining[rows], arrays.bytes_per_token[s], step[s], params)
+        ]
         # Longest R-hat first; among equal ones the least KV (lexsort: last key first).
         for q in rows[np.lexsort((tokens[rows], -remaining[rows]))].tolist():
-            adds = np.where(tau < remaining[q], tokens[q] + tau, 0.0)
+            adds = contribution(tokens[q], remaining[q], tau)
             room = free & ((traces + adds).max(axis=1) <= arrays.capacity)
             if not room.any():
                 continue
@@ -81,8 +80,6 @@ def evacuations(
             delta_v = 2.0 / n * float(beta @ (adds * (adds + traces[t] - traces[s])))
             moves.append((q, s, t, delta_v))
             free[t] = False
-            traces[t] += adds
-            traces[s] -= adds
             break
         if not free.any():
             break

@@ -174,6 +174,23 @@ def contribution(tokens: float, remaining: float, tau: FloatArray) -> FloatArray
     return out
 
 
+def too_short(
+    tokens: FloatArray,
+    remaining: FloatArray,
+    bpt: FloatArray | float,
+    step: FloatArray | float,
+    params: PlannerParams,
+) -> BoolArray:
+    """Paper Algorithm 1 line 20: keep r only if R-hat(r) > C_mig(r) / T_exec.
+
+    True where a request would end before its move does (``bpt``: the source's
+    KV bytes per token; ``step``: its decode step time in seconds).
+    """
+    c_mig = tokens * bpt / params.bandwidth_bytes_per_s + params.handoff_latency_s
+    out: BoolArray = ~(remaining > c_mig / step)
+    return out
+
+
 def traces_from_arrays(
     owner: IntArray, tokens: FloatArray, k: IntArray, n: int, tau: FloatArray
 ) -> FloatArray:
