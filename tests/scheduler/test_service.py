@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import subprocess
 import time
 import urllib.request
+from typing import Any
 
 from star.bus import Bus, Subscriber
 from star.wire import Decision, Event, EventKind, encode
@@ -25,6 +27,21 @@ async def plan_from_redis(env: dict[str, str], *args: str) -> subprocess.Complet
         env=env,
         timeout=60,
     )
+
+
+async def star_status(cluster: Cluster) -> dict[str, Any]:
+    """``star status --json`` as an operator runs it (decisions kept 60 s), parsed."""
+    out = await asyncio.to_thread(
+        subprocess.run,
+        ["star", "status", "--json"],
+        capture_output=True,
+        text=True,
+        env=cluster.env(STAR_SCHEDULER_DECISION_TIMEOUT_S="60"),
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    status: dict[str, Any] = json.loads(out.stdout)
+    return status
 
 
 async def test_imbalance_yields_decision_load_view_and_expiry(cluster: Cluster, bus: Bus) -> None:
@@ -49,18 +66,7 @@ async def test_imbalance_yields_decision_load_view_and_expiry(cluster: Cluster, 
         assert view["a"].tokens < sum(HEAVY)  # the booked move is already counted on the target
         assert view[d.target].tokens > sum(LIGHT)
 
-        out = await asyncio.to_thread(
-            subprocess.run,
-            ["star", "status", "--json"],
-            capture_output=True,
-            text=True,
-            env=cluster.env(STAR_SCHEDULER_DECISION_TIMEOUT_S="60"),
-            timeout=60,
-        )
-        assert out.returncode == 0, out.stderr
-        import json
-
-        status = json.loads(out.stdout)
+        status = await star_status(cluster)
         assert status["leader"]["node"] == "solo"
         assert {i["instance"] for i in status["instances"]} == {"a", "b", "c"}
         a = next(i for i in status["instances"] if i["instance"] == "a")
@@ -114,18 +120,7 @@ async def test_a_draining_instance_is_evacuated_though_the_load_is_even(
         assert isinstance(d, Decision)
         assert (d.request, d.source, d.target, d.reason) == ("b-r0", "b", "c", "drain")
         assert d.origin == "scheduler" and d.delta_v > 0  # evens nothing out: V rises
-        out = await asyncio.to_thread(
-            subprocess.run,
-            ["star", "status", "--json"],
-            capture_output=True,
-            text=True,
-            env=cluster.env(STAR_SCHEDULER_DECISION_TIMEOUT_S="60"),
-            timeout=60,
-        )
-        assert out.returncode == 0, out.stderr
-        import json
-
-        (flight,) = json.loads(out.stdout)["in_flight"]
+        (flight,) = (await star_status(cluster))["in_flight"]
         assert (flight["request"], flight["reason"]) == ("b-r0", "drain")
     finally:
         reporter.cancel()
@@ -229,8 +224,6 @@ async def test_plan_from_redis_explains_the_live_state(cluster: Cluster, bus: Bu
     env = cluster.env(STAR_SCHEDULER_STALENESS_S="60")  # process start-up is slow under load
     out = await plan_from_redis(env, "--json")
     assert out.returncode == 0, out.stderr
-    import json
-
     doc = json.loads(out.stdout)
     moves = doc["moves"]
     assert len(moves) == 1 and moves[0]["source"] == "a" and moves[0]["target"] in {"b", "c"}
@@ -250,7 +243,6 @@ async def test_plan_from_redis_sees_worker_down_draining_and_moves_in_flight(
     without worker_down and draining honoured the move would go to b.
     """
     import dataclasses
-    import json
 
     await bus.publish("reports", report("a", HEAVY))
     for name in ("b", "c", "d"):
