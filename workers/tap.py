@@ -79,6 +79,13 @@ def external_id(internal: str) -> str:
     return head if sep and len(tail) == 8 else internal
 
 
+def _tensor_rows(hidden_states: Any, n: int, rows: Any) -> Any:
+    """Rows ``rows`` of a hidden-states tensor (None: the first ``n``, a view)."""
+    import torch
+
+    return hidden_states[:n] if rows is None else hidden_states[torch.from_numpy(rows)]
+
+
 class _TapState:
     """What the wrapper keeps between calls (one per worker process)."""
 
@@ -297,7 +304,7 @@ class HiddenStateTap:
         if tap.collect:
             import torch
 
-            picked = hidden_states[:n] if rows is None else hidden_states[torch.from_numpy(rows)]
+            picked = _tensor_rows(hidden_states, n, rows)
             with torch.inference_mode():
                 tap.hidden.append(picked.detach().float().cpu().clone())
             tap.samples.extend(zip(ids, prompt.tolist(), generated.tolist(), strict=True))
@@ -311,8 +318,6 @@ class HiddenStateTap:
         after the forward pass each torch call costs tens of microseconds
         (``star bench predictor --engine``). Otherwise (a GPU, bfloat16) a tensor.
         """
-        import torch
-
         if tap.as_numpy:
             try:
                 array = hidden_states.numpy()
@@ -320,7 +325,7 @@ class HiddenStateTap:
                 tap.as_numpy = False
             else:
                 return array[:n] if rows is None else array[rows]
-        return hidden_states[:n] if rows is None else hidden_states[torch.from_numpy(rows)]
+        return _tensor_rows(hidden_states, n, rows)
 
     def _star_tap_serve(
         self,
