@@ -126,21 +126,20 @@ def warm(dim: int = 8, depth: int = 2) -> float:
     weights = tuple(np.full((dim, dim), 0.01, dtype=np.float32) for _ in range(depth))
     biases = tuple(np.zeros(dim, dtype=np.float32) for _ in range(depth))
     raw = mlp(x, weights, biases)
-    for log_target in (False, True):
-        for uncertainty in (False, True):
-            fuse_round(
-                raw,
-                log_target,
-                uncertainty,
-                100.0,
-                np.array([-1, 0], dtype=np.intp),
-                np.ones(2),
-                np.full(2, 10.0),
-                np.zeros(2),
-                np.ones(1),
-                np.ones(1),
-                np.ones(1),
-                0.5,
-                2.0,
-            )
+    # One signature serves every predictor: the flags are values, not types.
+    fuse_round(
+        raw,
+        True,
+        True,
+        100.0,
+        np.array([-1, 0], dtype=np.intp),
+        np.ones(2),
+        np.full(2, 10.0),
+        np.zeros(2),
+        np.ones(1),
+        np.ones(1),
+        np.ones(1),
+        0.5,
+        2.0,
+    )
     return time.perf_counter() - start

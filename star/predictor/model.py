@@ -21,7 +21,6 @@ the model it belongs to, hidden size, data hash, metrics).
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -277,12 +276,8 @@ class FastPredictor:
         """Compile (or load) the kernels for this MLP; returns the seconds it took."""
         from star.predictor import kernels
 
-        seconds = kernels.warm(depth=len(self.layers))
-        if self.host:
-            start = time.perf_counter()
-            self.raw_numpy(np.zeros((1, self.config.input_dim), dtype=np.float32))
-            seconds += time.perf_counter() - start
-        return seconds
+        # The MLP's signature depends on its depth alone, not on its widths.
+        return kernels.warm(depth=len(self.layers))
 
     def raw_numpy(self, hidden: Any) -> Any:
         """The raw outputs (batch, outputs) of a (batch, d) float32 numpy array (host only)."""
