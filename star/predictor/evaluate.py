@@ -40,13 +40,12 @@ import numpy as np
 import numpy.typing as npt
 
 from star.planner.trace import BIN_EDGES
+from star.predictor.buckets import LENGTH_EDGES, PROGRESS_EDGES, ranges
 from star.predictor.dataset import Samples
 from star.predictor.model import LengthPredictor
 
 FloatArray = npt.NDArray[np.float64]
 
-PROGRESS_EDGES = (0, 1, 50, 100, 200, 400)
-LENGTH_EDGES = (0, 50, 100, 200, 400, 800)
 LONG = 400
 """Final length (tokens) from which an answer counts as long (the Fig. 7 buckets)."""
 
@@ -98,17 +97,9 @@ def _buckets(
     values: npt.NDArray[np.int64], edges: Sequence[int], name: str
 ) -> list[tuple[str, npt.NDArray[np.bool_]]]:
     out = []
-    for lo, hi in zip(edges, [*edges[1:], None], strict=True):
-        if hi is None:
-            label = f"{name} {lo}+"
-            mask = values >= lo
-        elif hi == lo + 1:
-            label = f"{name} {lo}"
-            mask = values == lo
-        else:
-            label = f"{name} {lo}-{hi - 1}"
-            mask = (values >= lo) & (values < hi)
-        out.append((label, mask))
+    for lo, hi, label in ranges(edges):
+        mask = values >= lo if hi is None else (values >= lo) & (values < hi)
+        out.append((f"{name} {label}", mask))
     return out
 
 

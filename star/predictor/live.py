@@ -1,0 +1,259 @@
+"""The live length predictor's accuracy, scored against how requests really ended.
+
+:class:`AccuracyTracker` keeps, per running request, the R-hat its decode
+workers reported (one point per KV size seen, bounded), and when the proxy's
+``finished`` event gives the request's true length, scores every point:
+``|R-hat - (final - generated)|``, accumulated by tokens generated in the
+progress buckets of ``star predictor eval`` (:mod:`star.predictor.buckets`).
+The scheduler feeds it from the bus and exports the MAE on ``/metrics``;
+:func:`replay` runs the same computation offline over a run's reports and
+events.
+
+Progress is counted from the request's original start across migrations and
+recoveries: a continuation's prompt holds the tokens generated before it, so
+a worker's ``generated`` restarts at 0 there, but N (prompt + generated, the
+report's ``tokens``) does not. A point's progress is N minus the original
+prompt length, which the ``finished`` event carries (``prompt_tokens``; without
+it, the smallest ``tokens - generated`` seen: exact once a first-leg report
+was seen).
+
+Scored: requests that ended with finish reason ``stop`` or ``length``
+(``max_tokens`` reached, ``ignore_eos`` included: the planner saw those R-hat
+too, and the served R-hat is bounded by ``max_tokens``). Not scored: client
+aborts and errors (their end is not the model's), requests never reported
+with a prediction, and points inconsistent with the final length.
+
+Pure: no IO, no clock (``now`` comes from the reports' ``ts`` unless given).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from star.predictor.buckets import PROGRESS_EDGES, index, ranges
+from star.wire import Event, EventKind, Report
+
+BUCKETS: tuple[str, ...] = tuple(label for _lo, _hi, label in ranges(PROGRESS_EDGES))
+"""Progress bucket labels, as ``star predictor eval`` names them (without "progress ")."""
+
+SCORED_REASONS = frozenset({"stop", "length"})
+MAX_POINTS = 256
+"""Points kept per request; past it the history is thinned evenly (every other point)."""
+TTL_S = 600.0
+"""A request unseen in reports for this long is forgotten (its finish was lost)."""
+MAX_REQUESTS = 100_000
+RECENTLY_FINISHED = 4096
+"""Finished ids remembered, so a report that lags the ``finished`` event starts no history."""
+
+
+@dataclass(slots=True)
+class _History:
+    points: dict[int, float] = field(default_factory=dict)  # N (tokens) -> R-hat
+    prompt: int | None = None  # smallest tokens - generated seen: the original prompt
+    last_n: int = -1
+    stride: int = 1  # minimum N step between kept points (doubles on each thinning)
+    seen: float = 0.0
+
+    def add(self, tokens: int, generated: int, remaining: float, max_points: int) -> None:
+        start = tokens - generated
+        self.prompt = start if self.prompt is None else min(self.prompt, start)
+        if tokens in self.points or tokens < self.last_n + self.stride:
+            return
+        self.points[tokens] = remaining
+        self.last_n = tokens
+        if len(self.points) > max_points:
+            kept = sorted(self.points)[::2]
+            self.points = {n: self.points[n] for n in kept}
+            self.stride *= 2
+
+
+@dataclass(frozen=True, slots=True)
+class Score:
+    """One finished request's contribution: points and summed |error| per bucket."""
+
+    request: str
+    points: tuple[int, ...]
+    abs_error: tuple[float, ...]
+
+    @property
+    def total_points(self) -> int:
+        return sum(self.points)
+
+
+class AccuracyTracker:
+    """Per-request R-hat histories in, MAE by progress bucket out.
+
+    Memory is bounded: at most ``max_points`` points per request and
+    ``max_requests`` requests (the least recently seen go first), and a
+    request unseen for ``ttl_s`` is dropped. ``ttl_s`` / ``max_requests``
+    None: never (offline replay).
+    """
+
+    def __init__(
+        self,
+        *,
+        max_points: int = MAX_POINTS,
+        ttl_s: float | None = TTL_S,
+        max_requests: int | None = MAX_REQUESTS,
+    ) -> None:
+        if max_points < 2:
+            raise ValueError(f"max_points must be at least 2, got {max_points}")
+        self.max_points = max_points
+        self.ttl_s = ttl_s
+        self.max_requests = max_requests
+        self._live: OrderedDict[str, _History] = OrderedDict()  # least recently seen first
+        self._finished: OrderedDict[str, None] = OrderedDict()
+        self.points = [0] * len(BUCKETS)
+        self.abs_error = [0.0] * len(BUCKETS)
+        self.requests = 0
+        self.skipped: dict[str, int] = {"abnormal": 0, "no_prediction": 0}
+        self.dropped_points = 0  # inconsistent with the final length
+        self.forgotten = 0  # expired or evicted unfinished
+
+    def __len__(self) -> int:
+        """Requests being tracked."""
+        return len(self._live)
+
+    def history(self, request_id: str) -> dict[int, float]:
+        """The kept points of a running request: N (tokens) -> R-hat (a copy)."""
+        h = self._live.get(request_id)
+        return dict(h.points) if h is not None else {}
+
+    def observe(self, report: Report, now: float | None = None) -> None:
+        """Record the R-hat of every running request of a decode worker's report."""
+        if report.role != "decode":
+            return
+        now = report.ts if now is None else now
+        for r in report.requests:
+            if r.predicted_remaining is None or r.id in self._finished:
+                continue
+            remaining = float(r.predicted_remaining)
+            if not math.isfinite(remaining):
+                continue
+            h = self._live.get(r.id)
+            if h is None:
+                h = self._live[r.id] = _History()
+            else:
+                self._live.move_to_end(r.id)
+            h.seen = now
+            h.add(r.tokens, r.generated, remaining, self.max_points)
+        self.expire(now)
+
+    def expire(self, now: float) -> int:
+        """Forget requests unseen since ``now - ttl_s`` and those past ``max_requests``."""
+        n = 0
+        while self._live:
+            rid, h = next(iter(self._live.items()))
+            over = self.max_requests is not None and len(self._live) > self.max_requests
+            stale = self.ttl_s is not None and h.seen < now - self.ttl_s
+            if not (over or stale):
+                break
+            del self._live[rid]
+            n += 1
+        self.forgotten += n
+        return n
+
+    def discard(self, request_id: str) -> None:
+        """Forget a request without scoring it (aborted, failed)."""
+        if self._live.pop(request_id, None) is not None:
+            self.skipped["abnormal"] += 1
+        self._remember(request_id)
+
+    def finish(
+        self, request_id: str, final_generated: int, prompt_tokens: int | None = None
+    ) -> Score | None:
+        """Score a request that ended naturally after ``final_generated`` tokens in all.
+
+        ``prompt_tokens``: its original prompt length (None: inferred from the
+        reports). Returns its contribution, None when it had no prediction.
+        """
+        h = self._live.pop(request_id, None)
+        self._remember(request_id)
+        if h is None or not h.points:
+            self.skipped["no_prediction"] += 1
+            return None
+        prompt = prompt_tokens if prompt_tokens is not None else h.prompt
+        assert prompt is not None
+        points = [0] * len(BUCKETS)
+        errors = [0.0] * len(BUCKETS)
+        for tokens, remaining in h.points.items():
+            generated = tokens - prompt
+            if generated < 0 or generated > final_generated:
+                self.dropped_points += 1
+                continue
+            b = index(generated, PROGRESS_EDGES)
+            points[b] += 1
+            errors[b] += abs(remaining - (final_generated - generated))
+        if not any(points):
+            self.skipped["no_prediction"] += 1
+            return None
+        self.requests += 1
+        for b in range(len(BUCKETS)):
+            self.points[b] += points[b]
+            self.abs_error[b] += errors[b]
+        return Score(request_id, tuple(points), tuple(errors))
+
+    def apply_event(self, event: Event) -> Score | None:
+        """Act on a ``finished`` event (others are ignored): score it or discard it."""
+        if event.event is not EventKind.FINISHED or not event.request:
+            return None
+        generated = _count(event.data.get("generated"))
+        if event.detail not in SCORED_REASONS or generated is None:
+            self.discard(event.request)
+            return None
+        return self.finish(event.request, generated, _count(event.data.get("prompt_tokens")))
+
+    def mae(self, bucket: str | None = None) -> float | None:
+        """MAE (tokens) in one bucket, or over all points; None without points."""
+        if bucket is None:
+            n, err = sum(self.points), sum(self.abs_error)
+        else:
+            b = BUCKETS.index(bucket)
+            n, err = self.points[b], self.abs_error[b]
+        return err / n if n else None
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-friendly totals: MAE and points per progress bucket and overall."""
+        return {
+            "requests": self.requests,
+            "points": sum(self.points),
+            "mae": self.mae(),
+            "buckets": [
+                {"bucket": label, "points": self.points[b], "mae": self.mae(label)}
+                for b, label in enumerate(BUCKETS)
+            ],
+            "skipped": dict(self.skipped),
+            "dropped_points": self.dropped_points,
+            "running": len(self._live),
+        }
+
+    def _remember(self, request_id: str) -> None:
+        self._finished[request_id] = None
+        self._finished.move_to_end(request_id)
+        if len(self._finished) > RECENTLY_FINISHED:
+            self._finished.popitem(last=False)
+
+
+def _count(value: Any) -> int | None:
+    """A token count from an event's data (None: absent or not a count)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return None
+
+
+def replay(
+    reports: Iterable[Report], events: Iterable[Event], *, max_points: int = MAX_POINTS
+) -> dict[str, Any]:
+    """The live accuracy of a finished run, from its reports and events (any order
+    within each): every report first, then every ``finished`` event. Returns
+    :meth:`AccuracyTracker.summary`."""
+    tracker = AccuracyTracker(max_points=max_points, ttl_s=None, max_requests=None)
+    for report in reports:
+        tracker.observe(report)
+    for event in events:
+        tracker.apply_event(event)
+    return tracker.summary()
