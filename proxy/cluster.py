@@ -354,6 +354,8 @@ class ClusterBackend:
                     detail=outcome,
                     data={
                         "generated": len(run.generated),
+                        # The live predictor accuracy's origin for progress (star.predictor.live).
+                        "prompt_tokens": len(req.prompt_token_ids),
                         "migrations": run.migrations,
                         "recoveries": run.recoveries,
                     },
