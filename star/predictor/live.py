@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from star.predictor.buckets import PROGRESS_EDGES, index, ranges
@@ -50,25 +50,24 @@ RECENTLY_FINISHED = 4096
 """Finished ids remembered, so a report that lags the ``finished`` event starts no history."""
 
 
-@dataclass(slots=True)
 class _History:
-    points: dict[int, float] = field(default_factory=dict)  # N (tokens) -> R-hat
-    prompt: int | None = None  # smallest tokens - generated seen: the original prompt
-    last_n: int = -1
-    stride: int = 1  # minimum N step between kept points (doubles on each thinning)
-    seen: float = 0.0
+    __slots__ = ("next_n", "points", "prompt", "seen", "stride")
 
-    def add(self, tokens: int, generated: int, remaining: float, max_points: int) -> None:
-        start = tokens - generated
-        self.prompt = start if self.prompt is None else min(self.prompt, start)
-        if tokens in self.points or tokens < self.last_n + self.stride:
-            return
+    def __init__(self, prompt: int, seen: float) -> None:
+        self.points: dict[int, float] = {}  # N (tokens) -> R-hat
+        self.prompt = prompt  # smallest tokens - generated seen: the original prompt
+        self.next_n = 0  # smallest N the next kept point may have
+        self.stride = 1  # minimum N step between kept points (doubles on each thinning)
+        self.seen = seen
+
+    def add(self, tokens: int, remaining: float, max_points: int) -> None:
         self.points[tokens] = remaining
-        self.last_n = tokens
+        self.next_n = tokens + self.stride
         if len(self.points) > max_points:
             kept = sorted(self.points)[::2]
             self.points = {n: self.points[n] for n in kept}
             self.stride *= 2
+            self.next_n = tokens + self.stride
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +104,8 @@ class AccuracyTracker:
         self.max_points = max_points
         self.ttl_s = ttl_s
         self.max_requests = max_requests
-        self._live: OrderedDict[str, _History] = OrderedDict()  # least recently seen first
+        self._live: dict[str, _History] = {}
+        self._swept = -math.inf  # when expire() last ran
         self._finished: OrderedDict[str, None] = OrderedDict()
         self.points = [0] * len(BUCKETS)
         self.abs_error = [0.0] * len(BUCKETS)
@@ -128,32 +128,46 @@ class AccuracyTracker:
         if report.role != "decode":
             return
         now = report.ts if now is None else now
+        live, max_points = self._live, self.max_points
+        # The scheduler calls this for every report: a few dict operations per
+        # request, no reordering (expiry is a periodic sweep).
         for r in report.requests:
-            if r.predicted_remaining is None or r.id in self._finished:
+            remaining = r.predicted_remaining
+            if remaining is None:
                 continue
-            remaining = float(r.predicted_remaining)
-            if not math.isfinite(remaining):
-                continue
-            h = self._live.get(r.id)
+            tokens = r.tokens
+            start = tokens - r.generated
+            h = live.get(r.id)
             if h is None:
-                h = self._live[r.id] = _History()
+                if r.id in self._finished:
+                    continue
+                h = live[r.id] = _History(start, now)
             else:
-                self._live.move_to_end(r.id)
-            h.seen = now
-            h.add(r.tokens, r.generated, remaining, self.max_points)
-        self.expire(now)
+                h.seen = now
+                if start < h.prompt:
+                    h.prompt = start
+            if tokens >= h.next_n and math.isfinite(remaining):
+                h.add(tokens, float(remaining), max_points)
+        over = self.max_requests is not None and len(live) > self.max_requests
+        if over or (self.ttl_s is not None and now - self._swept >= self.ttl_s / 8):
+            self.expire(now)
 
     def expire(self, now: float) -> int:
-        """Forget requests unseen since ``now - ttl_s`` and those past ``max_requests``."""
-        n = 0
-        while self._live:
-            rid, h = next(iter(self._live.items()))
-            over = self.max_requests is not None and len(self._live) > self.max_requests
-            stale = self.ttl_s is not None and h.seen < now - self.ttl_s
-            if not (over or stale):
-                break
-            del self._live[rid]
-            n += 1
+        """Forget requests unseen since ``now - ttl_s``, then the least recently seen
+        past ``max_requests`` (down to 90 % of it, so a full tracker sweeps rarely)."""
+        self._swept = now
+        live = self._live
+        before = len(live)
+        if self.ttl_s is not None:
+            cutoff = now - self.ttl_s
+            for rid in [rid for rid, h in live.items() if h.seen < cutoff]:
+                del live[rid]
+        if self.max_requests is not None and len(live) > self.max_requests:
+            keep = self.max_requests - self.max_requests // 10
+            by_age = sorted(live, key=lambda rid: live[rid].seen)
+            for rid in by_age[: len(live) - keep]:
+                del live[rid]
+        n = before - len(live)
         self.forgotten += n
         return n
 
@@ -177,7 +191,6 @@ class AccuracyTracker:
             self.skipped["no_prediction"] += 1
             return None
         prompt = prompt_tokens if prompt_tokens is not None else h.prompt
-        assert prompt is not None
         points = [0] * len(BUCKETS)
         errors = [0.0] * len(BUCKETS)
         for tokens, remaining in h.points.items():
