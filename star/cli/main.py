@@ -20,6 +20,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "star.cli.worker",
     "star.cli.proxy",
     "star.cli.status",
+    "star.cli.top",
     "star.cli.config",
     "star.cli.inspect",
     "star.cli.scheduler",

@@ -288,6 +288,7 @@ def rows(frame: str) -> dict[str, str]:
 
 
 def fill(line: str) -> float:
+    cells: str
     (cells,) = re.findall(f"[{FULL}{EMPTY}{PARTIAL[1:]}]+", line)
     return (
         cells.count(FULL) + sum((PARTIAL.index(c)) / 8 for c in cells if c in PARTIAL[1:])
