@@ -9,6 +9,7 @@ migration_id=...)`` so every line of that unit carries it.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import os
 import sys
@@ -67,12 +68,21 @@ def configure_logging(
         structlog.processors.TimeStamper(fmt="iso", utc=True),
         structlog.processors.StackInfoRenderer(),
     ]
+    # Tracebacks never carry local variables: structlog's default renders them
+    # all (a JSON line of kilobytes per frame, secrets such as a Redis URL's
+    # password included).
     renderer: structlog.typing.Processor
     if as_json:
-        shared.append(structlog.processors.dict_tracebacks)
+        shared.append(
+            structlog.processors.ExceptionRenderer(
+                structlog.tracebacks.ExceptionDictTransformer(show_locals=False)
+            )
+        )
         renderer = structlog.processors.JSONRenderer()
     else:
-        renderer = structlog.dev.ConsoleRenderer(colors=stream.isatty())
+        renderer = structlog.dev.ConsoleRenderer(
+            colors=stream.isatty(), exception_formatter=_console_traceback()
+        )
 
     structlog.configure(
         processors=[*shared, renderer],
@@ -90,3 +100,10 @@ def configure_logging(
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(max(level, logging.WARNING))
+
+
+def _console_traceback() -> structlog.typing.ExceptionRenderer:
+    """rich's traceback without local variables, or the plain one without rich."""
+    if importlib.util.find_spec("rich") is None:
+        return structlog.dev.plain_traceback
+    return structlog.dev.RichTracebackFormatter(show_locals=False)

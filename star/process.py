@@ -190,7 +190,10 @@ class Service:
             try:
                 await self.startup()
             except Exception as exc:
-                log.error("startup failed", service=self.name, error=str(exc), exc_info=exc)
+                # One line the operator acts on (the cause, the setting to change);
+                # the traceback only at debug level.
+                log.error("startup failed", service=self.name, error=str(exc) or repr(exc))
+                log.debug("startup failure traceback", service=self.name, exc_info=exc)
                 return 1
             self.started = True
             log.debug("heap frozen", service=self.name, objects=freeze_heap())

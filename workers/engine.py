@@ -58,6 +58,7 @@ from workers.protocol import (
     ReleaseRefused,
     TokenDelta,
 )
+from workers.startup import EngineStartError, Setup, core_failure, explain, root_cause
 from workers.state import EngineStats, RunningRequest
 from workers.tap import CONTINUED_KEY, FUSION_KEY, TapClient
 from workers.tap import QUALNAME as TAP_EXTENSION
@@ -543,13 +544,17 @@ class EngineHandle:
         env = vllm_environment(spec, cpu, nixl_port, os.environ, len(os.sched_getaffinity(0)))
         collector = StatsCollector()
         t0 = time.monotonic()
-        with _BUILD_LOCK, _environ(env):
-            config = args.create_engine_config()
-            llm = AsyncLLM.from_vllm_config(
-                config,
-                stat_loggers=[lambda _config, _index: collector],
-                disable_log_stats=True,
-            )
+        with _BUILD_LOCK, core_failure() as failure, _environ({**env, **failure.environ}):
+            try:
+                config = args.create_engine_config()
+                llm = AsyncLLM.from_vllm_config(
+                    config,
+                    stat_loggers=[lambda _config, _index: collector],
+                    disable_log_stats=True,
+                )
+            except Exception as exc:
+                setup = Setup(spec.kv_cache_space_gib, spec.max_model_len, spec.gpu_memory_utilization, cpu)
+                raise EngineStartError(explain(failure.cause() or root_cause(exc), setup)) from exc
         log.info(
             "engine started",
             role=spec.role,

@@ -32,3 +32,22 @@ def test_console_format_when_asked() -> None:
     structlog.get_logger("t").debug("hello", x=1)
     text = out.getvalue()
     assert "hello" in text and "x=1" in text and not text.startswith("{")
+
+
+def _fail(password: str) -> None:
+    raise ValueError("no Redis")
+
+
+def test_tracebacks_carry_no_local_variables() -> None:
+    """structlog's default renders every frame's locals: kilobytes a line, secrets included."""
+    secret = "".join(reversed("2retnuh"))  # not in the source lines a traceback quotes
+    for fmt in ("json", "console"):
+        out = io.StringIO()
+        configure_logging(LogSettings(format=fmt, level="debug"), stream=out)
+        try:
+            _fail(secret)
+        except ValueError as exc:
+            structlog.get_logger("t").error("failed", exc_info=exc)
+        text = out.getvalue()
+        assert "no Redis" in text and "_fail" in text  # the traceback is there
+        assert secret not in text and "locals" not in text
