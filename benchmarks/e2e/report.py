@@ -1,0 +1,170 @@
+"""The e2e results directory: one folder per cell, resumable, and the tables made from it.
+
+Layout: ``OUT/<regime>/<mode>/rate-<r>/seed-<s>/`` holds ``cell.json`` (the
+row, the cell's configuration, the time series behind the figures, decisions
+and migration outcomes) and ``requests.csv`` (one line per client request).
+A cell whose ``cell.json`` exists is finished and is skipped on the next run.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.e2e.metrics import interval
+
+MODES = ("no-migration", "current", "predicted", "oracle")
+ROW_KEYS = (
+    "regime",
+    "workload",
+    "mode",
+    "rate",
+    "seed",
+    "goodput",
+    "throughput",
+    "p99_tpot_ms",
+    "p99_ttft_ms",
+    "preemptions",
+    "migrations",
+    "exec_time_variance",
+    "max_kv_use",
+    "slo_met",
+    "pad_share",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Cell:
+    regime: str
+    mode: str
+    rate: float
+    seed: int
+
+    def path(self, out: Path) -> Path:
+        return out / self.regime / self.mode / f"rate-{self.rate:g}" / f"seed-{self.seed}"
+
+
+def write_cell(out: Path, cell: Cell, doc: dict[str, Any], requests: Sequence[dict[str, Any]]) -> Path:
+    """Write a finished cell (``cell.json`` last: its presence marks the cell done)."""
+    folder = cell.path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    if requests:
+        with (folder / "requests.csv").open("w", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=list(requests[0]))
+            writer.writeheader()
+            writer.writerows(requests)
+    tmp = folder / "cell.json.tmp"
+    tmp.write_text(json.dumps(doc, indent=1, default=_plain))
+    tmp.replace(folder / "cell.json")
+    return folder / "cell.json"
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    raise TypeError(f"not JSON: {type(value).__name__}")
+
+
+def load_cell(out: Path, cell: Cell) -> dict[str, Any] | None:
+    path = cell.path(out) / "cell.json"
+    if not path.exists():
+        return None
+    doc: dict[str, Any] = json.loads(path.read_text())
+    return doc
+
+
+def load_all(out: Path) -> list[dict[str, Any]]:
+    """Every finished cell under ``out``."""
+    return [json.loads(p.read_text()) for p in sorted(out.glob("*/*/rate-*/seed-*/cell.json"))]
+
+
+def row(doc: dict[str, Any]) -> dict[str, Any]:
+    """The cell's row (``--json``): ROW_KEYS plus the label of its timing."""
+    out = {k: doc["row"].get(k) for k in ROW_KEYS}
+    out["timing"] = doc["row"].get("timing")
+    return out
+
+
+def _num(v: Any) -> float:
+    return math.nan if v is None else float(v)
+
+
+def aggregate(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows grouped by (regime, rate, mode): mean and 95 % interval over seeds, ratios vs no-migration."""
+    groups: dict[tuple[str, float, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["regime"], float(r["rate"]), r["mode"]), []).append(r)
+    out = []
+    for (reg, rate, mode), rs in sorted(
+        groups.items(), key=lambda kv: (kv[0][0], kv[0][1], _mode_order(kv[0][2]))
+    ):
+        agg: dict[str, Any] = {
+            "regime": reg,
+            "rate": rate,
+            "mode": mode,
+            "seeds": len(rs),
+            "timing": rs[0].get("timing"),
+        }
+        for key in ("goodput", "throughput", "p99_tpot_ms", "p99_ttft_ms", "preemptions",
+                    "migrations", "exec_time_variance", "max_kv_use", "slo_met", "pad_share"):
+            mean, lo, hi = interval([_num(r.get(key)) for r in rs])
+            agg[key] = mean
+            agg[key + "_ci"] = (lo, hi)
+        out.append(agg)
+    base = {(a["regime"], a["rate"]): a for a in out if a["mode"] == "no-migration"}
+    for a in out:
+        b = base.get((a["regime"], a["rate"]))
+        if b is None:
+            continue
+        a["tpot_reduction"] = 1.0 - a["p99_tpot_ms"] / b["p99_tpot_ms"] if b["p99_tpot_ms"] else math.nan
+        a["goodput_ratio"] = a["goodput"] / b["goodput"] if b["goodput"] else math.inf
+    return out
+
+
+def _mode_order(mode: str) -> int:
+    return MODES.index(mode) if mode in MODES else len(MODES)
+
+
+def _fmt(v: Any, spec: str) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return format(v, spec)
+
+
+def _ci(a: dict[str, Any], key: str, spec: str) -> str:
+    lo, hi = a[key + "_ci"]
+    text = _fmt(a[key], spec)
+    if a["seeds"] > 1 and not math.isnan(lo):
+        text += f" [{_fmt(lo, spec)}, {_fmt(hi, spec)}]"
+    return text
+
+
+def table(aggs: Sequence[dict[str, Any]]) -> str:
+    """The README's e2e table: one line per (regime, rate, mode)."""
+    head = (
+        "| regime | rate | mode | seeds | P99 TPOT ms | vs no-mig. | goodput req/s | × no-mig. "
+        "| SLO met | preemptions | migrations | exec-time var. ms² | max KV | padding |"
+    )
+    lines = [head, "|" + "---|" * 14]
+    for a in aggs:
+        label = a["regime"] + (" (emulated device timing)" if a.get("timing") == "emulated device timing" else "")
+        lines.append(
+            f"| {label} | {a['rate']:g} | {a['mode']} | {a['seeds']} "
+            f"| {_ci(a, 'p99_tpot_ms', '.1f')} | {_pct(a.get('tpot_reduction'))} "
+            f"| {_ci(a, 'goodput', '.2f')} | {_fmt(a.get('goodput_ratio'), '.2f')}× "
+            f"| {_fmt(a['slo_met'] * 100, '.0f')} % | {_ci(a, 'preemptions', '.1f')} "
+            f"| {_ci(a, 'migrations', '.1f')} | {_fmt(a['exec_time_variance'], '.2f')} "
+            f"| {_fmt(a['max_kv_use'] * 100, '.0f')} % | {_fmt(a['pad_share'] * 100, '.0f')} % |"
+        )
+    return "\n".join(lines)
+
+
+def _pct(v: Any) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return f"{-v * 100:+.1f} %"

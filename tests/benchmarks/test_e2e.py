@@ -1,0 +1,241 @@
+"""``star bench e2e``'s pure parts: workloads, regimes, metrics, the results folder and table."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from benchmarks.e2e import metrics, report
+from benchmarks.e2e.metrics import RequestRecord, Slo, instance_series
+from benchmarks.e2e.regimes import VLLM_RESERVE_TOKENS, kv_capacity, regime
+from benchmarks.e2e.workload import Workload, replay_lengths, schedule, size_for_length
+from star.wire import Decision, Event, EventKind, Report, RequestLoad
+from workers.pacing import DeviceClock, StepTimes, batch_tokens
+
+# -- workloads -------------------------------------------------------------------------
+
+
+def test_replay_lengths_are_shaped_like_table_3() -> None:
+    cap = 1024
+    x = replay_lengths(50_000, np.random.default_rng(0), cap)
+    assert x.min() >= 1 and x.max() <= cap
+    # Table 3 (ShareGPT, 32K cap): P50 1,536 (4.7 % of the cap), mean 7,542 (23 %),
+    # over 15 % of answers past 25K; P90 and P95 at the cap.
+    assert abs(np.median(x) / cap - 1536 / 32768) < 0.005
+    assert abs(x.mean() / cap - 7542 / 32768) < 0.02
+    assert 0.15 <= (x >= 0.95 * cap).mean() <= 0.18
+    assert np.percentile(x, 90) >= 0.95 * cap
+
+
+@pytest.mark.parametrize(
+    ("tokens", "size"), [(1, "tiny"), (10, "tiny"), (30, "short"), (90, "medium"), (250, "long"), (1000, "huge")]
+)
+def test_replay_prompt_size_follows_the_length(tokens: int, size: str) -> None:
+    assert size_for_length(tokens) == size
+
+
+def test_a_seed_gives_the_same_schedule_in_every_mode() -> None:
+    w = Workload("replay")
+    a, ta = schedule(w, 30, 2.0, seed=5)
+    b, tb = schedule(w, 30, 2.0, seed=5)
+    c, _ = schedule(w, 30, 2.0, seed=6)
+    assert a == b and ta == tb
+    assert a != c
+    assert ta[0] == 0.0 and all(y >= x for x, y in zip(ta, ta[1:], strict=False))
+    assert all(1 <= r.max_tokens <= w.cap for r in a)
+
+
+def test_which_workloads_know_their_lengths() -> None:
+    assert Workload("replay").known_lengths and Workload("replay").extra == {"ignore_eos": True}
+    assert not Workload("task").known_lengths and Workload("task").extra == {}
+    assert Workload("sharegpt.json").known_lengths
+
+
+def test_sharegpt_workload(tmp_path: Path) -> None:
+    path = tmp_path / "sg.json"
+    path.write_text(json.dumps([{"conversations": [{"from": "human", "value": "hi there"},
+                                                   {"from": "gpt", "value": "a b c d"}]}]))
+    reqs = Workload(str(path), cap=3).requests(2, np.random.default_rng(0), lambda t: len(t.split()))
+    assert [r.max_tokens for r in reqs] == [3, 3]  # 4 answer tokens, capped at 3
+
+
+@pytest.mark.parametrize(
+    ("workload", "n", "error"),
+    [
+        (Workload("replay"), 0, "at least 1 request"),
+        (Workload("replay", cap=1), 3, "cap must be >= 2"),
+        (Workload("/no/such/file.json"), 3, "expected task, replay or a ShareGPT JSON file"),
+    ],
+)
+def test_bad_workloads_say_why(workload: Workload, n: int, error: str) -> None:
+    with pytest.raises(ValueError, match=error):
+        workload.requests(n, np.random.default_rng(0))
+
+
+# -- regimes -------------------------------------------------------------------------------
+
+
+def test_kv_capacity_rule() -> None:
+    # 2 x (1,024 + 64 prompt allowance) = 2,176 tokens, above the 2,048 floor.
+    assert kv_capacity(1024, 2.0, 2048) == 2176
+    assert kv_capacity(100, 2.0, 2048) == 2048  # vLLM needs one max_model_len request
+    assert kv_capacity(1000, 1.5, 1024) == 1600  # rounded up to a 16-token block
+    with pytest.raises(ValueError, match="kv_requests must be > 0"):
+        kv_capacity(1024, 0.0, 2048)
+
+
+def test_regimes_settings() -> None:
+    mem = regime("memory", 1024)
+    dev = regime("device", 1024)
+    assert not mem.emulated and mem.label == "real timing"
+    assert "STAR_WORKER_DEVICE_STEP_MS" not in mem.env(1024)
+    assert dev.emulated and dev.label == "emulated device timing"
+    assert dev.kv_tokens == mem.kv_tokens == 2176
+    env = dev.env(1024)
+    assert float(env["STAR_WORKER_KV_CACHE_SPACE_GIB"]) * 2**30 == pytest.approx(
+        (2176 + VLLM_RESERVE_TOKENS) * 1024
+    )
+    # The emulated step: 8 ms + 20 ms at full KV; 18 ms at half (paper §5.3's 18.23 ms).
+    clock = DeviceClock(dev.step_base_ms / 1e3, dev.step_us_per_token / 1e6)
+    assert clock.step_s(dev.kv_tokens // 2, 0) == pytest.approx(0.018)
+    assert clock.step_s(dev.kv_tokens, 0) == pytest.approx(0.028)
+    assert (dev.slo_ttft_ms, dev.slo_tpot_ms) == (1000.0, 25.0)  # paper §6.2
+    with pytest.raises(ValueError, match="unknown regime"):
+        regime("gpu", 1024)
+    with pytest.raises(ValueError, match="need max_model_len >= 2064"):
+        regime("memory", 2000, max_model_len=2048)
+
+
+# -- the pacer's arithmetic ----------------------------------------------------------------
+
+
+def test_batch_tokens_counts_kv_and_prefill() -> None:
+    out = SimpleNamespace(
+        num_scheduled_tokens={"new": 30, "a": 1, "b": 1, "re": 200},
+        scheduled_new_reqs=[SimpleNamespace(req_id="new", num_computed_tokens=0)],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=["a", "b", "re"], num_computed_tokens=[100, 50, 0]
+        ),
+    )
+    # KV: 30 + 101 + 51 + 200; prefilled: the new prompt's 30 and the recompute's 199.
+    assert batch_tokens(out) == (382, 229)
+
+
+def test_step_times_since() -> None:
+    a, b = StepTimes(10, 0.2, 0.1), StepTimes(30, 0.6, 0.4)
+    assert b.since(a) == (pytest.approx(0.02), pytest.approx(0.75))
+    assert a.since(a) == (None, 0.0)
+
+
+# -- metrics -------------------------------------------------------------------------------
+
+
+def _report(inst: str, seq: int, ts: float, *, used: int, running: int, step_s: float,
+            preempt: int = 0, cap: int = 1000, pad: float = 0.0) -> Report:
+    return Report(
+        instance=inst, role="decode", seq=seq, ts=ts, address="x", capacity_tokens=cap,
+        used_tokens=used, bytes_per_token=1, step_time_s=step_s, delta=32, trace=[float(used)],
+        requests=[RequestLoad(f"{inst}-{i}", 10, 1) for i in range(running)],
+        preemptions=preempt, pad_share=pad,
+    )
+
+
+def _fleet() -> dict[str, metrics.InstanceSeries]:
+    t0 = 100.0
+    reports = [
+        _report("d0", 1, t0 + 0.5, used=900, running=3, step_s=0.030, preempt=2, pad=0.5),
+        _report("d0", 2, t0 + 1.5, used=995, running=3, step_s=0.030, preempt=5, pad=0.5),
+        _report("d1", 1, t0 + 0.5, used=100, running=1, step_s=0.010, pad=0.7),
+        _report("d1", 2, t0 + 1.5, used=0, running=0, step_s=0.010, pad=0.0),
+        Report(instance="p0", role="prefill", seq=1, ts=t0 + 0.5, address="x", capacity_tokens=1,
+               used_tokens=0, bytes_per_token=1, step_time_s=0.5, delta=32, trace=[0.0], requests=[]),
+    ]
+    return instance_series(reports, t0)
+
+
+def test_time_series_from_reports() -> None:
+    series = _fleet()
+    assert set(series) == {"d0", "d1"}  # decode instances only
+    # Bin 0: step times 30 and 10 ms -> variance 100 ms^2; bin 1: 30 and 0 (idle) -> 225.
+    assert metrics.variance_over_time(series, 2.0) == [100.0, 225.0]
+    assert metrics.max_kv_over_time(series, 2.0) == [0.9, 0.995]
+    # vLLM's counter is cumulative: 3 happened during the run, in the second second.
+    assert metrics.preemptions(series) == 3
+    assert metrics.preemption_bins(series, 2.0) == [0, 3]
+
+
+def _rec(i: int, ok: bool = True, ttft: float = 0.1, tpot: float | None = 0.02) -> RequestRecord:
+    return RequestRecord(index=i, request_id=f"r{i}", sent_s=0.0, ok=ok, max_tokens=10,
+                         output_tokens=10 if ok else 0, ttft_s=ttft, e2e_s=1.0, tpot_s=tpot,
+                         error="" if ok else "HTTP 500")
+
+
+def test_summary_counts_goodput_by_the_slo() -> None:
+    records = [_rec(0), _rec(1, tpot=0.03), _rec(2, ttft=2.0), _rec(3, ok=False), _rec(4, tpot=None)]
+    decisions = [Decision("m1", "r0", "d0", "d1", 1, -5.0, "predicted", 100.2)]
+    events = [Event(EventKind.RESUMED, 100.3, "proxy", request="r0", migration="m1"),
+              Event(EventKind.REFUSED, 100.4, "proxy", request="r1", migration="m2")]
+    row = metrics.summarize(records, _fleet(), decisions, events, 2.0, Slo(1000.0, 25.0))
+    assert row["completed"] == 4 and row["failed"] == 1
+    assert row["goodput"] == 1.0  # r0 and r4 (single-token TPOT) met both SLOs, over 2 s
+    assert row["slo_met"] == pytest.approx(2 / 5)
+    assert row["throughput"] == 2.0
+    assert row["preemptions"] == 3 and row["migrations"] == 1
+    assert row["migration_outcomes"] == {"resumed": 1, "refused": 1}
+    assert row["exec_time_variance"] == pytest.approx(162.5)
+    assert row["max_kv_use"] == pytest.approx(0.995) and row["kv_capacity"] == 1000
+    assert row["pad_share"] == pytest.approx((0.5 + 0.5 + 0.7) / 3)  # while running only
+    assert metrics.migrations_per_request(events) == {"r0": 1}
+
+
+def test_interval_over_seeds() -> None:
+    mean, lo, hi = metrics.interval([1.0, 2.0, 3.0])
+    assert mean == 2.0 and lo == pytest.approx(2 - 2.4841, abs=1e-3) and hi == pytest.approx(2 + 2.4841, abs=1e-3)
+    assert metrics.interval([4.0]) == (4.0, 4.0, 4.0)
+    assert all(math.isnan(v) for v in metrics.interval([]))
+
+
+# -- the results folder and the table ------------------------------------------------------
+
+
+def _doc(mode: str, seed: int, p99: float, goodput: float, rate: float = 2.0) -> dict[str, object]:
+    row = {k: 0.0 for k in report.ROW_KEYS}
+    row |= {"regime": "device", "workload": "replay", "mode": mode, "rate": rate, "seed": seed,
+            "p99_tpot_ms": p99, "goodput": goodput, "timing": "emulated device timing", "slo_met": 1.0}
+    return {"row": row}
+
+
+def test_cells_are_written_once_and_found_again(tmp_path: Path) -> None:
+    cell = report.Cell("device", "predicted", 2.0, 1)
+    assert report.load_cell(tmp_path, cell) is None
+    report.write_cell(tmp_path, cell, _doc("predicted", 1, 20.0, 1.0), [{"index": 0, "ok": True}])
+    assert report.load_cell(tmp_path, cell) == _doc("predicted", 1, 20.0, 1.0)
+    assert (cell.path(tmp_path) / "requests.csv").read_text().splitlines() == ["index,ok", "0,True"]
+    assert [d["row"]["mode"] for d in report.load_all(tmp_path)] == ["predicted"]
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
+def test_aggregate_and_table() -> None:
+    docs = [_doc("no-migration", s, 100.0, 1.0) for s in (1, 2)] + [
+        _doc("predicted", 1, 20.0, 2.0), _doc("predicted", 2, 30.0, 3.0)]
+    aggs = report.aggregate([report.row(d) for d in docs])
+    assert [a["mode"] for a in aggs] == ["no-migration", "predicted"]
+    pred = aggs[1]
+    assert pred["p99_tpot_ms"] == 25.0 and pred["seeds"] == 2
+    assert pred["tpot_reduction"] == pytest.approx(0.75)
+    assert pred["goodput_ratio"] == pytest.approx(2.5)
+    text = report.table(aggs)
+    assert "| device (emulated device timing) | 2 | predicted | 2 | 25.0 [" in text
+    assert "| -75.0 % | 2.50 [" in text and "| 2.50× |" in text
+
+
+def test_cell_paths_separate_everything() -> None:
+    a = report.Cell("memory", "oracle", 2.5, 3)
+    assert a.path(Path("o")) == Path("o/memory/oracle/rate-2.5/seed-3")
+    assert dataclasses.replace(a, seed=4).path(Path("o")) != a.path(Path("o"))

