@@ -259,6 +259,7 @@ def plan_to_json(result: Plan, instances: list[Instance], params: PlannerParams)
             "bandwidth_bytes_per_s": params.bandwidth_bytes_per_s,
             "handoff_latency_s": params.handoff_latency_s,
             "default_step_time_s": params.default_step_time_s,
+            "transfer_budget_s": params.transfer_budget_s,
         },
         "mean_workload": result.mean_workload,
         "instances": [

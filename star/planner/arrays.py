@@ -20,9 +20,11 @@ j < k) this is
 
 O(1) per candidate. The capacity filter max_j (L_t(tau_j) + c_j) <= C_t is
 O(1) too, from a prefix max of L_t + tau and a suffix max of L_t. The search
-over |O|·|U|·R candidates is branch and bound on a lower bound of each
-request's values (:func:`star.planner.kernels.select`); the result is exactly
-the full enumeration's argmin (ties included).
+over |O|·|U|·R candidates evaluates requests lazily in order of a lower bound
+of their values (:func:`star.planner.kernels.select`); the result is exactly
+the full enumeration's argmin (ties included), and with several moves per
+tick exactly the greedy sequence of such argmins, each on the traces after
+the moves before it.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from star.planner.trace import (
     grid,
     weights,
 )
-from star.planner.types import Instance, Mode, ModeKind, PlannerParams
+from star.planner.types import AUTO, Instance, Mode, ModeKind, PlannerParams
 
 # Delta-V is a difference of sums that can cancel exactly: moving the only
 # request of s onto an empty t just swaps the two traces (Delta-V = 0), and
@@ -147,6 +149,19 @@ def _constants(params: PlannerParams) -> _Constants:
     return _Constants(weights(params), tau, noise_floor(tau.size))
 
 
+def move_limit(params: PlannerParams, overloaded: int) -> int:
+    """M this tick: ``max_migrations``, or with ``auto`` |O| (``overloaded``)."""
+    m = params.max_migrations
+    return overloaded if m == AUTO else int(m)
+
+
+def transfer_budget(params: PlannerParams) -> float:
+    """KV bytes a tick's moves after the first may carry in all (inf: no budget)."""
+    if params.transfer_budget_s <= 0:
+        return float("inf")
+    return params.transfer_budget_s * params.bandwidth_bytes_per_s
+
+
 def remaining_of(arrays: ClusterArrays, mode: Mode) -> FloatArray:
     """R-hat of every row as ``mode`` sees it (:func:`star.planner.remaining_for`)."""
     kind = mode.kind
@@ -216,7 +231,8 @@ def plan_arrays(arrays: ClusterArrays, params: PlannerParams) -> ArrayPlan:
         )  # fmt: skip
 
     # Algorithm 1 line 6: nothing to do unless some instance is overloaded.
-    if params.mode.kind is ModeKind.NO_MIGRATION or params.max_migrations == 0:
+    limit = move_limit(params, int(np.count_nonzero(over)))
+    if params.mode.kind is ModeKind.NO_MIGRATION or limit == 0:
         return nothing()
     sources = over & ~arrays.in_flight
     targets = under & ~arrays.in_flight
@@ -241,18 +257,17 @@ def plan_arrays(arrays: ClusterArrays, params: PlannerParams) -> ArrayPlan:
         float(params.handoff_latency_s),
         -params.min_gain * n / 2.0,  # Delta-V < -epsilon, in (n/2)-scaled units
         const.noise,
-        int(params.max_migrations),
+        limit,
+        transfer_budget(params),
     )
-    chosen = rows >= 0
-    if not chosen.any():
+    if not rows.size:
         return nothing()
-    rows, picked, values = rows[chosen], picked[chosen], values[chosen]
     owners = np.searchsorted(arrays.offsets, rows, side="right") - 1
     after = traces.copy()
-    for q, s, t in zip(rows.tolist(), owners.tolist(), picked.tolist(), strict=True):
-        c = np.where(tau < remaining[q], arrays.tokens[q] + tau, 0.0)
-        after[s] -= c
-        after[t] += c
+    # The moves' instances are all distinct: one fancy-indexed update each.
+    moved = np.where(tau < remaining[rows, None], arrays.tokens[rows, None] + tau, 0.0)
+    after[owners] -= moved
+    after[picked] += moved
     return ArrayPlan(
         rows=rows,
         sources=owners.astype(np.intp),

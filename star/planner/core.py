@@ -18,6 +18,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import repeat
+from typing import Literal
 
 import numpy as np
 
@@ -34,6 +35,7 @@ from star.planner.trace import (
     weights,
 )
 from star.planner.types import (
+    AUTO,
     BALANCE,
     DRAIN,
     Candidate,
@@ -48,7 +50,7 @@ from star.planner.types import (
 _VERDICTS = tuple(Verdict)
 _CODE = {v: i for i, v in enumerate(_VERDICTS)}
 
-__all__ = ["CLASSIFY_RTOL", "noise_floor", "plan", "validate_params"]
+__all__ = ["CLASSIFY_RTOL", "noise_floor", "parse_max_migrations", "plan", "validate_params"]
 
 
 def validate_params(params: PlannerParams) -> None:
@@ -61,11 +63,12 @@ def validate_params(params: PlannerParams) -> None:
         raise bad("horizon", params.horizon, "must be an integer >= 0")
     if not isinstance(params.delta, int) or params.delta < 1:
         raise bad("delta", params.delta, "must be an integer >= 1 (decode steps)")
-    if not isinstance(params.max_migrations, int) or params.max_migrations < 0:
-        raise bad("max_migrations", params.max_migrations, "must be an integer >= 0")
+    m = params.max_migrations
+    if m != AUTO and (not isinstance(m, int) or isinstance(m, bool) or m < 0):
+        raise bad("max_migrations", m, f"must be {AUTO!r} or an integer >= 0")
     if not (math.isfinite(params.beta_decay) and params.beta_decay > 0):
         raise bad("beta_decay", params.beta_decay, "must be a finite number > 0")
-    for name in ("theta", "min_gain", "handoff_latency_s"):
+    for name in ("theta", "min_gain", "handoff_latency_s", "transfer_budget_s"):
         value = getattr(params, name)
         if not (math.isfinite(value) and value >= 0):
             raise bad(name, value, "must be a finite number >= 0")
@@ -73,6 +76,20 @@ def validate_params(params: PlannerParams) -> None:
         value = getattr(params, name)
         if not (math.isfinite(value) and value > 0):
             raise bad(name, value, "must be a finite number > 0")
+
+
+def parse_max_migrations(text: str) -> int | Literal["auto"]:
+    """``max_migrations`` as typed on a command line: ``auto`` or an integer >= 0."""
+    word = text.strip()
+    if word == AUTO:
+        return AUTO
+    try:
+        value = int(word)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"max_migrations {text!r}: expected {AUTO!r} or an integer >= 0")
+    return value
 
 
 @dataclass(slots=True)
@@ -247,8 +264,10 @@ def plan(instances: Sequence[Instance], params: PlannerParams, *, explain: bool 
     (Lines 17-23)": r in B_s with R-hat(r) > C_mig(r)/T_exec and
     max_j (L_t(tau_j) + c_r(tau_j)) <= C_mem,t. Phase 3, "Best-Feasible
     Selection (Lines 24-34)": the candidate with the most negative Delta-V,
-    if Delta-V < -min_gain; up to ``max_migrations`` of them, each instance in
-    at most one. Requests that are not migratable or in ``busy``, and
+    if Delta-V < -min_gain; then again on the traces after that move, up to
+    ``max_migrations`` moves (``auto``: |O|), each instance in at most one,
+    every move after the first within what the tick's transfer budget has
+    left. Requests that are not migratable or in ``busy``, and
     instances ``in_flight``, never take part; a ``draining`` instance is
     never in U (a source only). ``no-migration`` mode reports the
     classification (on current loads) and never moves anything.

@@ -15,6 +15,7 @@ clock starts) never pays for it on the hot path.
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
@@ -115,6 +116,34 @@ def weighted_variance(traces: FloatArray, beta: FloatArray) -> float:  # pragma:
 
 
 @jit
+def _best_target(
+    s: int,
+    tok: float,
+    kq: int,
+    a: float,
+    dst: IntArray,
+    free: BoolArray,
+    slack: FloatArray,
+    x: FloatArray,
+    y: FloatArray,
+) -> tuple[float, int]:  # pragma: no cover - compiled
+    """The least (n/2) Delta-V of one request over the free targets it fits on, and that target.
+
+    Ties go to the smallest target; (inf, -1) when it fits on none.
+    """
+    best = np.inf
+    best_t = -1
+    for t in dst:
+        if t == s or not free[t] or not tok <= slack[t, kq]:
+            continue
+        v = a + tok * x[t, kq] + y[t, kq]
+        if v < best:
+            best = v
+            best_t = t
+    return best, best_t
+
+
+@jit
 def select(
     traces: FloatArray,
     beta: FloatArray,
@@ -134,8 +163,9 @@ def select(
     threshold: float,
     noise: float,
     max_moves: int,
+    budget: float,
 ) -> tuple[IntArray, IntArray, FloatArray]:  # pragma: no cover - compiled
-    """Up to ``max_moves`` (row, target, (n/2) Delta-V) picks, best first.
+    """Up to ``max_moves`` (row, target, (n/2) Delta-V) picks, in the order chosen.
 
     Candidates are requests of ``sources`` that are ``eligible`` and outlast
     their migration (Algorithm 1 line 20), against ``targets`` they fit on
@@ -143,12 +173,19 @@ def select(
     ``threshold``; ties go to the smallest (row, target), rows being in
     (instance, request) order. A pick whose value is within ``noise`` times
     its own term size of the threshold ends the search (rounding noise).
-    After a pick its source and target take part in nothing else.
+    After a pick its source and target take part in nothing else, and every
+    later pick must move at most the ``budget`` bytes (KV) the earlier ones
+    left (the first is always allowed; inf: no budget).
 
-    Branch and bound: a_r + N min_t X_t[k] + min_t Y_t[k] is a lower bound of
-    every value of r (computed with the same operations, so rounding keeps it
-    a bound); requests are tried in order of it and the search stops once the
-    next bound exceeds the best value.
+    Greedy with lazy evaluation: a_r + N min_t X_t[k] + min_t Y_t[k] is a
+    lower bound of every value of r (computed with the same operations, so
+    rounding keeps it a bound); requests are evaluated (their best free
+    target) in order of it, only while the bound could beat the best value
+    found, and kept in a heap keyed (value, row, target). A move changes only
+    its own two instances' traces and takes both out of the tick, so every
+    other value stays exact; a kept value whose target has been taken is
+    re-evaluated when it reaches the top (it can only grow). So the picks
+    are exactly those of repeating the full enumeration after each move.
     """
     n, points = traces.shape
     width = points + 1
@@ -221,52 +258,54 @@ def select(
     order = np.argsort(bound[:m])
     dst = np.flatnonzero(targets)
     free = np.ones(n, dtype=np.bool_)
-    rows = np.full(max_moves, -1, dtype=np.intp)
-    picked = np.full(max_moves, -1, dtype=np.intp)
-    values = np.zeros(max_moves)
-    for move in range(max_moves):
-        best = threshold
-        best_q = -1
-        best_t = -1
-        best_c = -1
-        for c in order:
-            if bound[c] > best:
+    most = min(max_moves, n // 2)  # a move takes two instances out of the tick
+    rows = np.full(most, -1, dtype=np.intp)
+    picked = np.full(most, -1, dtype=np.intp)
+    values = np.zeros(most)
+    heap = [(0.0, 0, 0, 0)]  # (value, row, target, candidate); typed by this entry
+    heap.pop()
+    nxt = 0  # candidates order[:nxt] have been evaluated (or dropped)
+    done = 0
+    left = budget
+    while done < most:
+        # Evaluate every request whose bound does not exceed the best value kept.
+        while nxt < m:
+            c = order[nxt]
+            if heap and heap[0][0] < bound[c]:
                 break
+            nxt += 1
             s = owner[c]
-            if not free[s]:
-                continue
             q = cand[c]
-            tok = tokens[q]
-            kq = k[q]
-            a = own[c]
-            for t in dst:
-                if t == s or not free[t] or not tok <= slack[t, kq]:
-                    continue
-                v = a + tok * x[t, kq] + y[t, kq]
-                if v < best or (
-                    v == best and best_q >= 0 and (q < best_q or (q == best_q and t < best_t))
-                ):
-                    best = v
-                    best_q = q
-                    best_t = t
-                    best_c = c
-        if best_q < 0:
+            if not free[s] or (done > 0 and tokens[q] * bytes_per_token[s] > left):
+                continue
+            v, t = _best_target(s, tokens[q], k[q], own[c], dst, free, slack, x, y)
+            if t >= 0 and v < threshold:
+                heapq.heappush(heap, (v, q, t, c))
+        if not heap:
             break
-        s = owner[best_c]
-        tok = tokens[best_q]
-        kq = k[best_q]
+        v, q, t, c = heapq.heappop(heap)
+        s = owner[c]
+        if not free[s] or (done > 0 and tokens[q] * bytes_per_token[s] > left):
+            continue  # its source moved a request already; or over the budget left
+        if not free[t]:
+            v, t = _best_target(s, tokens[q], k[q], own[c], dst, free, slack, x, y)
+            if t >= 0 and v < threshold:
+                heapq.heappush(heap, (v, q, t, c))
+            continue
+        tok = tokens[q]
+        kq = k[q]
         size = tok * tok * b0[kq] + 2.0 * tok * b1[kq] + b2[kq] + tok * x[s, kq] + y[s, kq]
-        size += tok * x[best_t, kq] + y[best_t, kq]
-        if not best < threshold - noise * size:
+        size += tok * x[t, kq] + y[t, kq]
+        if not v < threshold - noise * size:
             break  # the best is noise, and so is everything above it
-        rows[move] = best_q
-        picked[move] = best_t
-        values[move] = best
-        # One migration per instance per tick. Other pairs' Delta-V depend
-        # only on their own traces, so nothing else needs recomputing.
+        rows[done] = q
+        picked[done] = t
+        values[done] = v
+        done += 1
         free[s] = False
-        free[best_t] = False
-    return rows, picked, values
+        free[t] = False
+        left -= tok * bytes_per_token[s]
+    return rows[:done], picked[:done], values[:done]
 
 
 def warm() -> float:
@@ -300,5 +339,6 @@ def warm() -> float:
         -0.0,
         1e-12,
         1,
+        np.inf,
     )
     return time.perf_counter() - start

@@ -27,6 +27,7 @@ from star.planner.trace import (
     weights,
 )
 from star.planner.types import (
+    AUTO,
     DRAIN,
     Candidate,
     Instance,
@@ -60,7 +61,9 @@ def reference_plan(
 ) -> Plan:
     """Plan one tick by full enumeration; same contract as :func:`star.planner.plan`.
 
-    Ties on Delta-V go to the smallest (source, request, target) by position.
+    Several moves per tick are chosen one after another, each by a full
+    enumeration on the traces the moves before it left. Ties on Delta-V go
+    to the smallest (source, request, target) by position.
     Evacuation of draining instances follows Algorithm 1 as in
     :mod:`star.planner.drain`.
     """
@@ -131,16 +134,30 @@ def reference_plan(
             and not too_short(inst, float(r.tokens), remaining[s][ri])
         )
 
+    def kv_bytes(s: int, ri: int) -> float:
+        return float(instances[s].requests[ri].tokens) * instances[s].bytes_per_token
+
+    # A greedy sequence: each move is the best of a full enumeration on the
+    # traces after the moves before it, among the requests that fit in what
+    # the transfer budget has left (the first move always may).
     now = traces.copy()
     used = {i for i, inst in enumerate(instances) if inst.in_flight}
     moves: list[Move] = []
-    for _ in range(params.max_migrations if over and under else 0):
+    limit = len(over) if params.max_migrations == AUTO else int(params.max_migrations)
+    left = params.transfer_budget_s * params.bandwidth_bytes_per_s
+    if left <= 0:
+        left = float("inf")
+    for _ in range(limit if over and under else 0):
         best: tuple[float, int, int, int] | None = None
         best_gains = False
         for s in over:
             if s in used or not instances[s].requests:
                 continue
-            rows = [ri for ri in range(len(instances[s].requests)) if eligible(s, ri)]
+            rows = [
+                ri
+                for ri in range(len(instances[s].requests))
+                if eligible(s, ri) and (not moves or kv_bytes(s, ri) <= left)
+            ]
             if not rows:
                 continue
             cs = contrib[s][rows]
@@ -162,6 +179,7 @@ def reference_plan(
         now[s] -= c
         now[t] += c
         used |= {s, t}
+        left -= kv_bytes(s, ri)
         r = instances[s].requests[ri]
         moves.append(Move(r.id, ids[s], ids[t], dv, int(r.tokens), remaining[s][ri]))
 

@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from star.planner.core import validate_params
-from star.planner.types import Instance, Mode, PlannerParams, Request
+from star.planner.types import AUTO, Instance, Mode, PlannerParams, Request
 
 SCHEMA_VERSION = 1
 
@@ -44,6 +44,7 @@ _PARAM_TYPES: dict[str, type] = {
     "bandwidth_bytes_per_s": float,
     "handoff_latency_s": float,
     "default_step_time_s": float,
+    "transfer_budget_s": float,
 }
 assert set(_PARAM_TYPES) == {f.name for f in dataclasses.fields(PlannerParams)}
 
@@ -223,6 +224,8 @@ def _convert(key: str, kind: type, value: Any) -> Any:
         if not isinstance(value, str):
             raise ValueError(f"planner parameter mode={value!r}: expected a string")
         return Mode.parse(value)
+    if key == "max_migrations" and isinstance(value, str) and value.strip() == AUTO:
+        return AUTO
     if isinstance(value, bool):
         raise ValueError(f"planner parameter {key}={value!r}: expected a number")
     try:
@@ -233,6 +236,8 @@ def _convert(key: str, kind: type, value: Any) -> Any:
         return float(value)
     except (TypeError, ValueError):
         noun = "an integer" if kind is int else "a number"
+        if key == "max_migrations":
+            noun = f"{AUTO!r} or an integer"
         raise ValueError(f"planner parameter {key}={value!r}: expected {noun}") from None
 
 

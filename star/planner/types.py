@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Literal
 
 
 class ModeKind(enum.StrEnum):
@@ -98,7 +99,11 @@ class PlannerParams:
     ``horizon`` is H (grid points tau_j = j * ``delta`` decode steps, j = 0..H),
     ``beta_decay`` makes beta_j proportional to ``beta_decay ** j`` before
     normalisation, ``theta`` is the classification threshold, ``min_gain`` is
-    epsilon (do nothing unless Delta-V < -epsilon), ``max_migrations`` is M.
+    epsilon (do nothing unless Delta-V < -epsilon), ``max_migrations`` is M:
+    an integer, or :data:`AUTO` for M = |O| this tick (every overloaded
+    instance may shed one request; 1 is the paper's rule). Every move of a
+    tick but the first must fit, with those before it, in ``transfer_budget_s``
+    x ``bandwidth_bytes_per_s`` bytes of KV (0: no budget).
     C_mig(r) = KV bytes of r / ``bandwidth_bytes_per_s`` + ``handoff_latency_s``.
     """
 
@@ -108,10 +113,15 @@ class PlannerParams:
     beta_decay: float = 0.95
     theta: float = 0.1
     min_gain: float = 0.0
-    max_migrations: int = 1
+    max_migrations: int | Literal["auto"] = "auto"
     bandwidth_bytes_per_s: float = 25e9 / 8
     handoff_latency_s: float = 0.025
     default_step_time_s: float = 0.02
+    transfer_budget_s: float = 0.0
+
+
+AUTO: Literal["auto"] = "auto"
+"""``PlannerParams.max_migrations``: as many moves per tick as there are overloaded instances."""
 
 
 class Verdict(enum.StrEnum):

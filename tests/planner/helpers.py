@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from star.planner import Instance, Mode, Move, Plan, PlannerParams, Request
 from star.planner.reference import reference_traces
 from star.planner.trace import weighted_variance, weights
+from star.planner.types import AUTO
 
 MODES = ("predicted", "oracle", "current", "bins:2", "bins:4", "bins:6")
 
@@ -34,8 +35,10 @@ def params_st(draw: st.DrawFn, modes: Sequence[str] = MODES) -> PlannerParams:
         beta_decay=draw(st.sampled_from([0.5, 0.9, 0.95, 1.0])),
         theta=draw(st.sampled_from([0.0, 0.05, 0.1, 0.3])),
         min_gain=draw(st.sampled_from([0.0, 0.0, 1e4])),
-        max_migrations=draw(st.integers(1, 3)),
+        max_migrations=draw(st.integers(1, 3) | st.just(AUTO)),
         bandwidth_bytes_per_s=draw(st.sampled_from([3.125e9, 1e7])),
+        # None, a few tokens' KV, or a few requests' worth
+        transfer_budget_s=draw(st.sampled_from([0.0, 0.0, 1e-4, 0.05])),
     )
 
 

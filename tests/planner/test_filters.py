@@ -196,6 +196,48 @@ def test_up_to_m_moves_each_instance_in_at_most_one() -> None:
     assert plan(cluster, dataclasses.replace(P, max_migrations=0)).moves == ()
 
 
+def two_pairs(bytes_per_token: int = 0) -> list[Instance]:
+    """Two overloaded sources, two empty targets; on s2, c is the better move, d the smaller."""
+    kw = {"bytes_per_token": bytes_per_token}
+    return [
+        inst("s1", req("a", 8000, 5000), req("b", 7000, 5000), **kw),
+        inst("s2", req("c", 7500, 5000), req("d", 6000, 5000), req("pin", 1000, 5000, migratable=False), **kw),
+        inst("t1"),
+        inst("t2"),
+    ]
+
+
+def test_auto_moves_once_per_overloaded_instance() -> None:
+    result = explained(two_pairs(), dataclasses.replace(P, max_migrations="auto"))
+    assert result.overloaded == ("s1", "s2")
+    assert [(m.request, m.source, m.target) for m in result.moves] == [
+        ("a", "s1", "t1"),
+        ("c", "s2", "t2"),
+    ]
+    # auto is |O| = 2 here: the same as any M >= 2
+    assert result.moves == plan(two_pairs(), dataclasses.replace(P, max_migrations=5)).moves
+
+
+@pytest.mark.parametrize(
+    ("budget_mb", "expect"),
+    [
+        (0.0, ["a", "c"]),  # no budget
+        (1.0, ["a"]),  # smaller than any request: the first move only
+        (14.5, ["a", "d"]),  # 8 MB moved, c (7.5 MB) no longer fits, d (6 MB) does
+        (16.0, ["a", "c"]),
+    ],
+)
+def test_transfer_budget_bounds_a_ticks_moves_after_the_first(
+    budget_mb: float, expect: list[str]
+) -> None:
+    params = dataclasses.replace(
+        P, max_migrations="auto", transfer_budget_s=budget_mb * 1e6 / P.bandwidth_bytes_per_s
+    )
+    result = explained(two_pairs(bytes_per_token=1000), params)
+    assert [m.request for m in result.moves] == expect
+    assert result.variance_after < result.variance_before
+
+
 def test_underloaded_compares_the_current_load_with_the_mean_workload() -> None:
     # b is small now but grows (long requests): overloaded by its future
     # workload, yet underloaded by its current load. a is large now but

@@ -4,11 +4,12 @@ migration, and the paper's ordering of modes (§6.3, Fig. 10)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import pytest
 
+from star.planner.types import PlannerParams
 from star.sim import ConfigError, SimConfig, SimResult, Workload, simulate
 from star.sim.engine import Simulator
 
@@ -186,20 +187,27 @@ def test_a_migration_pauses_the_request_for_the_transfer() -> None:
     assert transfer - 0.001 <= stall[moved] <= transfer + 0.021
 
 
-def test_ordering_of_modes_on_16_instances() -> None:
+@pytest.mark.parametrize(("max_migrations", "margin"), [(1, 0.95), ("auto", 0.99)])
+def test_ordering_of_modes_on_16_instances(
+    max_migrations: int | Literal["auto"], margin: float
+) -> None:
     """Paper §6.3 / Fig. 10: variance(predicted) < variance(current) < variance(vLLM),
     oracle no worse than predicted, at the default load and tick.
 
     2,000 simulated seconds: the first ~500 s are the ramp-up while the long
     (up to 32K-token) requests accumulate. Deterministic for the seeds; the
-    margins are those measured over seeds 1-3 (docs/simulator.md).
+    margins are those measured over seeds 1-3 (docs/simulator.md). With one
+    move per tick (the paper's M = 1) prediction helps most; with ``auto``
+    every overloaded instance may shed a request each tick, balancing the
+    present keeps up better and prediction's edge is smaller.
     """
-    base = SimConfig(decode_instances=16, duration_s=2000.0)
+    planner = dataclasses.replace(PlannerParams(), max_migrations=max_migrations)
+    base = SimConfig(decode_instances=16, duration_s=2000.0, planner=planner)
     var: dict[str, float] = {}
     for mode in ("no-migration", "current", "predicted", "oracle"):
         runs = [simulate(dataclasses.replace(base, mode=mode, seed=s)) for s in (1, 2)]
         var[mode] = float(np.mean([r.row["exec_time_variance"] for r in runs]))
-    assert var["predicted"] < 0.95 * var["current"], var
+    assert var["predicted"] < margin * var["current"], var
     assert var["current"] < 0.05 * var["no-migration"], var
     assert var["oracle"] <= 1.05 * var["predicted"], var
 
