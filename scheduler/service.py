@@ -58,6 +58,7 @@ def planner_params(settings: Settings) -> PlannerParams:
         max_migrations=s.max_migrations,
         bandwidth_bytes_per_s=s.bandwidth_gbps * 1e9 / 8,
         handoff_latency_s=s.handoff_latency_s,
+        transfer_budget_s=s.transfer_budget_s,
     )
 
 

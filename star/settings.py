@@ -24,7 +24,7 @@ import typing
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 ENV_PREFIX = "STAR_"
@@ -78,6 +78,12 @@ def planner_mode(value: Any) -> str | None:
     except ValueError as exc:
         return str(exc)
     return None
+
+
+def migrations(value: Any) -> str | None:
+    if value == "auto" or (isinstance(value, int) and value >= 1):
+        return None
+    return 'must be "auto" or an integer >= 1'
 
 
 def _opt(default: Any, help: str, check: Check | None = None, secret: bool = False) -> Any:
@@ -141,7 +147,8 @@ class SchedulerSettings:
     delta: int = _opt(32, "decode steps between grid points", positive)
     beta_decay: float = _opt(0.95, "beta_j proportional to beta_decay**j (then normalised)", fraction)
     min_gain: float = _opt(0.0, "epsilon: migrate only if the variance drops by more", non_negative)
-    max_migrations: int = _opt(1, "M: migrations decided per tick (the paper uses 1)", positive)
+    max_migrations: int | Literal["auto"] = _opt("auto", "M: migrations decided per tick, each instance in at most one: auto (up to one per overloaded instance, each lowering the variance) or an integer (1 is the paper's rule)", migrations)
+    transfer_budget_s: float = _opt(0.0, "KV a tick's moves after the first may carry in all, in seconds of bandwidth_gbps (0 = no budget)", non_negative)
     bandwidth_gbps: float = _opt(25.0, "KV transfer bandwidth assumed in C_mig", positive)
     handoff_latency_s: float = _opt(0.025, "fixed handoff cost added to C_mig", non_negative)
     staleness_s: float = _opt(3.0, "an instance whose reports stop this long is excluded", positive)
@@ -261,6 +268,9 @@ def _parse_bool(text: str) -> bool:
     raise ValueError("expected true/false")
 
 
+_NOUNS: dict[Any, str] = {int: "an integer", float: "a number", str: "a string"}
+
+
 def _coerce(tp: Any, value: Any, from_text: bool) -> Any:
     """Convert ``value`` to ``tp``; strings from env/flags are parsed, TOML values checked."""
     origin = typing.get_origin(tp)
@@ -276,7 +286,19 @@ def _coerce(tp: Any, value: Any, from_text: bool) -> Any:
             raise ValueError("expected a list")
         return tuple(_coerce(item_tp, item, from_text) for item in value)
     if origin in {types.UnionType, typing.Union}:
-        raise TypeError(f"unsupported settings type {tp}")
+        # A type or words: int | Literal["auto"].
+        args = typing.get_args(tp)
+        words = [w for a in args if typing.get_origin(a) is Literal for w in typing.get_args(a)]
+        rest = [a for a in args if typing.get_origin(a) is not Literal]
+        if not words or len(rest) != 1:
+            raise TypeError(f"unsupported settings type {tp}")
+        if isinstance(value, str) and value.strip() in words:
+            return value.strip()
+        try:
+            return _coerce(rest[0], value, from_text)
+        except ValueError:
+            quoted = " or ".join(json.dumps(w) for w in words)
+            raise ValueError(f"expected {quoted} or {_NOUNS.get(rest[0], rest[0])}") from None
     if tp is bool:
         if isinstance(value, bool):
             return value

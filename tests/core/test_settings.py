@@ -30,6 +30,16 @@ def test_precedence_file_env_flag(tmp_path: Path) -> None:
     assert s.sources["proxy.port"] == "flag"
 
 
+def test_max_migrations_is_auto_or_an_integer(tmp_path: Path) -> None:
+    assert load_settings(env={}).scheduler.max_migrations == "auto"
+    assert load_settings(env={"STAR_SCHEDULER_MAX_MIGRATIONS": "3"}).scheduler.max_migrations == 3
+    cfg = tmp_path / "star.toml"
+    cfg.write_text("[scheduler]\nmax_migrations = 2\n")
+    assert load_settings(cfg, env={}).scheduler.max_migrations == 2
+    cfg.write_text('[scheduler]\nmax_migrations = "auto"\n')
+    assert load_settings(cfg, env={}).scheduler.max_migrations == "auto"
+
+
 def test_config_path_from_env(tmp_path: Path) -> None:
     cfg = tmp_path / "c.toml"
     cfg.write_text("[bus]\nprefix = 'prod'\n")
@@ -47,6 +57,8 @@ def test_config_path_from_env(tmp_path: Path) -> None:
         ({"STAR_REDIS_URL": "http://x"}, "redis.url: must be a redis://"),
         ({"STAR_SCHEDULER_INTERVL_S": "1"}, "unknown environment variable STAR_SCHEDULER_INTERVL_S"),
         ({"STAR_WORKER_ROLE": "both"}, "worker.role: must be one of prefill, decode, got 'both'"),
+        ({"STAR_SCHEDULER_MAX_MIGRATIONS": "many"}, "scheduler.max_migrations: invalid value 'many' (from env STAR_SCHEDULER_MAX_MIGRATIONS): expected \"auto\" or an integer"),
+        ({"STAR_SCHEDULER_MAX_MIGRATIONS": "0"}, 'scheduler.max_migrations: must be "auto" or an integer >= 1, got 0'),
     ],
 )
 def test_validation_names_key_and_quotes_value(env: dict[str, str], message: str) -> None:
