@@ -155,7 +155,11 @@ class CoreFailure:
 
 
 def logging_config(cause: Path) -> dict[str, Any]:
-    """vLLM's own logging configuration plus a :class:`CoreFailureHandler` writing to ``cause``."""
+    """vLLM's own logging configuration plus a :class:`CoreFailureHandler` writing to ``cause``.
+
+    And a :class:`workers.parent.ParentWatch`: the engine core ends once this
+    process is gone.
+    """
     from vllm import envs
     from vllm.logger import DEFAULT_LOGGING_CONFIG
 
@@ -172,6 +176,12 @@ def logging_config(cause: Path) -> dict[str, Any]:
         "path": str(cause),
     }
     config["loggers"][CORE_LOGGER] = {"handlers": ["star_start"], "propagate": True}
+    # Attached to no logger: its construction starts the engine core's watch
+    # on this process, from the engine core's first moment (workers.parent).
+    config["handlers"]["star_parent"] = {
+        "()": "workers.parent.ParentWatch",
+        "parent": os.getpid(),
+    }
     return config
 
 

@@ -31,10 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
-import sys
-import threading
-import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -44,6 +40,8 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
+
+from workers.parent import end_with_parent
 
 RELEASE_PREFIX = "star-release:"
 """An aborted id ``RELEASE_PREFIX + internal_id [+ "|" + migration]`` asks for a release."""
@@ -66,34 +64,6 @@ def parse_release_id(marked: str) -> tuple[str, str] | None:
     if not internal:
         internal, migration = body, ""
     return internal, migration
-
-
-def end_with_parent(interval_s: float = 1.0, grace_s: float = 15.0) -> threading.Thread:
-    """End this process (SIGTERM, then exit after ``grace_s``) once its parent is gone.
-
-    vLLM's engine-core process outlived a worker that was SIGKILLed (by an
-    operator, the OOM killer, a test): an orphan holding its memory, KV
-    cache and ports, found nine at a time on this machine. The engine core
-    checks every ``interval_s`` that the process that started it is still
-    its parent; vLLM's own SIGTERM handler then shuts the engine down.
-    """
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(interval_s)
-        print(
-            f"star: the engine's parent process {parent} is gone; shutting the engine down",
-            file=sys.stderr,
-            flush=True,
-        )
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(grace_s)
-        os._exit(1)
-
-    thread = threading.Thread(target=watch, name="star-parent-watch", daemon=True)
-    thread.start()
-    return thread
 
 
 class StarScheduler(Scheduler):

@@ -2,13 +2,14 @@
 
 vLLM starts the engine core as a child process; when the worker died without
 unwinding (SIGKILL, the OOM killer), the engine core lived on as an orphan
-holding its memory and ports. ``workers.vllm_ext.end_with_parent`` ends it.
+holding its memory and ports. ``workers.parent.end_with_parent`` ends it.
 The worker here is a real ``EngineHandle`` on the tiny model in a process of
 its own, killed the way the OOM killer would.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -73,3 +74,55 @@ def _running(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+WATCHED = textwrap.dedent(
+    """
+    import sys, time
+    from workers.parent import ParentWatch
+
+    ParentWatch(parent=int(sys.argv[1]))
+    print("watching", flush=True)
+    time.sleep(30)
+    """
+)
+
+
+def _watched(parent: int) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WATCHED, str(parent)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
+    assert proc.stdout is not None and proc.stdout.readline() == "watching\n"
+    return proc
+
+
+def test_an_engine_core_whose_worker_died_before_it_started_ends_at_once() -> None:
+    """The watch starts with vLLM's logging configuration, in the engine core's first moment.
+
+    An engine core that only started watching once loaded (``StarScheduler``)
+    took its parent then -- init, already -- and ran on for good.
+    """
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    proc = _watched(gone.pid)  # its worker, already gone
+    try:
+        assert proc.wait(timeout=20) == -signal.SIGTERM
+    finally:
+        proc.kill()
+
+
+def test_the_watch_leaves_a_live_parents_engine_core_and_vllms_own_workers_alone() -> None:
+    own, other = _watched(os.getpid()), _watched(os.getppid())  # other: a grandparent, alive
+    try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            own.wait(timeout=3)
+        assert own.poll() is None and other.poll() is None
+    finally:
+        own.kill()
+        other.kill()
+        own.wait()
+        other.wait()
