@@ -4,14 +4,19 @@ Redis at the configured URL or, if none answers, a private ``redis-server``;
 1 prefill + 3 decode workers on the tiny demo model; the scheduler; the proxy
 on 127.0.0.1:8000. Every process runs in its own session so that stopping
 (Ctrl-C, SIGTERM, or any process dying) kills whole process groups: vLLM's
-engine-core children included, nothing is left behind. Logs go to one file
-per process under the run directory.
+engine-core children included, nothing is left behind; a ``star up`` killed
+outright (SIGKILL) takes them along too (``PR_SET_PDEATHSIG``). A cluster
+already live on the same Redis and prefix is refused, named, rather than
+joined. Logs go to one file per process under the run directory; a process
+that dies is reported by its one-line cause.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
+import ctypes
 import json
 import os
 import shutil
@@ -28,10 +33,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from star.cli.common import CliError, add_settings_args, guarded, settings_from_args
 from star.ports import free_port, listen
+from star.settings import BusSettings, Settings
+
+if TYPE_CHECKING:
+    from star.bus import Bus
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -91,6 +101,7 @@ class Launcher:
                 env={**self.env, **(extra_env or {})},
                 start_new_session=True,
                 pass_fds=pass_fds,
+                preexec_fn=_die_with_parent(),
             )
         self.children.append(child)
         return child
@@ -150,6 +161,34 @@ def group_members(groups: set[int]) -> list[tuple[int, int, str]]:
     return out
 
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that has the kernel SIGKILL the child when this process dies.
+
+    Each child runs in its own session, so a SIGKILL of this process (which
+    no handler sees) reaches none of them: without this they ran on, engines
+    and all. The kernel sends the signal when the *thread* that forked exits,
+    so only children started from the main thread get it (it lives as long as
+    the process). A worker's engine core ends itself once the worker is gone
+    (``workers.parent.end_with_parent``). Linux only; None elsewhere.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the parent died before the prctl took effect
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return preexec
+
+
 def _signal_group(child: Child, sig: signal.Signals) -> None:
     if child.proc is None:
         return
@@ -172,6 +211,28 @@ def _redis_answers(url: str) -> bool:
     return reply.startswith(b"+PONG") or reply.startswith(b"-NOAUTH")
 
 
+def _cause(path: Path) -> str | None:
+    """The ``error`` of the last error-level JSON line a STAR process logged, if any.
+
+    A process that cannot start logs why in one such line (``startup failed``),
+    the setting to change included.
+    """
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        if not line.startswith("{"):
+            continue
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict) and entry.get("level") in ("error", "critical"):
+            return str(entry.get("error") or entry.get("event"))
+    return None
+
+
 def _tail(path: Path, lines: int = 25) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -191,6 +252,72 @@ def _health(port: int, api_key: str | None = None) -> dict[str, object] | None:
         return None
     except (OSError, ValueError):
         return None
+
+
+async def live_cluster(bus: Bus, fresh_s: float) -> str | None:
+    """Who runs a cluster on ``bus`` now (``"scheduler leader X, workers A, B"``), or None.
+
+    A scheduler that holds the leader lock (it lets go when it stops), or a
+    worker that reported within ``fresh_s`` and has not announced
+    ``worker_down`` since.
+    """
+    from star.bus import as_str
+    from star.wire import Event, EventKind, WireError, decode_as
+
+    leader = await bus.retrying("GET", lambda: bus.redis.get(bus.keys.leader))
+    now = time.time()
+    reported = {
+        r.instance: r.ts for r in (await bus.latest_reports(1000)).values() if now - r.ts <= fresh_s
+    }
+    for _entry, raw in await bus.since("events", fresh_s):
+        try:
+            event = decode_as(raw.get(b"body", b""), Event)
+        except WireError:
+            continue
+        gone = event.event == EventKind.WORKER_DOWN
+        if gone and event.ts >= reported.get(event.instance, now + 1):
+            del reported[event.instance]
+    who = [f"scheduler leader {as_str(leader).split('|')[0]}"] if leader else []
+    if reported:
+        who.append("workers " + ", ".join(sorted(reported)))
+    return ", ".join(who) or None
+
+
+def refuse_a_second_cluster(settings: Settings) -> None:
+    """Raise :class:`CliError` if a cluster already runs on ``settings``' Redis and prefix.
+
+    Two ``star up`` on one machine would otherwise share its Redis and the
+    default prefix: one bus, each scheduler and proxy steering the other's
+    workers.
+    """
+    from star.bus import Bus
+
+    async def check() -> str | None:
+        bus = Bus.from_settings(settings.redis, settings.bus)
+        try:
+            fresh_s = max(settings.scheduler.staleness_s, 2 * settings.worker.report_interval_s)
+            return await live_cluster(bus, fresh_s)
+        finally:
+            await bus.close()
+
+    if not _redis_answers(settings.redis.url):
+        return
+    who = asyncio.run(check())
+    if who is not None:
+        raise CliError(
+            f"a cluster is already running on {_shown(settings.redis.url)} with prefix "
+            f"{settings.bus.prefix!r} ({who}); pass --set bus.prefix=NAME to start another "
+            "beside it, or stop that one first"
+        )
+
+
+def _shown(url: str) -> str:
+    """``url`` without its password."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rsplit("@", 1)[1]
+    return parts._replace(netloc=f"{parts.username or ''}:***@{host}").geturl()
 
 
 class ClusterError(Exception):
@@ -363,6 +490,11 @@ class LocalCluster:
         dead = self.launcher.dead()
         if dead is not None:
             status = dead.proc.returncode if dead.proc else "?"
+            cause = _cause(dead.log)
+            if cause is not None:
+                raise ClusterError(
+                    f"{dead.name} exited with status {status}: {cause} (log: {dead.log})"
+                )
             raise ClusterError(
                 f"{dead.name} exited with status {status}; last lines of {dead.log}:\n{_tail(dead.log)}"
             )
@@ -454,6 +586,7 @@ def run(args: argparse.Namespace) -> int:
     if args.mode:
         env["STAR_SCHEDULER_MODE"] = args.mode
     model = args.model or settings.worker.model or None
+    refuse_a_second_cluster(settings)
     cluster = LocalCluster(
         settings.redis.url,
         port=settings.proxy.port,
@@ -470,7 +603,7 @@ def run(args: argparse.Namespace) -> int:
         cluster.start()
         if cluster.private_redis:
             print(
-                f"star up: no Redis at {settings.redis.url}; started a private one at {cluster.redis_url}"
+                f"star up: no Redis at {_shown(settings.redis.url)}; started a private one at {cluster.redis_url}"
             )
         print(
             f"star up: starting {args.prefill} prefill + {args.decode} decode workers, scheduler, proxy (logs: {cluster.run_dir})"
@@ -485,12 +618,17 @@ def run(args: argparse.Namespace) -> int:
             return 1
 
         name = "star-tiny" if not model else model
+        # What another terminal's star commands need to find this cluster.
+        find = [f"STAR_REDIS_URL={cluster.redis_url} "] if cluster.private_redis else []
+        if settings.bus.prefix != BusSettings().prefix:
+            find.append(f"STAR_BUS_PREFIX={settings.bus.prefix} ")
+        star = "".join(find) + "star"
         print(
             f"\nstar up: ready in {took:.0f}s — proxy on http://127.0.0.1:{port}\n\n"
             f"  curl -N http://127.0.0.1:{port}/v1/completions -H 'Content-Type: application/json' \\\n"
             f'       -d \'{{"model": "{name}", "prompt": "give me a long list of animals starting with owl.", "max_tokens": 64, "stream": true}}\'\n\n'
-            f"  star status                 # instances, load, running requests\n"
-            f"  star inspect decisions -f   # migrations as they are decided\n\n"
+            f"  {star} status                 # instances, load, running requests\n"
+            f"  {star} inspect decisions -f   # migrations as they are decided\n\n"
             f"Ctrl-C stops everything.",
             flush=True,
         )
