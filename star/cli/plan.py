@@ -284,7 +284,11 @@ def plan_to_json(result: Plan, instances: list[Instance], params: PlannerParams)
                 "source": c.source,
                 "target": c.target,
                 "tokens": reqs[(c.source, c.request)].tokens,
-                "remaining": _finite(remaining_for(reqs[(c.source, c.request)], params.mode)),
+                "remaining": _finite(
+                    remaining_for(
+                        reqs[(c.source, c.request)], params.mode, params.bins_scale_tokens
+                    )
+                ),
                 "delta_v": c.delta_v,
                 "verdict": c.verdict.value,
             }
@@ -403,7 +407,7 @@ def render_text(
                     c.target,
                     c.request,
                     _tokens(r.tokens),
-                    _remaining(remaining_for(r, params.mode), params),
+                    _remaining(remaining_for(r, params.mode, params.bins_scale_tokens), params),
                     dv,
                     c.verdict.value,
                 ]

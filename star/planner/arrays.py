@@ -40,6 +40,7 @@ import numpy as np
 
 from star.planner.trace import (
     MIN_REMAINING,
+    PAPER_SCALE_TOKENS,
     BoolArray,
     FloatArray,
     IntArray,
@@ -82,9 +83,10 @@ class ClusterArrays:
     Requests are rows grouped by instance: instance i owns rows
     ``offsets[i]:offsets[i + 1]``, in the order ties are broken in.
     ``predicted`` is R-hat from the length predictor (NaN: no prediction
-    yet), ``true_remaining`` the true remaining length (NaN: unknown; only
-    ``oracle`` mode needs it), ``eligible`` whether a request may be moved
-    (migratable and not already migrating). Per instance: KV capacity in
+    yet), ``true_remaining`` the true remaining length (NaN: not known, read
+    like a missing prediction; only ``oracle`` mode uses it), ``eligible``
+    whether a request may be moved (migratable and not already migrating).
+    Per instance: KV capacity in
     tokens, bytes per token, mean step time (0: unknown, the params' default
     is used), whether it takes part in a migration already, and optionally
     the worker's own pre-simulated trace (``traces`` rows where
@@ -162,23 +164,23 @@ def transfer_budget(params: PlannerParams) -> float:
     return params.transfer_budget_s * params.bandwidth_bytes_per_s
 
 
-def remaining_of(arrays: ClusterArrays, mode: Mode) -> FloatArray:
-    """R-hat of every row as ``mode`` sees it (:func:`star.planner.remaining_for`)."""
+def remaining_of(
+    arrays: ClusterArrays, mode: Mode, scale: float = PAPER_SCALE_TOKENS
+) -> FloatArray:
+    """R-hat of every row as ``mode`` sees it (:func:`star.planner.remaining_for`).
+
+    ``scale`` is the params' ``bins_scale_tokens`` (the ``bins:K`` edges').
+    """
     kind = mode.kind
     if kind is ModeKind.CURRENT or kind is ModeKind.NO_MIGRATION:
         return np.full(arrays.tokens.size, np.inf)
     if kind is ModeKind.ORACLE:
-        true = arrays.true_remaining
-        missing = np.flatnonzero(np.isnan(true))
-        if missing.size:
-            raise ValueError(
-                f"request row {int(missing[0])} has no true_remaining; oracle mode needs it"
-            )
-        out: FloatArray = np.maximum(true, MIN_REMAINING)
+        true = arrays.true_remaining  # NaN: not known, read as in predicted mode
+        out: FloatArray = np.where(np.isnan(true), np.inf, np.maximum(true, MIN_REMAINING))
         return out
     pred = arrays.predicted
     if kind is ModeKind.BINS:
-        pred = _bin_values(pred, mode.bins)
+        pred = _bin_values(pred, mode.bins, scale)
     out = np.where(np.isnan(pred), np.inf, np.maximum(pred, MIN_REMAINING))
     return out
 
@@ -195,7 +197,7 @@ def plan_arrays(arrays: ClusterArrays, params: PlannerParams) -> ArrayPlan:
     const = _constants(params)
     beta, tau = const.beta, const.tau
     n = arrays.size
-    remaining = remaining_of(arrays, params.mode)
+    remaining = remaining_of(arrays, params.mode, params.bins_scale_tokens)
     kernels = _kernels()
     k = kernels.cutoffs(remaining, tau)
     if (
@@ -308,11 +310,8 @@ def from_instances(instances: Sequence[Instance], params: PlannerParams) -> Clus
         # None (no prediction yet) becomes NaN in the conversion.
         predicted = np.array(list(map(_PREDICTED, reqs)), dtype=np.float64)
     elif kind is ModeKind.ORACLE:
-        raw = list(map(_TRUE, reqs))
-        if None in raw:
-            missing = next(r.id for r in reqs if r.true_remaining is None)
-            raise ValueError(f"request {missing!r} has no true_remaining; oracle mode needs it")
-        true = np.array(raw, dtype=np.float64)
+        # None (length not known) becomes NaN, which remaining_of reads as unknown.
+        true = np.array(list(map(_TRUE, reqs)), dtype=np.float64)
     eligible = np.fromiter(map(_MIGRATABLE, reqs), np.bool_, total)
     for i, inst in enumerate(instances):
         if inst.busy:

@@ -66,6 +66,8 @@ def validate_params(params: PlannerParams) -> None:
     m = params.max_migrations
     if m != AUTO and (not isinstance(m, int) or isinstance(m, bool) or m < 0):
         raise bad("max_migrations", m, f"must be {AUTO!r} or an integer >= 0")
+    if not isinstance(params.bins_scale_tokens, int) or params.bins_scale_tokens < 1:
+        raise bad("bins_scale_tokens", params.bins_scale_tokens, "must be an integer >= 1 (tokens)")
     if not (math.isfinite(params.beta_decay) and params.beta_decay > 0):
         raise bad("beta_decay", params.beta_decay, "must be a finite number > 0")
     for name in ("theta", "min_gain", "handoff_latency_s", "transfer_budget_s"):
@@ -207,7 +209,7 @@ def _explain(
             continue
         reqs = src.requests
         tokens = np.array([r.tokens for r in reqs], dtype=np.float64)
-        remaining = remaining_array(reqs, params.mode)
+        remaining = remaining_array(reqs, params.mode, params.bins_scale_tokens)
         k = cutoffs(remaining, tau)
         source = np.full(len(reqs), s)
         own = pre.own(tokens, k, source)

@@ -48,7 +48,8 @@ def reference_traces(instances: Sequence[Instance], params: PlannerParams) -> Fl
             out[i] = np.asarray(inst.trace, dtype=np.float64)
             continue
         for r in inst.requests:
-            out[i] += contribution(float(r.tokens), remaining_for(r, params.mode), tau)
+            remaining = remaining_for(r, params.mode, params.bins_scale_tokens)
+            out[i] += contribution(float(r.tokens), remaining, tau)
     return out
 
 
@@ -114,7 +115,8 @@ def reference_plan(
             vals[row] = weighted_variance(moved, beta) - before
         return vals
 
-    remaining = [[remaining_for(r, params.mode) for r in inst.requests] for inst in instances]
+    scale = params.bins_scale_tokens
+    remaining = [[remaining_for(r, params.mode, scale) for r in inst.requests] for inst in instances]
     contrib = [
         np.array(
             [

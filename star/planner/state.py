@@ -45,6 +45,7 @@ _PARAM_TYPES: dict[str, type] = {
     "handoff_latency_s": float,
     "default_step_time_s": float,
     "transfer_budget_s": float,
+    "bins_scale_tokens": int,
 }
 assert set(_PARAM_TYPES) == {f.name for f in dataclasses.fields(PlannerParams)}
 

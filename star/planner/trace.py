@@ -38,6 +38,8 @@ BIN_EDGES: dict[int, tuple[int, ...]] = {
     4: (0, 4 * _K, 8 * _K, 16 * _K, 32 * _K),
     6: (0, 2 * _K, 4 * _K, 6 * _K, 8 * _K, 16 * _K, 32 * _K),
 }
+PAPER_SCALE_TOKENS = 32 * _K
+"""The length scale of :data:`BIN_EDGES` (their top edge)."""
 
 # A running request still holds its KV now, so it must count at tau_0 = 0
 # whatever a regressor says; R-hat is clamped to at least one token.
@@ -70,22 +72,38 @@ def weights(params: PlannerParams) -> FloatArray:
     return out
 
 
-def bin_value(predicted: float, bins: int) -> float:
+def bin_edges(bins: int, scale: float = PAPER_SCALE_TOKENS) -> tuple[float, ...]:
+    """The paper's ``bins``-bin edges stretched to a top edge of ``scale`` tokens.
+
+    The paper's edges are for 32K-token answers; a served model whose answers
+    are far shorter (the tiny demo model's stay under ~1,500 tokens, its
+    context is 4,096) would see every request in the bottom bin with them.
+    """
+    if not scale > 0:
+        raise ValueError(f"bins_scale_tokens must be > 0, got {scale}")
+    factor = float(scale) / PAPER_SCALE_TOKENS
+    return tuple(edge * factor for edge in BIN_EDGES[bins])
+
+
+def bin_value(predicted: float, bins: int, scale: float = PAPER_SCALE_TOKENS) -> float:
     """Quantise a predicted remaining length to the midpoint of its Table 4 bin.
 
     A bin predictor answers "which bin", and the midpoint is the natural point
     estimate of a bin. Values at or past the top edge fall in the top bin (the
-    paper closes it: [16K, 32K]); negative values in the bottom bin.
+    paper closes it: [16K, 32K]); negative values in the bottom bin. The edges
+    are :func:`bin_edges` at ``scale``.
     """
-    edges = BIN_EDGES[bins]
+    edges = bin_edges(bins, scale)
     i = 0
     while i < len(edges) - 2 and predicted >= edges[i + 1]:
         i += 1
     return (edges[i] + edges[i + 1]) / 2.0
 
 
-def _bin_values(predicted: FloatArray, bins: int) -> FloatArray:
-    edges = np.asarray(BIN_EDGES[bins], dtype=np.float64)
+def _bin_values(
+    predicted: FloatArray, bins: int, scale: float = PAPER_SCALE_TOKENS
+) -> FloatArray:
+    edges = np.asarray(bin_edges(bins, scale), dtype=np.float64)
     mids = (edges[:-1] + edges[1:]) / 2.0
     # Inner edges only: everything below the second edge is bin 0, everything
     # at or above the last inner edge is the top bin.
@@ -94,7 +112,7 @@ def _bin_values(predicted: FloatArray, bins: int) -> FloatArray:
     return out
 
 
-def remaining_for(request: Request, mode: Mode) -> float:
+def remaining_for(request: Request, mode: Mode, scale: float = PAPER_SCALE_TOKENS) -> float:
     """R-hat(r): the remaining decode length the planner assumes in ``mode``.
 
     - ``current`` / ``no-migration``: not used for load (H = 0, c_r = N(r));
@@ -104,11 +122,15 @@ def remaining_for(request: Request, mode: Mode) -> float:
       worker predicts every k = 20 steps, paper §5.3) means unknown and is
       treated as in ``current``: ``inf``, i.e. the request runs past the
       horizon and may be migrated.
-    - ``oracle``: ``true_remaining``; ``None`` is an error (the simulator and
-      tests always know it).
+    - ``oracle``: ``true_remaining``. The simulator always knows it; a live
+      worker knows it only for a request whose length is fixed (``ignore_eos``
+      with ``max_tokens``, no stop condition). ``None`` (not known) is read as
+      in ``predicted``: ``inf``, the request keeps its load through the
+      horizon and stays a candidate (the scheduler warns about it).
     - ``bins:K``: ``predicted_remaining`` quantised to the midpoint of its
-      paper Table 4 bin (:data:`BIN_EDGES`, K = 1024 tokens); ``None`` is
-      ``inf`` as in ``predicted``.
+      paper Table 4 bin (:func:`bin_edges` at ``scale`` tokens, the params'
+      ``bins_scale_tokens``; the paper's own at 32,768); ``None`` is ``inf``
+      as in ``predicted``.
 
     Finite values are clamped to at least 1 token: a running request holds its
     KV now, so c_r(tau_0) = N(r) and L_i(0) is the current token load.
@@ -118,32 +140,32 @@ def remaining_for(request: Request, mode: Mode) -> float:
         return math.inf
     if kind is ModeKind.ORACLE:
         if request.true_remaining is None:
-            raise ValueError(f"request {request.id!r} has no true_remaining; oracle mode needs it")
+            return math.inf
         value = float(request.true_remaining)
     else:
         if request.predicted_remaining is None or math.isnan(request.predicted_remaining):
             return math.inf
         value = float(request.predicted_remaining)
         if kind is ModeKind.BINS:
-            value = bin_value(value, mode.bins)
+            value = bin_value(value, mode.bins, scale)
     return max(value, MIN_REMAINING)
 
 
-def remaining_array(requests: Sequence[Request], mode: Mode) -> FloatArray:
+def remaining_array(
+    requests: Sequence[Request], mode: Mode, scale: float = PAPER_SCALE_TOKENS
+) -> FloatArray:
     """:func:`remaining_for` over many requests at once (the planner's hot path)."""
     kind = mode.kind
     if kind is ModeKind.CURRENT or kind is ModeKind.NO_MIGRATION:
         return np.full(len(requests), np.inf)
+    # None becomes NaN in the conversion; NaN (not known) -> inf.
     if kind is ModeKind.ORACLE:
-        raw = [r.true_remaining for r in requests]
-        if None in raw:
-            missing = next(r.id for r in requests if r.true_remaining is None)
-            raise ValueError(f"request {missing!r} has no true_remaining; oracle mode needs it")
-        return np.maximum(np.array(raw, dtype=np.float64), MIN_REMAINING)
-    # None becomes NaN in the conversion; NaN (no prediction) is unknown -> inf.
+        true = np.array([r.true_remaining for r in requests], dtype=np.float64)
+        known: FloatArray = np.where(np.isnan(true), np.inf, np.maximum(true, MIN_REMAINING))
+        return known
     pred = np.array([r.predicted_remaining for r in requests], dtype=np.float64)
     if kind is ModeKind.BINS:
-        pred = _bin_values(pred, mode.bins)
+        pred = _bin_values(pred, mode.bins, scale)
     out: FloatArray = np.where(np.isnan(pred), np.inf, np.maximum(pred, MIN_REMAINING))
     return out
 
@@ -229,7 +251,10 @@ def uses_worker_trace(instance: Instance, params: PlannerParams) -> bool:
 
 
 def flatten(
-    instances: Sequence[Instance], which: Sequence[int], mode: Mode
+    instances: Sequence[Instance],
+    which: Sequence[int],
+    mode: Mode,
+    scale: float = PAPER_SCALE_TOKENS,
 ) -> tuple[IntArray, FloatArray, FloatArray, IntArray]:
     """Flat per-request arrays for ``instances[i]`` for ``i`` in ``which``.
 
@@ -244,7 +269,7 @@ def flatten(
     tokens = np.fromiter([r.tokens for r in reqs], np.int64, len(reqs)).astype(np.float64)
     offsets: IntArray = np.zeros(len(which) + 1, dtype=np.intp)
     np.cumsum(counts, out=offsets[1:])
-    return owner, tokens, remaining_array(reqs, mode), offsets
+    return owner, tokens, remaining_array(reqs, mode, scale), offsets
 
 
 def instance_traces(instances: Sequence[Instance], params: PlannerParams) -> FloatArray:
@@ -253,7 +278,9 @@ def instance_traces(instances: Sequence[Instance], params: PlannerParams) -> Flo
     out = np.zeros((len(instances), tau.size))
     need = [i for i, inst in enumerate(instances) if not uses_worker_trace(inst, params)]
     if need:
-        owner, tokens, remaining, _ = flatten(instances, need, params.mode)
+        owner, tokens, remaining, _ = flatten(
+            instances, need, params.mode, params.bins_scale_tokens
+        )
         out[need] = traces_from_arrays(owner, tokens, cutoffs(remaining, tau), len(need), tau)
     if len(need) < len(instances):
         for i, inst in enumerate(instances):

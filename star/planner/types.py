@@ -118,6 +118,11 @@ class PlannerParams:
     handoff_latency_s: float = 0.025
     default_step_time_s: float = 0.02
     transfer_budget_s: float = 0.0
+    # The length scale of ``bins:K`` edges: the paper's edges (up to 32,768
+    # tokens, its models' context) times bins_scale_tokens / 32768. The
+    # simulator models the paper's lengths and keeps 32768; the live scheduler
+    # passes the served model's (scheduler.bins_scale_tokens).
+    bins_scale_tokens: int = 32768
 
 
 AUTO: Literal["auto"] = "auto"

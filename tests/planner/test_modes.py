@@ -18,12 +18,13 @@ from star.planner import (
     ModeKind,
     PlannerParams,
     Request,
+    plan,
     remaining_for,
     weights,
 )
 from star.planner.core import validate_params
-from star.planner.reference import reference_traces
-from star.planner.trace import cutoffs, grid, instance_traces, remaining_array
+from star.planner.reference import reference_plan, reference_traces
+from star.planner.trace import bin_edges, cutoffs, grid, instance_traces, remaining_array
 from tests.planner.helpers import MODES, cluster_st, params_st
 
 K = 1024
@@ -120,12 +121,101 @@ def test_bin_edges_are_the_papers() -> None:
     assert BIN_EDGES[6] == (0, 2 * K, 4 * K, 6 * K, 8 * K, 16 * K, 32 * K)
 
 
-def test_oracle_without_true_length_is_an_error() -> None:
-    bad = dataclasses.replace(R, id="r9", true_remaining=None)
-    with pytest.raises(ValueError, match="'r9' has no true_remaining"):
-        remaining_for(bad, Mode.parse("oracle"))
-    with pytest.raises(ValueError, match="'r9' has no true_remaining"):
-        remaining_array([R, bad], Mode.parse("oracle"))
+def test_oracle_reads_an_unknown_length_as_unknown() -> None:
+    # A live worker knows a request's length only when it is fixed (ignore_eos
+    # with max_tokens): the others are read as a missing prediction is.
+    unknown = dataclasses.replace(R, id="r9", true_remaining=None)
+    assert remaining_for(unknown, Mode.parse("oracle")) == math.inf
+    assert remaining_array([R, unknown], Mode.parse("oracle")).tolist() == [1234.0, math.inf]
+
+
+def _oracle_cluster() -> list[Instance]:
+    # s is overloaded with three requests, t is empty. "short" holds the most
+    # tokens but ends at once: without lengths (current) it is the best move;
+    # knowing them (oracle), it is too short to move and another goes.
+    return [
+        Instance(
+            "s",
+            (
+                Request("short", 1800, true_remaining=1),
+                Request("long", 1000, true_remaining=4000),
+                Request("unknown", 600, true_remaining=None),
+            ),
+            capacity_tokens=100_000,
+            bytes_per_token=1024,
+            step_time_s=0.02,
+        ),
+        Instance("t", (), capacity_tokens=100_000, bytes_per_token=1024, step_time_s=0.02),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("mode", "moved", "remaining"),
+    [("current", "short", math.inf), ("oracle", "long", 4000.0)],
+)
+def test_oracle_plans_on_true_lengths_among_unknown_ones(
+    mode: str, moved: str, remaining: float
+) -> None:
+    params = PlannerParams(mode=Mode.parse(mode), horizon=8, delta=32)
+    result = plan(_oracle_cluster(), params)
+    assert [(m.request, m.source, m.target) for m in result.moves] == [(moved, "s", "t")]
+    assert result.moves[0].remaining == remaining
+    # The naive reference agrees (unknown read as inf there too).
+    ref = reference_plan(_oracle_cluster(), params)
+    assert [m.request for m in ref.moves] == [moved]
+
+
+@pytest.mark.parametrize(
+    ("bins", "scale", "edges"),
+    [
+        (2, 32 * K, (0, 8 * K, 32 * K)),  # the paper's
+        (2, 4096, (0, 1024, 4096)),
+        (4, 4096, (0, 512, 1024, 2048, 4096)),
+        (6, 4096, (0, 256, 512, 768, 1024, 2048, 4096)),
+        (4, 2048, (0, 256, 512, 1024, 2048)),
+    ],
+)
+def test_bin_edges_scale_with_the_served_length(
+    bins: int, scale: int, edges: tuple[int, ...]
+) -> None:
+    assert bin_edges(bins, scale) == tuple(float(e) for e in edges)
+
+
+@pytest.mark.parametrize(
+    ("predicted", "scale", "midpoint"),
+    [
+        # bins:4 at the paper's scale: every answer of a 4K-context model is in [0, 4K).
+        (600.0, None, 2 * K),
+        (1500.0, None, 2 * K),
+        # At the tiny model's 4,096 tokens: [0, 512), [512, 1K), [1K, 2K), [2K, 4K].
+        (600.0, 4096, 768.0),
+        (1500.0, 4096, 1536.0),
+        (100.0, 4096, 256.0),
+        (9000.0, 4096, 3072.0),  # past the top edge: top bin
+    ],
+)
+def test_bins_mode_quantises_on_the_params_scale(
+    predicted: float, scale: int | None, midpoint: float
+) -> None:
+    params = PlannerParams(mode=Mode.parse("bins:4"), horizon=4)
+    if scale is not None:
+        params = dataclasses.replace(params, bins_scale_tokens=scale)
+    request = dataclasses.replace(R, predicted_remaining=predicted)
+    assert remaining_for(request, params.mode, params.bins_scale_tokens) == midpoint
+    assert remaining_array([request], params.mode, params.bins_scale_tokens).tolist() == [midpoint]
+    # The planner (on arrays) moves one of two such requests, seeing that R-hat.
+    pair = (Request("a", 1000, predicted), Request("b", 1000, predicted))
+    result = plan(
+        [Instance("s", pair, 100_000), Instance("t", (), 100_000)],
+        dataclasses.replace(params, min_gain=0.0),
+    )
+    assert [m.remaining for m in result.moves] == [midpoint]
+
+
+def test_bins_scale_defaults_to_the_papers_and_must_be_positive() -> None:
+    assert PlannerParams().bins_scale_tokens == 32 * K  # the simulator's: the paper's lengths
+    with pytest.raises(ValueError, match="bins_scale_tokens=0"):
+        validate_params(PlannerParams(bins_scale_tokens=0))
 
 
 @settings(max_examples=60, deadline=None)
