@@ -4,7 +4,9 @@
 (``<prefix>:load``) when it is fresh, otherwise the proxy's own view built
 from the workers' reports (so serving goes on while no scheduler runs).
 :func:`choose` applies the P->D dispatch policy (DESIGN §3) to that view,
-corrected by what this proxy dispatched since the view was taken.
+corrected by what this proxy dispatched since the view was taken: the policy
+the scheduler publishes with its view (``<prefix>:dispatch``, its
+``scheduler.dispatch``) while fresh, else the proxy's own ``proxy.dispatch``.
 
 :class:`ClusterBackend` implements :class:`proxy.backend.Backend`: for each
 request it runs the prompt on a prefill worker (one token, KV held for
@@ -35,6 +37,7 @@ from proxy.migration import DecodeRun, Migrator
 from proxy.upstream import ConnectionLost, WorkerClient, WorkerPool
 from star.bus import Bus, BusUnavailable, Subscriber
 from star.sampling import migration_blocker
+from star.settings import DISPATCH_POLICIES
 from star.wire import Abort, Error, Event, EventKind, Generate, Report, Tokens
 
 log = structlog.get_logger(__name__)
@@ -96,6 +99,9 @@ class Directory:
         self._pending: dict[str, int] = {}
         self._down: dict[str, float] = {}  # address -> until (monotonic)
         self._rr = itertools.count()
+        # The scheduler's published dispatch policy, when last read (monotonic).
+        self._policy: tuple[float, str] | None = None
+        self._bad_policy = ""
 
     async def follow_reports(self) -> None:
         start = f"{int((time.time() - self.staleness_s) * 1000)}-0"
@@ -110,26 +116,49 @@ class Directory:
     async def poll_load(self, interval_s: float = 0.25) -> None:
         while True:
             try:
-                view = await self.bus.read_load()
+                await self.refresh()
             except BusUnavailable as exc:
                 log.error("dispatch view unreadable; retrying", error=str(exc))
                 continue
-            now, wall = time.monotonic(), time.time()
-            for name, e in view.items():
-                if wall - e.ts <= self.staleness_s:
-                    member = Member(
-                        e.instance,
-                        e.role,
-                        e.address,
-                        e.tokens,
-                        e.capacity_tokens,
-                        e.workload,
-                        e.running,
-                    )
-                    if self._load.get(name, (0.0, None))[1] != member:
-                        self._pending.pop(name, None)
-                    self._load[name] = (now, member)
             await asyncio.sleep(interval_s)
+
+    async def refresh(self) -> None:
+        """Read the scheduler's dispatch view and policy once."""
+        view, policy = await self.bus.read_dispatch()
+        now, wall = time.monotonic(), time.time()
+        self._follow_policy(policy, now)
+        for name, e in view.items():
+            if wall - e.ts <= self.staleness_s:
+                member = Member(
+                    e.instance,
+                    e.role,
+                    e.address,
+                    e.tokens,
+                    e.capacity_tokens,
+                    e.workload,
+                    e.running,
+                )
+                if self._load.get(name, (0.0, None))[1] != member:
+                    self._pending.pop(name, None)
+                self._load[name] = (now, member)
+
+    def _follow_policy(self, policy: str | None, now: float) -> None:
+        if policy is None:
+            return  # none published (no scheduler, or its key expired): ages out
+        if policy not in DISPATCH_POLICIES:
+            if policy != self._bad_policy:
+                log.warning("unknown dispatch policy published; ignored", policy=policy)
+                self._bad_policy = policy
+            return
+        if self._policy is None or self._policy[1] != policy:
+            log.info("dispatch policy from the scheduler", policy=policy)
+        self._policy = (now, policy)
+
+    def policy(self, fallback: str) -> str:
+        """The P->D policy to apply: the scheduler's while fresh, else ``fallback`` (proxy.dispatch)."""
+        if self._policy is not None and time.monotonic() - self._policy[0] <= self.staleness_s:
+            return self._policy[1]
+        return fallback
 
     def members(self, role: str) -> list[Member]:
         now = time.monotonic()
@@ -204,7 +233,7 @@ class ClusterBackend:
         self,
         directory: Directory,
         pool: WorkerPool,
-        policy: str,
+        policy: str,  # proxy.dispatch: the decode policy while no scheduler publishes one
         origin: str,
         events: asyncio.Queue[Event] | None = None,
     ) -> None:
@@ -275,6 +304,11 @@ class ClusterBackend:
         await self._connect(member)
         return member
 
+    async def pick_decode(self, tokens: int) -> Member:
+        """The decode instance for a request of ``tokens``, by the scheduler's
+        published policy, or ``proxy.dispatch`` while none is published."""
+        return await self.pick_reachable("decode", self.directory.policy(self.policy), tokens)
+
     async def _prefill(self, req: GenerationRequest, sampling: dict[str, Any]) -> dict[str, Any]:
         member = await self.pick_reachable("prefill", "current-load", len(req.prompt_token_ids))
         client = await self._connect(member)
@@ -308,7 +342,7 @@ class ClusterBackend:
         self, req: GenerationRequest, sampling: dict[str, Any], kv_params: dict[str, Any]
     ) -> AsyncIterator[TokenBatch]:
         """Decode on the chosen instance; migrations re-route it (:mod:`proxy.migration`)."""
-        member = await self.pick_reachable("decode", self.policy, len(req.prompt_token_ids))
+        member = await self.pick_decode(len(req.prompt_token_ids))
         run = DecodeRun(
             self,
             req,

@@ -288,5 +288,7 @@ class SchedulerService(Service):
             )
         # After booking, so proxies dispatch against the post-move view.
         await self.bus.publish_load(
-            self.view.load_entries(result.workloads, time.time()), ttl_s=self.view.staleness_s
+            self.view.load_entries(result.workloads, time.time()),
+            ttl_s=self.view.staleness_s,
+            policy=self.settings.scheduler.dispatch,  # the proxies follow it (proxy.cluster)
         )

@@ -127,6 +127,10 @@ class Keys:
         return f"{self.prefix}:load"
 
     @property
+    def dispatch(self) -> str:
+        return f"{self.prefix}:dispatch"
+
+    @property
     def leader(self) -> str:
         return f"{self.prefix}:leader"
 
@@ -409,19 +413,42 @@ class Bus:
 
     # -- dispatch view (hash) ------------------------------------------------------
 
-    async def publish_load(self, entries: list[LoadEntry], ttl_s: float) -> None:
-        """Replace the ``<prefix>:load`` hash with the current dispatch view."""
+    async def publish_load(self, entries: list[LoadEntry], ttl_s: float, policy: str = "") -> None:
+        """Replace the ``<prefix>:load`` hash with the current dispatch view.
+
+        ``policy``, the P->D dispatch policy the proxies are to apply to it, goes
+        in ``<prefix>:dispatch`` (same transaction, same TTL): a key beside the
+        hash, not a field in it, because readers decode every field of the hash
+        as a :class:`LoadEntry` (an older proxy would warn on each read).
+        """
         key = self.keys.load
+        ttl_ms = max(1, int(ttl_s * 1000))
 
         async def op() -> None:
             async with self.redis.pipeline(transaction=True) as pipe:
                 pipe.delete(key)
                 if entries:
                     pipe.hset(key, mapping={e.instance: encode(e) for e in entries})
-                    pipe.pexpire(key, max(1, int(ttl_s * 1000)))
+                    pipe.pexpire(key, ttl_ms)
+                if policy:
+                    pipe.set(self.keys.dispatch, policy, px=ttl_ms)
                 await pipe.execute()
 
         await self.retrying(f"HSET {key}", op)
+
+    async def read_dispatch(self) -> tuple[dict[str, LoadEntry], str | None]:
+        """The dispatch view and the policy published with it (None: none is)."""
+
+        async def op() -> list[Any]:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.hgetall(self.keys.load)
+                pipe.get(self.keys.dispatch)
+                return await pipe.execute()
+
+        raw, policy = await self.retrying(f"HGETALL {self.keys.load}", op)
+        return _load_entries(cast(dict[bytes, bytes], raw)), (
+            None if policy is None else as_str(policy)
+        )
 
     async def read_load(self) -> dict[str, LoadEntry]:
         """The dispatch view; bad values are skipped with a warning."""
@@ -431,13 +458,18 @@ class Bus:
                 f"HGETALL {self.keys.load}", lambda: self.redis.hgetall(self.keys.load)
             ),
         )
-        out: dict[str, LoadEntry] = {}
-        for name, body in raw.items():
-            try:
-                out[as_str(name)] = decode_as(body, LoadEntry)
-            except WireError as exc:
-                log.warning("bad load entry skipped", instance=as_str(name), reason=str(exc))
-        return out
+        return _load_entries(raw)
+
+
+def _load_entries(raw: dict[bytes, bytes]) -> dict[str, LoadEntry]:
+    """Decode the ``<prefix>:load`` hash; bad values are skipped with a warning."""
+    out: dict[str, LoadEntry] = {}
+    for name, body in raw.items():
+        try:
+            out[as_str(name)] = decode_as(body, LoadEntry)
+        except WireError as exc:
+            log.warning("bad load entry skipped", instance=as_str(name), reason=str(exc))
+    return out
 
 
 def parse_dead(entry_id: str, raw: Mapping[bytes, bytes]) -> DeadEntry:

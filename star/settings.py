@@ -141,7 +141,7 @@ class SchedulerSettings:
 
     interval_s: float = _opt(0.25, "planner tick interval", positive)
     mode: str = _opt("predicted", "no-migration, current, predicted, oracle or bins:K", planner_mode)
-    dispatch: str = _opt("current-load", "P->D dispatch policy published to the proxies", one_of(*DISPATCH_POLICIES))
+    dispatch: str = _opt("current-load", "P->D dispatch policy the leader publishes with the load view (<prefix>:dispatch); the proxies follow it while it is fresh", one_of(*DISPATCH_POLICIES))
     theta: float = _opt(0.1, "classification threshold: overloaded if w_i > (1+theta) * mean", non_negative)
     horizon: int = _opt(64, "H: future grid points tau_1..tau_H", non_negative)
     delta: int = _opt(32, "decode steps between grid points", positive)
@@ -188,7 +188,7 @@ class ProxySettings:
     max_header_bytes: int = _opt(16_384, "larger request heads get 431", positive)
     max_body_bytes: int = _opt(4 * 1024 * 1024, "larger bodies get 413", positive)
     max_streams: int = _opt(2048, "concurrent requests; more get 429", positive)
-    dispatch: str = _opt("current-load", "fallback P->D policy when the scheduler's view is absent", one_of(*DISPATCH_POLICIES))
+    dispatch: str = _opt("current-load", "P->D policy while no scheduler publishes one (a leader's scheduler.dispatch wins)", one_of(*DISPATCH_POLICIES))
     drain_timeout_s: float = _opt(30.0, "on SIGTERM, wait this long for open streams", positive)
 
 

@@ -11,7 +11,8 @@ import pytest
 
 from proxy.backend import BackendUnavailable
 from proxy.cluster import ClusterBackend, Directory
-from star.wire import Report
+from star.bus import Bus
+from star.wire import LoadEntry, Report
 from tests.reports import report
 
 
@@ -108,3 +109,81 @@ async def test_a_draining_instance_gets_no_new_streams_nor_migrations() -> None:
     assert pool.tried == ["h:2"]
     assert b.decode_address("decode-0") is None  # not a migration target either
     assert b.decode_address("decode-1") == "h:2"
+
+
+# -- the dispatch policy the scheduler publishes ---------------------------------------
+
+
+def load_view() -> list[LoadEntry]:
+    # decode-0 holds fewer tokens now, decode-1 less work over the horizon:
+    # current-load picks decode-0, predicted decode-1.
+    now = time.time()
+    return [
+        LoadEntry("decode-0", "decode", "h:1", 100, 10_000, 5000.0, 1, now),
+        LoadEntry("decode-1", "decode", "h:2", 900, 10_000, 1000.0, 1, now),
+    ]
+
+
+class ViewBus:
+    """What Directory reads of the bus: the load view and the policy published with it."""
+
+    def __init__(self, policy: str | None) -> None:
+        self.keys = SimpleNamespace(reports="t:reports")
+        self.policy = policy
+
+    async def read_dispatch(self) -> tuple[dict[str, LoadEntry], str | None]:
+        return {e.instance: e for e in load_view()}, self.policy
+
+
+async def scheduler_backend(policy: str | None, fallback: str) -> ClusterBackend:
+    directory = Directory(ViewBus(policy), staleness_s=60)  # type: ignore[arg-type]
+    await directory.refresh()
+    return ClusterBackend(directory, Pool(set()), fallback, "test")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("published", "fallback", "picks"),
+    [
+        ("predicted", "current-load", ["decode-1", "decode-1", "decode-1"]),
+        ("round-robin", "current-load", ["decode-0", "decode-1", "decode-0"]),
+        ("current-load", "predicted", ["decode-0", "decode-0", "decode-0"]),
+        # No scheduler publishes one: proxy.dispatch.
+        (None, "current-load", ["decode-0", "decode-0", "decode-0"]),
+        (None, "predicted", ["decode-1", "decode-1", "decode-1"]),
+        # A policy this build does not know is ignored.
+        ("fastest", "current-load", ["decode-0", "decode-0", "decode-0"]),
+    ],
+)
+async def test_decode_dispatch_follows_the_scheduler_s_policy(
+    published: str | None, fallback: str, picks: list[str]
+) -> None:
+    b = await scheduler_backend(published, fallback)
+    assert [(await b.pick_decode(10)).instance for _ in picks] == picks
+
+
+async def test_a_policy_no_longer_published_gives_way_to_proxy_dispatch() -> None:
+    b = await scheduler_backend("predicted", "current-load")
+    assert (await b.pick_decode(10)).instance == "decode-1"
+    # Read more than staleness_s ago and not since (the scheduler is gone).
+    when, policy = b.directory._policy  # type: ignore[misc]
+    b.directory._policy = (when - 61.0, policy)
+    assert (await b.pick_decode(10)).instance == "decode-0"
+
+
+async def test_the_policy_travels_through_redis_beside_the_load_view(bus: Bus) -> None:
+    await bus.publish_load(load_view(), ttl_s=5, policy="predicted")
+    directory = Directory(bus, staleness_s=60)
+    await directory.refresh()
+    b = ClusterBackend(directory, Pool(set()), "current-load", "test")  # type: ignore[arg-type]
+    assert (await b.pick_decode(10)).instance == "decode-1"
+    # A reader of the hash alone (an older proxy) sees the same entries, nothing else.
+    assert set(await bus.read_load()) == {"decode-0", "decode-1"}
+
+    # A view published without a policy (an older scheduler) once the old one expired.
+    await bus.redis.delete(bus.keys.dispatch)
+    await bus.publish_load(load_view(), ttl_s=5)
+    fresh = Directory(bus, staleness_s=60)
+    await fresh.refresh()
+    b = ClusterBackend(fresh, Pool(set()), "current-load", "test")  # type: ignore[arg-type]
+    assert (await b.pick_decode(10)).instance == "decode-0"
+    assert await bus.redis.get(bus.keys.dispatch) is None
