@@ -1,11 +1,13 @@
 """``star bench planner``: scheduler tick time against cluster size.
 
-Times :func:`star.planner.plan` on imbalanced random cluster states (8 to 256
-decode instances x 64 running requests, H = 64 by default) next to the
-straightforward O(|O|·|U|·R·H) implementation of the same rule
-(:func:`star.planner.reference.reference_plan`), in the same process, pinned
-to one CPU. DESIGN §7: "scheduler tick, 256 decode instances x 64 requests,
-H = 64 | paper: < 300 ms | <= 5 ms median on one core".
+Times :func:`star.planner.plan` on imbalanced random cluster states (8 to
+1,024 decode instances x 64 running requests, H = 64, M = ``auto`` by
+default) next to the straightforward O(|O|·|U|·R·H)-per-move implementation
+of the same rule (:func:`star.planner.reference.reference_plan`, up to
+``--naive-up-to`` instances: it takes minutes beyond), in the same process,
+pinned to one CPU. DESIGN §7: "scheduler tick, 256 decode instances x 64
+requests, H = 64 | paper: < 300 ms | >= 300x the naive rule in the same run,
+several moves per tick".
 
 Each state draws a per-instance load multiplier (log-normal, sigma 0.35) so
 that the overloaded set O and the underloaded set U are both non-empty, as
@@ -32,11 +34,12 @@ from typing import Any
 
 import numpy as np
 
+from star.cli.simulate import max_migrations_arg
 from star.planner import Instance, Mode, PlannerParams, Request, plan
 from star.planner.reference import reference_plan
 from star.planner.trace import instance_traces
 
-DEFAULT_SIZES = (8, 16, 32, 64, 128, 256)
+DEFAULT_SIZES = (8, 16, 32, 64, 128, 256, 1024)
 # Distinct states cycled through per size: enough to vary O, U and the
 # winner, few enough that building them stays cheap next to the timing.
 _STATES = 12
@@ -173,8 +176,10 @@ def bench(
     *,
     worker_traces: bool = False,
     clock: str = "wall",
+    naive_up_to: int | None = None,
 ) -> list[Row]:
-    """Measure every size; ``naive_ticks`` = 0 skips the reference."""
+    """Measure every size; ``naive_ticks`` = 0 skips the reference, as do sizes
+    above ``naive_up_to`` (None: no limit)."""
     tick = CLOCKS[clock]
     rng = np.random.default_rng(seed)
     rows: list[Row] = []
@@ -191,7 +196,7 @@ def bench(
         _times(lambda s: plan(s, params), states, len(states))
         fast = np.array(_times(lambda s: plan(s, params), states, ticks, tick)) * 1e3
         naive: float | None = None
-        if naive_ticks > 0:
+        if naive_ticks > 0 and (naive_up_to is None or n <= naive_up_to):
             slow = _times(lambda s: reference_plan(s, params), states, naive_ticks, tick)
             naive = float(np.median(slow) * 1e3)
         o, u, m = (float(np.mean(col)) for col in zip(*stats, strict=True))
@@ -229,6 +234,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="timed ticks of the naive reference per size (0 skips it; slow at 256)",
     )
     parser.add_argument(
+        "--naive-up-to",
+        type=int,
+        default=256,
+        metavar="N",
+        help="time the naive reference only up to N instances (default %(default)s: "
+        "with several moves per tick it takes ~30 s a tick at 256 and grows as n^3)",
+    )
+    parser.add_argument(
+        "--max-migrations",
+        type=max_migrations_arg,
+        default=PlannerParams().max_migrations,
+        metavar="M",
+        help="migrations per tick: auto (up to one per overloaded instance) or an integer, "
+        "1 being the paper's rule (default %(default)s)",
+    )
+    parser.add_argument(
         "--worker-traces",
         action="store_true",
         help="give the planner the workers' pre-simulated traces (live scheduler) "
@@ -260,7 +281,9 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     try:
-        params = PlannerParams(mode=Mode.parse(args.mode), horizon=args.horizon)
+        params = PlannerParams(
+            mode=Mode.parse(args.mode), horizon=args.horizon, max_migrations=args.max_migrations
+        )
     except ValueError as exc:
         print(f"bench planner: {exc}", file=sys.stderr)
         return 2
@@ -274,6 +297,7 @@ def run(args: argparse.Namespace) -> int:
             args.seed,
             worker_traces=args.worker_traces,
             clock=args.clock,
+            naive_up_to=args.naive_up_to,
         )
     if args.json:
         print(json.dumps([r.public() for r in rows]))
@@ -281,6 +305,7 @@ def run(args: argparse.Namespace) -> int:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(
         f"planner tick ({args.clock} clock), mode {params.mode}, H={params.horizon}, "
+        f"M={params.max_migrations}, "
         f"{args.ticks} ticks per size, "
         f"pinned to CPU {cpu}, load average {load:.2f}"
         f"{', worker traces' if args.worker_traces else ''}"

@@ -25,6 +25,11 @@ class SchedulerMetrics:
         self.live_instances = Gauge(
             "star_scheduler_live_instances", "Instances whose reports are fresh", registry=self.registry
         )
+        self.without_predictor = Gauge(
+            "star_scheduler_instances_without_predictor",
+            "Live decode instances whose reports say no length predictor is loaded (their R-hat is unknown)",
+            registry=self.registry,
+        )
         self.leader = Gauge("star_scheduler_leader", "1 if this node is the leader", registry=self.registry)
 
     def serve(self, host: str, port: int) -> Any:

@@ -34,7 +34,7 @@ from scheduler.metrics import SchedulerMetrics
 from scheduler.view import ClusterView, decision_for
 from star.bus import TRANSIENT, Bus, BusUnavailable, GroupReader, Subscriber
 from star.planner import plan
-from star.planner.types import Mode, PlannerParams
+from star.planner.types import Instance, Mode, ModeKind, PlannerParams
 from star.process import Service
 from star.settings import Settings
 from star.wire import Decision, Event, EventKind, Report
@@ -59,6 +59,9 @@ def planner_params(settings: Settings) -> PlannerParams:
         bandwidth_bytes_per_s=s.bandwidth_gbps * 1e9 / 8,
         handoff_latency_s=s.handoff_latency_s,
         transfer_budget_s=s.transfer_budget_s,
+        # bins:K edges at the served model's length scale (its context length
+        # unless set), not the paper's 32K-token answers.
+        bins_scale_tokens=s.bins_scale_tokens or settings.worker.max_model_len,
     )
 
 
@@ -79,6 +82,8 @@ class SchedulerService(Service):
         )
         self.metrics = SchedulerMetrics()
         self.tick = 0
+        self._no_predictor: set[str] = set()  # instances already warned about
+        self._no_length: set[str] = set()  # requests already warned about (oracle)
         self.bus: Bus | None = None
         self.leadership: Leadership | None = None
         self._metrics_server: Any = None
@@ -227,6 +232,33 @@ class SchedulerService(Service):
                 next_at += skipped * interval
             await asyncio.sleep(next_at - now)
 
+    def _warn_unknown(self, instances: list[Instance]) -> None:
+        """Say what the mode cannot know: once per instance / request, not per tick."""
+        missing = {r.instance for r in self.view.live("decode") if r.predictor is False}
+        self.metrics.without_predictor.set(len(missing))
+        kind = self.params.mode.kind
+        if kind in (ModeKind.PREDICTED, ModeKind.BINS):
+            for name in sorted(missing - self._no_predictor):
+                log.warning(
+                    "instance runs without a length predictor: its requests have no R-hat "
+                    "and count as endless in this mode (load predictor.checkpoint on its worker)",
+                    instance=name,
+                    mode=str(self.params.mode),
+                )
+        self._no_predictor = missing  # one that loads a predictor and loses it warns again
+        if kind is ModeKind.ORACLE:
+            unknown = {r.id for i in instances for r in i.requests if r.true_remaining is None}
+            new = sorted(unknown - self._no_length)
+            if new:
+                log.warning(
+                    "oracle mode: requests have no known final length (send ignore_eos with "
+                    "max_tokens and no stop condition); treated as unknown, as a missing "
+                    "prediction in predicted mode",
+                    count=len(new),
+                    requests=new[:10],
+                )
+            self._no_length = unknown  # finished ones are forgotten
+
     async def run_tick(self) -> None:
         """One pass of Algorithm 1's scheduler loop."""
         assert self.bus is not None and self.leadership is not None
@@ -258,6 +290,7 @@ class SchedulerService(Service):
                 )
         instances = self.view.instances(self.params)
         self.metrics.live_instances.set(len(self.view.live()))
+        self._warn_unknown(instances)
         result = plan(instances, self.params)
         if not leader:
             return

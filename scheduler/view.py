@@ -252,6 +252,7 @@ def to_request(r: RequestLoad, busy: bool = False) -> Request:
         id=r.id,
         tokens=r.tokens,
         predicted_remaining=r.predicted_remaining,
+        true_remaining=r.true_remaining,
         generated=r.generated,
         migratable=r.migratable and not busy,
     )

@@ -149,6 +149,7 @@ class SchedulerSettings:
     min_gain: float = _opt(0.0, "epsilon: migrate only if the variance drops by more", non_negative)
     max_migrations: int | Literal["auto"] = _opt("auto", "M: migrations decided per tick, each instance in at most one: auto (up to one per overloaded instance, each lowering the variance) or an integer (1 is the paper's rule)", migrations)
     transfer_budget_s: float = _opt(0.0, "KV a tick's moves after the first may carry in all, in seconds of bandwidth_gbps (0 = no budget)", non_negative)
+    bins_scale_tokens: int = _opt(0, "bins:K edges are the paper's 32K-token edges x bins_scale_tokens/32768 (0 = worker.max_model_len)", non_negative)
     bandwidth_gbps: float = _opt(25.0, "KV transfer bandwidth assumed in C_mig", positive)
     handoff_latency_s: float = _opt(0.025, "fixed handoff cost added to C_mig", non_negative)
     staleness_s: float = _opt(3.0, "an instance whose reports stop this long is excluded", positive)

@@ -113,6 +113,9 @@ class RequestLoad:
     generated: int
     predicted_remaining: float | None = None  # R-hat(r); None before the first prediction
     migratable: bool = True
+    # Tokens it has left to generate when its length is fixed (ignore_eos with
+    # max_tokens, no stop condition: workers.state.length_budget); None: not known.
+    true_remaining: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +141,10 @@ class Report(Message):
     # Its worker is stopping: it takes no new streams (nor migrated requests),
     # its running ones may still be moved away until ``worker_down``.
     draining: bool = False
+    # Whether a length predictor is loaded (decode workers): without one its
+    # requests have no R-hat and predicted / bins modes see them as endless.
+    # None: not said (a prefill worker, or a worker older than this field).
+    predictor: bool | None = None
 
     def summary(self) -> dict[str, str]:
         return {"kind": self.KIND, "instance": self.instance, "load": str(self.used_tokens)}

@@ -59,7 +59,7 @@ from workers.protocol import (
     TokenDelta,
 )
 from workers.startup import EngineStartError, Setup, core_failure, explain, root_cause
-from workers.state import EngineStats, RunningRequest
+from workers.state import EngineStats, RunningRequest, length_budget
 from workers.tap import CONTINUED_KEY, FUSION_KEY, TapClient
 from workers.tap import QUALNAME as TAP_EXTENSION
 from workers.vllm_ext import RELEASE_KEY, release_id
@@ -437,6 +437,7 @@ class _Live:
 
     prompt_tokens: int
     blocker: str | None  # why it cannot migrate (None: it can)
+    budget: int | None = None  # tokens it generates in all, when fixed (workers.state)
     generated: int = 0
     started: bool = False  # produced a token: it is decoding, its KV is in place
     release: asyncio.Future[HandoffInfo] | None = None  # a D->D release under way
@@ -523,6 +524,7 @@ class EngineHandle:
         # vLLM's block pool keeps one null block out of use (block_pool.py get_usage).
         self.num_blocks = max(int(config.cache_config.num_gpu_blocks or 0) - 1, 0)
         self.bytes_per_token = bytes_per_token(config)
+        self.max_model_len = int(config.model_config.max_model_len)
         self._live: dict[str, _Live] = {}
         self._closed = False
         self.tap = TapClient(llm)
@@ -600,7 +602,12 @@ class EngineHandle:
         prompt = list(request.prompt_token_ids)
         if not prompt:
             raise BadRequest("prompt_token_ids is empty")
-        live = _Live(prompt_tokens=len(prompt), blocker=migration_blocker(request.sampling))
+        budget = (
+            length_budget(request.sampling, len(prompt), self.max_model_len)
+            if self.role == "decode"
+            else None
+        )
+        live = _Live(len(prompt), migration_blocker(request.sampling), budget)
         self._live[rid] = live
         try:
             async with contextlib.aclosing(
@@ -673,6 +680,7 @@ class EngineHandle:
                 prompt_tokens=live.prompt_tokens,
                 generated=live.generated,
                 migratable=live.migratable,
+                budget=live.budget,
             )
             for rid, live in self._live.items()
             if live.started

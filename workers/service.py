@@ -50,6 +50,7 @@ class WorkerService(Service):
         self.server: TokenServer | None = None
         self.bus: Bus | None = None
         self.seq = 0
+        self.predictor: bool | None = None  # reported: a length predictor is loaded
         self._report_now = asyncio.Event()  # set when the drain begins: say so at once
 
     async def startup(self) -> None:
@@ -58,7 +59,7 @@ class WorkerService(Service):
         await self.bus.retrying("PING", self.bus.redis.ping)
         self.engine = await EngineHandle.start(self.spec)
         pred = self.settings.predictor
-        await start_tap(self.engine, pred.every_k, pred.checkpoint)
+        self.note_predictor(await start_tap(self.engine, pred.every_k, pred.checkpoint))
         hello = Hello(self.instance, cfg.role, self.spec.model)
         self.server = TokenServer(self.engine, hello, cfg.host, self.port, sock=self.sock)
         await self.server.start()
@@ -73,6 +74,20 @@ class WorkerService(Service):
             ),
         )
         log.info("worker ready", instance=self.instance, role=cfg.role, address=self.server.address)
+
+    def note_predictor(self, checkpoint: str | None) -> None:
+        """Record what :func:`start_tap` loaded; a decode worker without a predictor warns."""
+        if self.settings.worker.role != "decode":
+            return
+        self.predictor = checkpoint is not None
+        if not self.predictor:
+            log.warning(
+                "no length predictor loaded: reports carry no R-hat, so a scheduler in "
+                "predicted or bins mode sees this instance's requests as endless; "
+                "set predictor.checkpoint (or ship one in MODEL/predictor/)",
+                instance=self.instance,
+                model=self.spec.model,
+            )
 
     async def main(self) -> None:
         self.spawn(self._reports(), "reports")
@@ -97,6 +112,7 @@ class WorkerService(Service):
                 ts=time.time(),
                 address=self.server.address,
                 predictions=await self.engine.predictions(),
+                predictor=self.predictor,
                 delta=sched.delta,
                 horizon=sched.horizon,
                 # Set from the stop request on, through the drain: the scheduler

@@ -36,11 +36,17 @@ class RunningRequest:
     prompt_tokens: int
     generated: int
     migratable: bool = True
+    budget: int | None = None  # tokens it generates in all when fixed (length_budget)
 
     @property
     def tokens(self) -> int:
         """N(r): prompt + generated tokens, the request's KV footprint."""
         return self.prompt_tokens + self.generated
+
+    @property
+    def true_remaining(self) -> int | None:
+        """Tokens left to generate, when its length is fixed (None: not known)."""
+        return None if self.budget is None else max(self.budget - self.generated, 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +89,63 @@ class EngineStats:
     def mean_step_time_s(self) -> float:
         """Mean decode step time since the engine started (0 before the first step)."""
         return self.decode_time_s / self.decode_steps if self.decode_steps else 0.0
+
+
+# SamplingParams keys that never end a request before max_tokens once ignore_eos
+# is set. vLLM's check_stop (v1/core/sched/utils.py) skips EOS under ignore_eos,
+# and update_from_generation_config adds the generation config's other EOS ids
+# to stop_token_ids only without it; stop_token_ids, stop strings, grammars
+# and repetition detection still end a request early, so they (or any key not
+# listed) make its length unknown.
+_NEVER_STOP = frozenset(
+    {
+        "max_tokens",
+        "min_tokens",
+        "ignore_eos",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "logit_bias",
+        "allowed_token_ids",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "seed",
+        "logprobs",
+        "prompt_logprobs",
+        "bad_words",
+        "include_stop_str_in_output",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+        "detokenize",
+        "n",
+    }
+)
+_EMPTY_STOPS = frozenset({"stop", "stop_token_ids"})  # fine while empty
+
+
+def length_budget(
+    sampling: Mapping[str, object], prompt_tokens: int, max_model_len: int
+) -> int | None:
+    """How many tokens a request generates in all, when that is fixed (None: not known).
+
+    Fixed when it ignores EOS, has a ``max_tokens`` and nothing else can stop
+    it: then it generates ``max_tokens``, or up to the context length if that
+    comes first. A continued (migrated) request's ``max_tokens`` is already
+    reduced by the tokens generated before (:func:`star.sampling.continuation`)
+    and its prompt holds them, so its budget counts from the continuation on.
+    """
+    max_tokens = sampling.get("max_tokens")
+    if sampling.get("ignore_eos") is not True or type(max_tokens) is not int or max_tokens < 1:
+        return None
+    for key, value in sampling.items():
+        if key in _EMPTY_STOPS:
+            if value:
+                return None
+        elif key not in _NEVER_STOP:
+            return None
+    return max(min(max_tokens, max_model_len - prompt_tokens), 0)
 
 
 def is_migratable(sampling: Mapping[str, object]) -> bool:
@@ -143,6 +206,7 @@ def request_loads(
             generated=r.generated,
             predicted_remaining=predictions.get(r.id),
             migratable=r.migratable,
+            true_remaining=r.true_remaining,
         )
         for r in running
     ]
@@ -160,6 +224,7 @@ def build_report(
     predictions: Mapping[str, float],
     delta: int,
     horizon: int,
+    predictor: bool | None = None,
     in_flight: Sequence[str] = (),
     draining: bool = False,
 ) -> Report:
@@ -170,6 +235,7 @@ def build_report(
     time (the bus's), ``predictions`` maps request id to R-hat, and
     ``delta``/``horizon`` must be the scheduler's (it ignores a trace of any
     other length). ``preemptions`` is cumulative since the engine started.
+    ``predictor``: whether a length predictor is loaded (None: not said).
     ``draining``: the worker is stopping and takes no new streams.
     """
     loads = request_loads(stats.running, predictions)
@@ -188,6 +254,7 @@ def build_report(
         trace=trace,
         requests=loads,
         in_flight=list(in_flight),
+        predictor=predictor,
         waiting=stats.waiting,
         preemptions=stats.preemptions,
         draining=draining,

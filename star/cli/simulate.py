@@ -21,8 +21,9 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from star.planner.core import parse_max_migrations
 from star.planner.types import Mode, PlannerParams
 from star.sim import report
 from star.sim.config import DISPATCH_POLICIES, PREDICTORS, ConfigError, SimConfig
@@ -156,10 +157,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     p.add_argument(
         "--max-migrations",
-        type=int,
+        type=max_migrations_arg,
         default=d.planner.max_migrations,
         metavar="M",
-        help="migrations per tick (default %(default)s, as the paper)",
+        help="migrations per tick: auto (up to one per overloaded instance) or an integer, "
+        "1 being the paper's rule (default %(default)s)",
     )
     p.add_argument(
         "--set",
@@ -217,6 +219,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.set_defaults(func=run)
 
 
+def max_migrations_arg(text: str) -> int | Literal["auto"]:
+    """argparse ``type`` of ``--max-migrations`` (also ``star bench planner``'s)."""
+    try:
+        return parse_max_migrations(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _ints(text: str, what: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
@@ -236,6 +246,11 @@ def _coerce(name: str, text: str, default: Any) -> Any:
         raise ConfigError(f"--set {name}={text!r}: expected true or false")
     if isinstance(default, Mode):
         return Mode.parse(text)
+    if name == "planner.max_migrations":
+        try:
+            return parse_max_migrations(text)
+        except ValueError as exc:
+            raise ConfigError(f"--set {name}={text!r}: {exc}") from None
     try:
         return type(default)(text)
     except (TypeError, ValueError):

@@ -65,6 +65,8 @@ async def collect(settings: Settings) -> dict[str, Any]:
                 "address": r.address,
                 "fresh": age <= settings.scheduler.staleness_s,
                 "draining": r.draining,
+                # A length predictor loaded (None: not said: a prefill worker or an older build).
+                "predictor": r.predictor,
                 "age_s": round(age, 2),
                 "used_tokens": r.used_tokens,
                 "capacity_tokens": r.capacity_tokens,
@@ -80,6 +82,7 @@ async def collect(settings: Settings) -> dict[str, Any]:
                         "tokens": q.tokens,
                         "generated": q.generated,
                         "predicted_remaining": q.predicted_remaining,
+                        "true_remaining": q.true_remaining,
                     }
                     for q in r.requests
                 ],
@@ -130,6 +133,11 @@ def _decode(raw: dict[bytes, bytes]) -> object:
         return None
 
 
+def _predictor(loaded: bool | None) -> str:
+    """The ``pred`` column: a length predictor loaded, NOT loaded, or not said."""
+    return "-" if loaded is None else "yes" if loaded else "NO"
+
+
 def render(doc: dict[str, Any]) -> str:
     lines = []
     leader = doc["leader"]
@@ -139,7 +147,7 @@ def render(doc: dict[str, Any]) -> str:
         else "scheduler leader: none"
     )
     lines.append("")
-    header = f"{'instance':<14} {'role':<8} {'address':<22} {'kv tokens':>18} {'kv%':>6} {'step ms':>8} {'run':>4} {'wait':>5}  requests"
+    header = f"{'instance':<14} {'role':<8} {'address':<22} {'kv tokens':>18} {'kv%':>6} {'step ms':>8} {'run':>4} {'wait':>5} {'pred':>4}  requests"
     lines.append(header)
     lines.append("-" * len(header))
     if not doc["instances"]:
@@ -154,7 +162,7 @@ def render(doc: dict[str, Any]) -> str:
         lines.append(
             f"{i['instance']:<14} {i['role']:<8} {i['address']:<22} "
             f"{i['used_tokens']:>8}/{i['capacity_tokens']:<9} {i['kv_percent']:>6.1f} {i['step_ms']:>8.2f} "
-            f"{len(i['requests']):>4} {i['waiting']:>5}  {reqs}{stale}"
+            f"{len(i['requests']):>4} {i['waiting']:>5} {_predictor(i['predictor']):>4}  {reqs}{stale}"
         )
     lines.append("")
     if doc["in_flight"]:

@@ -579,20 +579,21 @@ class Simulator:
             "instances": cfg.decode_instances,
             "seed": cfg.seed,
         }
-        row.update(
-            summarise(
-                log,
-                series,
-                duration_s=cfg.duration_s,
-                warmup_s=cfg.warmup_s,
-                ttft_slo_s=cfg.ttft_slo_s,
-                tpot_slo_s=cfg.tpot_slo_s,
-            )
+        summary = summarise(
+            log,
+            series,
+            duration_s=cfg.duration_s,
+            warmup_s=cfg.warmup_s,
+            ttft_slo_s=cfg.ttft_slo_s,
+            tpot_slo_s=cfg.tpot_slo_s,
         )
+        row.update(summary)
+        migrations = int(self.n_migrate.sum())
         row.update(
             {
                 "preemptions": len(self.preemption_times),
-                "migrations": int(self.n_migrate.sum()),
+                "migrations": migrations,
+                "migrations_per_finished": migrations / max(1, int(summary["finished"])),
                 "sim_seconds": cfg.duration_s,
                 "wall_seconds": wall_s,
                 "cpu_seconds": cpu_s,

@@ -40,6 +40,7 @@ ROW_KEYS: tuple[str, ...] = (
     "throughput_rps",
     "preemptions",
     "migrations",
+    "migrations_per_finished",
     "sim_seconds",
     "wall_seconds",
 )

@@ -49,6 +49,7 @@ METRICS: tuple[str, ...] = (
     "throughput_rps",
     "preemptions",
     "migrations",
+    "migrations_per_finished",
     "max_kv_usage",
     "wall_seconds",
     "cpu_seconds",
@@ -126,6 +127,7 @@ def sweep_table(agg: Sequence[Mapping[str, Any]], modes: Sequence[str]) -> str:
                 a["throughput_rps"],
                 a["preemptions"],
                 a["migrations"],
+                a["migrations_per_finished"],
             ]
         )
     return markdown_table(
@@ -139,6 +141,7 @@ def sweep_table(agg: Sequence[Mapping[str, Any]], modes: Sequence[str]) -> str:
             "throughput (req/s)",
             "preemptions",
             "migrations",
+            "migrations / finished",
         ],
         rows,
     )

@@ -194,3 +194,17 @@ def test_report_draining_round_trips_and_defaults_for_older_entries() -> None:
     back = decode_as(msgpack.packb(older), Report)
     assert back.draining is False
     assert back == dataclasses.replace(r, draining=False)
+
+
+def test_true_remaining_and_predictor_default_for_older_entries() -> None:
+    load = RequestLoad("q", 50, 10, 12.5, True, true_remaining=40)
+    r = Report(
+        "i", "decode", 1, 0.0, "a:1", 10, 1, 2, 0.1, 32, [1.0], [load], predictor=False
+    )
+    assert decode_as(encode(r), Report) == r
+    older = msgpack.unpackb(encode(r))
+    del older["predictor"]  # what a worker from before the fields published
+    del older["requests"][0]["true_remaining"]
+    back = decode_as(msgpack.packb(older), Report)
+    assert back.predictor is None  # not said: neither warned about nor counted
+    assert back.requests[0].true_remaining is None  # not known: oracle reads it as unknown

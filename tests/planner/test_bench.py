@@ -53,3 +53,16 @@ def test_table_and_states_are_imbalanced(capsys: pytest.CaptureFixture[str]) -> 
 def test_bad_sizes_are_rejected(capsys: pytest.CaptureFixture[str]) -> None:
     assert bench.run(parse(["--sizes", "eight"])) == 2
     assert "--sizes 'eight'" in capsys.readouterr().err
+
+
+def test_naive_up_to_and_max_migrations(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--sizes", "8,16", "--ticks", "2", "--naive-ticks", "1", "--horizon", "4"]
+    assert bench.run(parse([*argv, "--naive-up-to", "8", "--max-migrations", "1"])) == 0
+    out = capsys.readouterr().out
+    assert "M=1" in out
+    rows = [line.split() for line in out.splitlines() if line.strip()[:2] in {"8 ", "16"}]
+    assert rows[0][5] != "-" and rows[1][5] == "-"  # naive median ms: timed only up to 8
+    assert [r[-1] for r in rows] == ["1.00", "1.00"]  # one move per tick
+    with pytest.raises(SystemExit):
+        parse([*argv, "--max-migrations", "many"])
+    assert "expected 'auto' or an integer >= 0" in capsys.readouterr().err

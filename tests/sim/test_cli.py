@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import csv
+import dataclasses
 import json
 import subprocess
 import sys
@@ -12,7 +14,9 @@ import pytest
 
 from benchmarks import simulator as bench
 from star.cli.main import main
-from star.sim import ROW_KEYS, SimConfig
+from star.cli.simulate import _apply_settings, build_base, register
+from star.planner.types import PlannerParams
+from star.sim import ROW_KEYS, SimConfig, simulate
 from star.sim.sweep import sweep
 
 TIMES = ("wall_seconds", "cpu_seconds")
@@ -95,6 +99,7 @@ def test_out_writes_results_tables_and_summary(
         (["--set", "planner.theta=abc"], "expected float"),
         (["--tables", "other"], "expected bins, interval"),
         (["--workload", "/no/such.json"], "neither a file nor one of"),
+        (["--set", "planner.max_migrations=lots"], "expected 'auto' or an integer >= 0"),
     ],
 )
 def test_bad_arguments_fail_with_one_line(
@@ -103,6 +108,23 @@ def test_bad_arguments_fail_with_one_line(
     assert main(["simulate", "--duration", "10", "--jobs", "1", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_max_migrations_auto_passes_through_to_the_planner() -> None:
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["simulate", "--max-migrations", "auto", "--set", "planner.theta=0.2"])
+    _apply_settings(args)
+    assert build_base(args).planner_params().max_migrations == "auto"
+    args = parser.parse_args(["simulate", "--set", "planner.max_migrations=3"])
+    _apply_settings(args)
+    assert build_base(args).planner_params().max_migrations == 3
+    # Several moves per tick in the simulator, counted per finished request.
+    base = SimConfig(decode_instances=12, duration_s=300.0, mode="current", seed=1)
+    one = simulate(dataclasses.replace(base, planner=PlannerParams(max_migrations=1))).row
+    auto = simulate(base).row
+    assert auto["migrations"] > one["migrations"] > 0
+    assert auto["migrations_per_finished"] == auto["migrations"] / auto["finished"]
 
 
 def test_pool_runs_match_in_process_runs() -> None:

@@ -393,3 +393,34 @@ async def test_engine_threads_keep_the_cores_they_were_given(cluster: Cluster) -
     assert cores, "no engine-core process found"
     for pid, got in cores:
         assert got == allowed, f"engine core {pid}'s main thread is pinned to {got}, not {allowed}"
+
+
+async def test_an_ignore_eos_request_reports_its_true_remaining_a_stop_token_still_ends_it(
+    cluster: Cluster,
+) -> None:
+    engine = cluster.decode.engine
+    prompt = prompt_of(cluster.model_dir, 200, salt=41)
+    n = 40
+    out: list[int] = []
+    seen: list[tuple[int, int | None]] = []
+    fixed = GenerateRequest("len-fixed", prompt, {"max_tokens": n, **GREEDY})
+    async for delta in engine.generate(fixed):
+        out.extend(delta.token_ids)
+        seen += [
+            (r.generated, r.true_remaining) for r in engine.stats().running if r.id == "len-fixed"
+        ]
+    assert len(out) == n  # ignore_eos: it runs to max_tokens
+    assert seen and all(left == n - generated for generated, left in seen), seen
+    # vLLM's check_stop still ends an ignore_eos request on its stop_token_ids:
+    # the worker reports no true length for it (workers.state.length_budget).
+    stop = out[10]
+    open_ended = GenerateRequest(
+        "len-open", prompt, {"max_tokens": n, "stop_token_ids": [stop], **GREEDY}
+    )
+    got: list[int] = []
+    said: set[int | None] = set()
+    async for delta in engine.generate(open_ended):
+        got.extend(delta.token_ids)
+        said |= {r.true_remaining for r in engine.stats().running if r.id == "len-open"}
+    assert got == out[: out.index(stop) + 1] and len(got) < n
+    assert said <= {None}

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from star.sampling import continuation
 from star.wire import Report, RequestLoad, decode_as, encode
 from workers.state import (
     EngineStats,
@@ -16,6 +17,7 @@ from workers.state import (
     effective_remaining,
     grid,
     is_migratable,
+    length_budget,
     load_trace,
     mean_step_time,
 )
@@ -247,3 +249,75 @@ def test_build_report_says_whether_the_worker_is_draining(draining: bool) -> Non
     )
     assert report.draining is draining
     assert decode_as(encode(report), Report).draining is draining
+
+
+FIXED = {"max_tokens": 100, "ignore_eos": True}
+
+
+@pytest.mark.parametrize(
+    ("sampling", "prompt", "expected"),
+    [
+        (FIXED, 10, 100),
+        ({**FIXED, "temperature": 0.0, "min_tokens": 5, "top_p": 0.9, "seed": 3}, 10, 100),
+        ({**FIXED, "stop": [], "stop_token_ids": None}, 10, 100),  # empty: nothing stops it
+        ({**FIXED, "max_tokens": 4000}, 200, 3896),  # the context (4,096) ends it first
+        ({**FIXED, "max_tokens": 4000}, 4096, 0),
+        ({"max_tokens": 100}, 10, None),  # EOS may end it any time
+        ({**FIXED, "ignore_eos": False}, 10, None),
+        ({"ignore_eos": True}, 10, None),  # no max_tokens
+        ({**FIXED, "max_tokens": True}, 10, None),
+        # vLLM's check_stop still ends an ignore_eos request on these:
+        ({**FIXED, "stop": ["\n"]}, 10, None),
+        ({**FIXED, "stop_token_ids": [7]}, 10, None),
+        ({**FIXED, "structured_outputs": {"json": {}}}, 10, None),
+        ({**FIXED, "repetition_detection": {"max_pattern_size": 4}}, 10, None),
+        ({**FIXED, "some_new_knob": 1}, 10, None),  # not known not to stop
+    ],
+)
+def test_length_budget(sampling: dict[str, object], prompt: int, expected: int | None) -> None:
+    assert length_budget(sampling, prompt, 4096) == expected
+
+
+def test_true_remaining_is_budget_minus_generated_and_survives_a_migration() -> None:
+    sampling = {"max_tokens": 100, "ignore_eos": True}
+    first = RunningRequest(
+        "r", prompt_tokens=10, generated=30, budget=length_budget(sampling, 10, 4096)
+    )
+    assert first.true_remaining == 70
+    # Released after 30 tokens: the target continues with those in its prompt
+    # and max_tokens reduced (the proxy's leg_frame), counting its own tokens.
+    again = continuation(sampling, 30)
+    second = RunningRequest(
+        "r", prompt_tokens=40, generated=5, budget=length_budget(again, 40, 4096)
+    )
+    assert second.true_remaining == 65 == 100 - 30 - 5
+    assert second.tokens == first.tokens + 5
+    assert RunningRequest("x", 10, 3).true_remaining is None
+    assert RunningRequest("x", 10, 120, budget=100).true_remaining == 0
+
+
+@pytest.mark.parametrize("predictor", [None, False, True])
+def test_build_report_carries_true_lengths_and_whether_a_predictor_is_loaded(
+    predictor: bool | None,
+) -> None:
+    report = build_report(
+        snapshot(
+            running=(
+                RunningRequest("fixed", prompt_tokens=10, generated=30, budget=100),
+                RunningRequest("open", prompt_tokens=10, generated=30),
+            )
+        ),
+        None,
+        instance="decode-0",
+        role="decode",
+        seq=1,
+        ts=1700000000.0,
+        address="127.0.0.1:9000",
+        predictions={},
+        delta=10,
+        horizon=2,
+        predictor=predictor,
+    )
+    assert [(r.id, r.true_remaining) for r in report.requests] == [("fixed", 70), ("open", None)]
+    assert report.predictor is predictor
+    assert decode_as(encode(report), Report) == report
