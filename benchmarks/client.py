@@ -30,6 +30,7 @@ class Timing:
     e2e_s: float = 0.0  # last byte of the stream
     itl_s: list[float] = field(default_factory=list)  # gaps between text chunks
     error: str = ""
+    request_id: str = ""  # the server's id of the completion (the proxy's request id)
 
     @property
     def tpot_s(self) -> float | None:
@@ -99,6 +100,8 @@ async def stream_once(client: httpx.AsyncClient, url: str, body: dict[str, Any])
                     timing.error = str(chunk["error"].get("message", chunk["error"]))[:300]
                     return timing
                 now = time.perf_counter()
+                if not timing.request_id:
+                    timing.request_id = str(chunk.get("id") or "")
                 if _text(chunk):
                     if last is None:
                         timing.ttft_s = now - start

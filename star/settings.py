@@ -177,6 +177,9 @@ class WorkerSettings:
     cpu_threads: int = _opt(0, "OpenMP threads of a CPU engine (0 = vLLM's default, every core; star up gives each engine its share)", non_negative)
     engine_args: tuple[str, ...] = _opt((), "extra vLLM engine arguments, KEY=VALUE")
     drain_timeout_s: float = _opt(30.0, "on SIGTERM, wait this long for running requests", positive)
+    device_step_ms: float = _opt(0.0, "emulated device timing (decode role): pad every step to device_step_ms + device_us_per_token * KV tokens in the batch + device_prefill_us_per_token * tokens prefilled (0 = off, real timing; docs/e2e.md)", non_negative)
+    device_us_per_token: float = _opt(0.0, "emulated device: microseconds per token in the batch's KV", non_negative)
+    device_prefill_us_per_token: float = _opt(0.0, "emulated device: microseconds per token prefilled in a step", non_negative)
 
 
 @dataclass(frozen=True)

@@ -145,6 +145,9 @@ class Report(Message):
     # requests have no R-hat and predicted / bins modes see them as endless.
     # None: not said (a prefill worker, or a worker older than this field).
     predictor: bool | None = None
+    # Emulated device timing (worker.device_step_ms): the share of the step
+    # time since the last report that was padding; 0 on real timing.
+    pad_share: float = 0.0
 
     def summary(self) -> dict[str, str]:
         return {"kind": self.KIND, "instance": self.instance, "load": str(self.used_tokens)}

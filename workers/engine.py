@@ -48,6 +48,8 @@ from vllm.v1.metrics.stats import IterationStats, MultiModalCacheStats, Schedule
 from star.ports import free_port
 from star.sampling import migration_blocker
 from star.settings import WorkerSettings
+from workers.extension import QUALNAME as WORKER_EXTENSION
+from workers.pacing import DeviceClock, StepTimes
 from workers.protocol import (
     BadRequest,
     DuplicateRequest,
@@ -61,7 +63,6 @@ from workers.protocol import (
 from workers.startup import EngineStartError, Setup, core_failure, explain, root_cause
 from workers.state import EngineStats, RunningRequest, length_budget
 from workers.tap import CONTINUED_KEY, FUSION_KEY, TapClient
-from workers.tap import QUALNAME as TAP_EXTENSION
 from workers.vllm_ext import RELEASE_KEY, release_id
 
 log = structlog.get_logger(__name__)
@@ -213,7 +214,7 @@ def build_engine_args(spec: EngineSpec, cpu: bool) -> AsyncEngineArgs:
         "enable_log_requests": False,
         "scheduler_cls": "workers.vllm_ext.StarScheduler",
         # The hidden-state tap (workers/tap.py); idle until install_tap().
-        "worker_extension_cls": TAP_EXTENSION,
+        "worker_extension_cls": WORKER_EXTENSION,
     }
     if cpu:
         values["kv_cache_memory_bytes"] = int(spec.kv_cache_space_gib * GiB)
@@ -528,6 +529,7 @@ class EngineHandle:
         self._live: dict[str, _Live] = {}
         self._closed = False
         self.tap = TapClient(llm)
+        self.paced = False
 
     @property
     def role(self) -> str:
@@ -711,6 +713,21 @@ class EngineHandle:
     ) -> int:
         """Start the hidden-state tap (every ``predict_every`` steps); returns the hidden size."""
         return await self.tap.install(predict_every, checkpoint, collect)
+
+    async def install_pacer(self, clock: DeviceClock) -> None:
+        """Time every model step, padded to an emulated device's time if ``clock.base_s`` > 0
+        (:mod:`workers.pacing`)."""
+        await self.llm.collective_rpc(
+            "star_pace_install", args=(clock.base_s, clock.per_token_s, clock.prefill_per_token_s)
+        )
+        self.paced = True
+
+    async def step_times(self) -> StepTimes:
+        """Cumulative model steps, their wall time and its padding; zeros before install_pacer."""
+        if not self.paced:
+            return StepTimes()
+        stats = (await self.llm.collective_rpc("star_pace_stats"))[0]
+        return StepTimes(int(stats["steps"]), float(stats["step_s"]), float(stats["padded_s"]))
 
     async def predictions(self) -> dict[str, float]:
         """R-hat now per running request id (the tap's last round, aged by the tokens since)."""

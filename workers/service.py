@@ -25,6 +25,7 @@ from star.process import Service
 from star.settings import Settings
 from star.wire import Event, EventKind, Hello
 from workers.engine import EngineHandle, EngineSpec
+from workers.pacing import DeviceClock, StepTimes
 from workers.protocol import EngineDead
 from workers.server import TokenServer
 from workers.state import EngineStats, build_report
@@ -60,6 +61,16 @@ class WorkerService(Service):
         self.engine = await EngineHandle.start(self.spec)
         pred = self.settings.predictor
         self.note_predictor(await start_tap(self.engine, pred.every_k, pred.checkpoint))
+        if cfg.role == "decode":
+            # Step times for the reports; padded to a device's under emulated timing.
+            clock = DeviceClock(
+                cfg.device_step_ms / 1e3,
+                cfg.device_us_per_token / 1e6,
+                cfg.device_prefill_us_per_token / 1e6,
+            )
+            await self.engine.install_pacer(clock)
+            if clock.base_s > 0:
+                log.warning("emulated device timing: every decode step is padded", clock=str(clock))
         hello = Hello(self.instance, cfg.role, self.spec.model)
         self.server = TokenServer(self.engine, hello, cfg.host, self.port, sock=self.sock)
         await self.server.start()
@@ -97,11 +108,18 @@ class WorkerService(Service):
         assert self.engine is not None and self.server is not None and self.bus is not None
         cfg, sched = self.settings.worker, self.settings.scheduler
         previous: EngineStats | None = None
+        timed = StepTimes()  # as of the last report
+        step_time_s: float | None = None
         while True:
             await self._next_report(cfg.report_every_steps, cfg.report_interval_s)
             if self.engine.dead:
                 raise EngineDead(f"the engine of {self.instance} died; the worker exits")
             stats = self.engine.stats()
+            now_timed = await self.engine.step_times()
+            measured, pad_share = now_timed.since(timed)
+            timed = now_timed
+            # An idle instance reports its last known step time (C_mig needs one).
+            step_time_s = measured if measured is not None else step_time_s
             self.seq += 1
             report = build_report(
                 stats,
@@ -118,6 +136,8 @@ class WorkerService(Service):
                 # Set from the stop request on, through the drain: the scheduler
                 # then moves requests off it but not onto it (scheduler.view).
                 draining=self.exiting,
+                step_time_s=step_time_s,
+                pad_share=pad_share,
             )
             try:
                 await self.bus.publish("reports", report)

@@ -227,6 +227,8 @@ def build_report(
     predictor: bool | None = None,
     in_flight: Sequence[str] = (),
     draining: bool = False,
+    step_time_s: float | None = None,
+    pad_share: float = 0.0,
 ) -> Report:
     """The report of a worker whose engine is in state ``stats``.
 
@@ -237,6 +239,9 @@ def build_report(
     other length). ``preemptions`` is cumulative since the engine started.
     ``predictor``: whether a length predictor is loaded (None: not said).
     ``draining``: the worker is stopping and takes no new streams.
+    ``step_time_s``: the mean model-step time since the last report as the
+    worker timed it (:mod:`workers.pacing`); None: from the engine's stats.
+    ``pad_share``: the share of the step time that emulated device timing padded.
     """
     loads = request_loads(stats.running, predictions)
     trace = load_trace(((r.tokens, r.predicted_remaining) for r in loads), delta, horizon)
@@ -249,7 +254,7 @@ def build_report(
         capacity_tokens=stats.capacity_tokens,
         used_tokens=stats.used_tokens,
         bytes_per_token=stats.bytes_per_token,
-        step_time_s=mean_step_time(stats, previous),
+        step_time_s=mean_step_time(stats, previous) if step_time_s is None else step_time_s,
         delta=delta,
         trace=trace,
         requests=loads,
@@ -258,4 +263,5 @@ def build_report(
         waiting=stats.waiting,
         preemptions=stats.preemptions,
         draining=draining,
+        pad_share=pad_share,
     )

@@ -35,6 +35,7 @@ from benchmarks.e2e.report import (
     load_all,
     load_cell,
     row,
+    sim_table,
     table,
     write_cell,
 )
@@ -129,6 +130,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=1, default=lambda v: None))
     else:
         print(table(aggregate(rows)))
+        print()
+        print(sim_table(docs))
     return 0
 
 
@@ -146,8 +149,10 @@ def _run_cells(args: argparse.Namespace, cells: list[Cell], out: Path) -> int:
         variance_over_time,
     )
     from benchmarks.e2e.regimes import bytes_per_token, regime
+    from benchmarks.e2e.simreal import simulate_cell
     from benchmarks.e2e.workload import Workload, schedule
     from star.model import tiny_model_path
+    from star.predictor.live import replay as live_accuracy
 
     workload = Workload(args.workload, tuple(_csv(args.sizes)), args.cap)
     model = Path(tiny_model_path())
@@ -184,11 +189,11 @@ def _run_cells(args: argparse.Namespace, cells: list[Cell], out: Path) -> int:
                             Slo(reg.slo_ttft_ms, reg.slo_tpot_ms))
         rowdoc = {"regime": cell.regime, "workload": workload.name, "mode": cell.mode,
                   "rate": cell.rate, "seed": cell.seed, "timing": reg.label, **summary}
-        doc = {
+        doc: dict[str, Any] = {
             "row": rowdoc,
             "config": {"regime": asdict(reg),
                        "num_prompts": args.num_prompts, "workload": workload.name, "cap": workload.cap,
-                       "prefill": args.prefill, "decode": args.decode,
+                       "prefill": args.prefill, "decode": args.decode, "bytes_per_token": bpt,
                        "ready_s": res.ready_s, "wall_s": time.monotonic() - started},
             "series": {
                 "variance_ms2": variance_over_time(series, res.duration_s),
@@ -200,8 +205,17 @@ def _run_cells(args: argparse.Namespace, cells: list[Cell], out: Path) -> int:
             "decisions": [{"t": d.ts - res.t0, "request": d.request, "source": d.source,
                            "target": d.target, "delta_v": d.delta_v, "reason": d.reason}
                           for d in res.decisions],
+            "events": [{"t": e.ts - res.t0, "event": e.event.value, "request": e.request,
+                        "instance": e.instance, "migration": e.migration, "detail": e.detail,
+                        "data": e.data}
+                       for e in res.events],
         }
-        write_cell(out, cell, doc, records_as_rows(records))
+        # The live predictor's accuracy over the run (as the scheduler's /metrics has it).
+        doc["predictor_live"] = live_accuracy(res.reports, res.events)
+        rowdoc["live_mae"] = doc["predictor_live"]["mae"]
+        rows = records_as_rows(records)
+        doc["sim"] = simulate_cell(doc, rows)
+        write_cell(out, cell, doc, rows)
         shutil.rmtree(logs, ignore_errors=True)
         bar.write(f"{cell.regime} {cell.mode} rate {cell.rate:g} seed {cell.seed}: "
                   f"P99 TPOT {summary['p99_tpot_ms']:.1f} ms, goodput {summary['goodput']:.2f} req/s, "

@@ -35,6 +35,7 @@ ROW_KEYS = (
     "max_kv_use",
     "slo_met",
     "pad_share",
+    "live_mae",
 )
 
 
@@ -168,3 +169,31 @@ def _pct(v: Any) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "-"
     return f"{-v * 100:+.1f} %"
+
+
+def sim_table(docs: Sequence[dict[str, Any]]) -> str:
+    """Sim against real, per (regime, rate, mode), means over seeds (``star simulate``'s engine)."""
+    groups: dict[tuple[str, float, str], list[dict[str, Any]]] = {}
+    for d in docs:
+        if d.get("sim"):
+            r = d["row"]
+            groups.setdefault((r["regime"], float(r["rate"]), r["mode"]), []).append(d)
+    lines = [
+        "| regime | rate | mode | P99 TPOT real / sim ms | sim vs real | preemptions real / sim "
+        "| exec-time var. real / sim ms² | migrations real / sim |",
+        "|" + "---|" * 8,
+    ]
+    for (reg, rate, mode), ds in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], _mode_order(kv[0][2]))):
+        def mean(src: str, key: str, ds: list[dict[str, Any]] = ds) -> float:
+            vals = [_num(d[src].get(key)) for d in ds]
+            return sum(vals) / len(vals)
+
+        real_p99, sim_p99 = mean("row", "p99_tpot_ms"), mean("sim", "p99_tpot_ms")
+        gap = sim_p99 / real_p99 - 1.0 if real_p99 else math.nan
+        lines.append(
+            f"| {reg} | {rate:g} | {mode} | {real_p99:.1f} / {sim_p99:.1f} | {gap * 100:+.0f} % "
+            f"| {mean('row', 'preemptions'):.1f} / {mean('sim', 'preemptions'):.1f} "
+            f"| {mean('row', 'exec_time_variance'):.2f} / {mean('sim', 'exec_time_variance'):.2f} "
+            f"| {mean('row', 'migrations'):.1f} / {mean('sim', 'migrations'):.1f} |"
+        )
+    return "\n".join(lines)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import numpy.typing as npt
 
 from benchmarks.serve import BenchRequest, arrival_times, sharegpt_requests, task_requests
 
@@ -77,7 +78,7 @@ class Workload:
         return sharegpt_requests(path, n, rng, count_tokens, self.cap)
 
 
-def replay_lengths(n: int, rng: np.random.Generator, cap: int) -> np.ndarray:
+def replay_lengths(n: int, rng: np.random.Generator, cap: int) -> npt.NDArray[np.int64]:
     """``n`` output lengths in [1, cap] shaped like Table 3 (see the module docstring).
 
     A share :data:`AT_CAP_SHARE` lies in [NEAR_CAP, 1] x cap; the rest is
@@ -93,7 +94,8 @@ def replay_lengths(n: int, rng: np.random.Generator, cap: int) -> np.ndarray:
     body = np.exp(rng.normal(mu, BODY_SIGMA, size=n))
     top = rng.uniform(NEAR_CAP * cap, cap, size=n)
     out = np.where(at_cap, top, np.minimum(body, cap))
-    return np.clip(np.rint(out), 1, cap).astype(np.int64)
+    lengths: npt.NDArray[np.int64] = np.clip(np.rint(out), 1, cap).astype(np.int64)
+    return lengths
 
 
 def size_for_length(tokens: int) -> str:

@@ -18,6 +18,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "predictor": ("benchmarks.predictor", "length-predictor MLP latency at batch 1/10/64 (CPU, and GPU if present)"),
     "serve": ("benchmarks.serve", "load generator for a live proxy: Poisson arrivals, TTFT/TPOT/E2E, goodput"),
     "migration": ("benchmarks.migration", "D->D handoff stall as the client sees it, KV bytes moved, co-running slowdown"),
+    "e2e": ("benchmarks.e2e", "STAR vs static P->D dispatch on a real fleet: modes x rates x seeds, two regimes (paper Fig. 9-11)"),
 }
 
 

@@ -1,0 +1,104 @@
+"""Sim-to-real: a finished e2e cell replayed through ``star simulate``'s engine.
+
+The simulator gets the cell's own requests (arrival times, prompt and output
+lengths as the client saw them), the fleet's shape, the KV capacity the
+workers reported, the scheduler's tick, and the device regime's step-time
+model (``base + per_token x KV tokens``, ``prefill`` per prompt token). For
+the memory regime, whose steps are the CPU's, the step model is fitted to
+the cell's own reports (least squares of step time on KV tokens). Its
+``noisy`` length predictor stands in for the tiny model's MLP in
+``predicted`` mode and is exact in ``oracle`` mode.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+SIM_KEYS = ("p99_tpot_ms", "preemptions", "exec_time_variance", "goodput_rps", "migrations")
+
+
+def fitted_step(doc: dict[str, Any]) -> tuple[float, float]:
+    """(base s, s per KV token) fitted to the cell's decode reports with something running."""
+    xs, ys = [], []
+    for s in doc["series"]["instances"].values():
+        for used, ms, n in zip(s["kv_used"], s["step_ms"], s["running"], strict=True):
+            if n and ms > 0:
+                xs.append(used)
+                ys.append(ms / 1e3)
+    if len(xs) < 2 or len(set(xs)) < 2:
+        return (float(np.mean(ys)) if ys else 0.005), 0.0
+    slope, base = np.polyfit(np.asarray(xs, float), np.asarray(ys, float), 1)
+    return max(float(base), 1e-4), max(float(slope), 0.0)
+
+
+def simulate_cell(doc: dict[str, Any], records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The simulator's row for the cell ``doc`` (``cell.json``) with its ``records``."""
+    from star.planner.types import PlannerParams
+    from star.sim.config import SimConfig
+    from star.sim.engine import simulate
+    from star.sim.workload import Workload
+
+    ok = [r for r in records if _truthy(r["ok"]) and int(r["output_tokens"]) > 0]
+    if not ok:
+        return {}
+    cfg = doc["config"]
+    reg = cfg["regime"]
+    row = doc["row"]
+    if reg["step_base_ms"] > 0:
+        base_s, per_token_s = reg["step_base_ms"] / 1e3, reg["step_us_per_token"] / 1e6
+        prefill_s = reg["prefill_us_per_token"] / 1e6
+    else:
+        base_s, per_token_s = fitted_step(doc)
+        prefill_s = 0.0
+    workload = Workload(
+        f"e2e-{row['regime']}-{row['mode']}",
+        np.asarray([max(int(r["prompt_tokens"]), 1) for r in ok], dtype=np.int64),
+        np.asarray([int(r["output_tokens"]) for r in ok], dtype=np.int64),
+        np.asarray([float(r["sent_s"]) for r in ok], dtype=np.float64),
+    )
+    mode = row["mode"]
+    config = SimConfig(
+        decode_instances=int(cfg["decode"]),
+        prefill_instances=int(cfg["prefill"]),
+        duration_s=max(float(row["duration_s"]), 1.0),
+        rate_rps=float(row["rate"]),
+        seed=int(row["seed"]),
+        mode=mode,
+        predictor="oracle" if mode == "oracle" else "noisy",
+        step_base_s=base_s,
+        step_per_token_s=per_token_s,
+        kv_capacity_tokens=int(row.get("kv_capacity") or reg["kv_tokens"]),
+        bytes_per_token=int(cfg.get("bytes_per_token", 1024)),
+        prefill_base_s=0.002,
+        prefill_per_token_s=prefill_s,
+        tick_s=0.25,
+        ttft_slo_s=reg["slo_ttft_ms"] / 1e3,
+        tpot_slo_s=reg["slo_tpot_ms"] / 1e3,
+        max_output_tokens=max(int(cfg["cap"]), int(workload.output_tokens.max())),
+        drain=True,
+        planner=PlannerParams(),
+    )
+    result = simulate(config, workload)
+    out = {k: result.row.get(k) for k in SIM_KEYS}
+    out["step_model"] = {"base_s": base_s, "per_token_s": per_token_s, "prefill_per_token_s": prefill_s}
+    return out
+
+
+def _truthy(value: Any) -> bool:
+    return value is True or str(value) == "True"
+
+
+def compare(real: dict[str, Any], sim: dict[str, Any]) -> dict[str, Any]:
+    """Sim against real: P99 TPOT's relative gap, and the other numbers side by side."""
+    r, s = real.get("p99_tpot_ms"), sim.get("p99_tpot_ms")
+    gap = (s / r - 1.0) if r and s is not None and not math.isnan(r) else math.nan
+    return {
+        "p99_tpot_ms": (r, s),
+        "p99_tpot_gap": gap,
+        "preemptions": (real.get("preemptions"), sim.get("preemptions")),
+        "exec_time_variance": (real.get("exec_time_variance"), sim.get("exec_time_variance")),
+        "migrations": (real.get("migrations"), sim.get("migrations")),
+    }
