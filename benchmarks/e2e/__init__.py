@@ -92,8 +92,14 @@ def _cells(args: argparse.Namespace) -> list[Cell]:
     for m in modes:
         if m not in MODES:
             raise ValueError(f"unknown mode {m!r}; expected {', '.join(MODES)}")
-    rates = [float(x) for x in _csv(args.rates)]
-    seeds = [int(x) for x in _csv(args.seeds)]
+    try:
+        rates = [float(x) for x in _csv(args.rates)]
+    except ValueError:
+        raise ValueError(f"--rates takes numbers (req/s) separated by commas, got {args.rates!r}") from None
+    try:
+        seeds = [int(x) for x in _csv(args.seeds)]
+    except ValueError:
+        raise ValueError(f"--seeds takes whole numbers separated by commas, got {args.seeds!r}") from None
     if not (regimes and modes and rates and seeds):
         raise ValueError("need at least one regime, mode, rate and seed")
     if any(not r > 0 for r in rates):

@@ -30,13 +30,18 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     inner = parser.add_subparsers(dest="bench", metavar="NAME", required=True)
     for name, (module, help_text) in BENCHMARKS.items():
-        bench = inner.add_parser(name, help=help_text, description=help_text)
-        bench.set_defaults(func=_runner(module))
-        importlib.import_module(module).configure(bench)
+        # The module (and what it imports: httpx, matplotlib, ...) loads only when
+        # its benchmark runs: its own parser then reads the rest of the command line.
+        bench = inner.add_parser(name, help=help_text, add_help=False)
+        bench.add_argument("argv", nargs=argparse.REMAINDER)
+        bench.set_defaults(func=_runner(name, module, help_text))
 
 
-def _runner(module: str) -> Callable[[argparse.Namespace], int]:
+def _runner(name: str, module: str, help_text: str) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
-        return int(importlib.import_module(module).run(args))
+        bench = importlib.import_module(module)
+        parser = argparse.ArgumentParser(prog=f"star bench {name}", description=help_text)
+        bench.configure(parser)
+        return int(bench.run(parser.parse_args(args.argv)))
 
     return run

@@ -53,7 +53,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # `star bench NAME ...`: the benchmark's own parser reads what follows NAME
+    # (star.cli.bench), so unknown options are left for it.
+    raw = list(sys.argv[1:] if argv is None else argv)
+    args, rest = parser.parse_known_args(raw)
+    if getattr(args, "command", None) == "bench":
+        args.argv = raw[raw.index(args.bench, raw.index("bench") + 1) + 1 :]
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     func = getattr(args, "func", None)
     if func is None:
         parser.print_help()

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -163,3 +164,13 @@ def test_proxy_fd_that_is_not_a_socket_is_one_line() -> None:
     out = star("proxy", "--fd", "987")
     assert out.returncode == 2
     assert "--fd 987: not an open socket" in out.stderr
+
+
+def test_building_the_cli_imports_no_benchmark() -> None:
+    """Every `star worker` start builds the parser: benchmarks (and httpx) load only when run."""
+    code = (
+        "import sys; from star.cli.main import build_parser; build_parser(); "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('benchmarks', 'httpx')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
