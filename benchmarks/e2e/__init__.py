@@ -32,6 +32,7 @@ from benchmarks.e2e.report import (
     MODES,
     Cell,
     aggregate,
+    live_table,
     load_all,
     load_cell,
     row,
@@ -138,6 +139,8 @@ def run(args: argparse.Namespace) -> int:
         print(table(aggregate(rows)))
         print()
         print(sim_table(docs))
+        print()
+        print(live_table(docs))
     return 0
 
 

@@ -197,3 +197,40 @@ def sim_table(docs: Sequence[dict[str, Any]]) -> str:
             f"| {mean('row', 'migrations'):.1f} / {mean('sim', 'migrations'):.1f} |"
         )
     return "\n".join(lines)
+
+
+def live_table(docs: Sequence[dict[str, Any]]) -> str:
+    """The live predictor's MAE (tokens) by tokens generated, per regime and mode, over every cell.
+
+    Points and absolute errors are added up across cells before dividing, so
+    a cell with many points weighs more (as one long run would).
+    """
+    groups: dict[tuple[str, str], dict[str, list[float]]] = {}
+    labels: list[str] = []
+    for d in docs:
+        live = d.get("predictor_live") or {}
+        if not live.get("points"):
+            continue
+        g = groups.setdefault((d["row"]["regime"], d["row"]["mode"]), {})
+        for b in live["buckets"]:
+            if b["bucket"] not in labels:
+                labels.append(b["bucket"])
+            acc = g.setdefault(b["bucket"], [0.0, 0.0])
+            if b["points"]:
+                acc[0] += b["points"]
+                acc[1] += b["points"] * b["mae"]
+        total = g.setdefault("all", [0.0, 0.0])
+        total[0] += live["points"]
+        total[1] += live["points"] * live["mae"]
+    lines = [
+        "| regime | mode | points | MAE | " + " | ".join(f"{x} generated" for x in labels) + " |",
+        "|" + "---|" * (4 + len(labels)),
+    ]
+    for (reg, mode), g in sorted(groups.items(), key=lambda kv: (kv[0][0], _mode_order(kv[0][1]))):
+        def mae(key: str, g: dict[str, list[float]] = g) -> str:
+            n, err = g.get(key, [0.0, 0.0])
+            return f"{err / n:.0f}" if n else "-"
+
+        lines.append(f"| {reg} | {mode} | {g['all'][0]:.0f} | {mae('all')} | "
+                     + " | ".join(mae(x) for x in labels) + " |")
+    return "\n".join(lines)

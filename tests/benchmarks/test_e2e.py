@@ -240,3 +240,21 @@ def test_cell_paths_separate_everything() -> None:
     a = report.Cell("memory", "oracle", 2.5, 3)
     assert a.path(Path("o")) == Path("o/memory/oracle/rate-2.5/seed-3")
     assert dataclasses.replace(a, seed=4).path(Path("o")) != a.path(Path("o"))
+
+
+def test_live_accuracy_and_sim_tables() -> None:
+    def doc(mode: str, points: int, mae: float, sim_p99: float) -> dict[str, object]:
+        d = _doc(mode, 1, 20.0, 1.0)
+        d["predictor_live"] = {"points": points, "mae": mae, "buckets": [
+            {"bucket": "0", "points": points, "mae": mae}, {"bucket": "400+", "points": 0, "mae": None}]}
+        d["sim"] = {"p99_tpot_ms": sim_p99, "preemptions": 0, "exec_time_variance": 1.0, "migrations": 2}
+        return d
+
+    docs = [doc("predicted", 10, 30.0, 22.0), doc("predicted", 30, 10.0, 22.0), doc("no-migration", 0, 0.0, 30.0)]
+    live = report.live_table(docs)
+    # Points are pooled across cells: (10 x 30 + 30 x 10) / 40 = 15 tokens; no points, no row.
+    assert "| device | predicted | 40 | 15 | 15 | - |" in live
+    assert "no-migration" not in live
+    sim = report.sim_table(docs)
+    assert "| device | 2 | predicted | 20.0 / 22.0 | +10 % |" in sim
+    assert "| device | 2 | no-migration | 20.0 / 30.0 | +50 % |" in sim
