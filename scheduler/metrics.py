@@ -6,6 +6,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from star.predictor.live import BUCKETS, AccuracyTracker, Score
+
 
 class SchedulerMetrics:
     def __init__(self) -> None:
@@ -31,6 +33,44 @@ class SchedulerMetrics:
             registry=self.registry,
         )
         self.leader = Gauge("star_scheduler_leader", "1 if this node is the leader", registry=self.registry)
+        # The live length predictor's accuracy (star.predictor.live), by tokens generated.
+        self.predictor_mae = Gauge(
+            "star_predictor_live_mae_tokens",
+            "MAE of the reported R-hat against the true remaining length, finished requests since start",
+            ["bucket"],
+            registry=self.registry,
+        )
+        self.predictor_points = Counter(
+            "star_predictor_live_points",
+            "Reported R-hat points scored at their request's finish",
+            ["bucket"],
+            registry=self.registry,
+        )
+        self.predictor_abs_error = Counter(
+            "star_predictor_live_abs_error_tokens",
+            "Summed |R-hat - true remaining| of the scored points (rate / points rate = windowed MAE)",
+            ["bucket"],
+            registry=self.registry,
+        )
+        self.predictor_requests = Counter(
+            "star_predictor_live_requests",
+            "Finished requests whose R-hat history was scored",
+            registry=self.registry,
+        )
+
+    def predictor_scored(self, score: Score, tracker: AccuracyTracker) -> None:
+        """Count one scored request and refresh the MAE gauges from the tracker's totals."""
+        self.predictor_requests.inc()
+        for b, label in enumerate(BUCKETS):
+            if score.points[b]:
+                self.predictor_points.labels(label).inc(score.points[b])
+                self.predictor_abs_error.labels(label).inc(score.abs_error[b])
+            mae = tracker.mae(label)
+            if mae is not None:
+                self.predictor_mae.labels(label).set(mae)
+        overall = tracker.mae()
+        if overall is not None:
+            self.predictor_mae.labels("all").set(overall)
 
     def serve(self, host: str, port: int) -> Any:
         """Start the /metrics HTTP server (a daemon thread); returns the server."""

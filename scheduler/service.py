@@ -35,6 +35,7 @@ from scheduler.view import ClusterView, decision_for
 from star.bus import TRANSIENT, Bus, BusUnavailable, GroupReader, Subscriber
 from star.planner import plan
 from star.planner.types import Instance, Mode, ModeKind, PlannerParams
+from star.predictor.live import AccuracyTracker
 from star.process import Service
 from star.settings import Settings
 from star.wire import Decision, Event, EventKind, Report
@@ -81,6 +82,7 @@ class SchedulerService(Service):
             settings.scheduler.staleness_s, settings.scheduler.decision_timeout_s
         )
         self.metrics = SchedulerMetrics()
+        self.accuracy = AccuracyTracker()  # the live predictor's, on /metrics
         self.tick = 0
         self._no_predictor: set[str] = set()  # instances already warned about
         self._no_length: set[str] = set()  # requests already warned about (oracle)
@@ -144,6 +146,7 @@ class SchedulerService(Service):
                 assert isinstance(entry.msg, Report)
                 if self.view.apply_report(entry.msg, now):
                     log.info("instance live", instance=entry.msg.instance, role=entry.msg.role)
+                self.accuracy.observe(entry.msg)
 
     async def _events(self) -> None:
         assert self.bus is not None
@@ -156,6 +159,9 @@ class SchedulerService(Service):
             if event.event is EventKind.WORKER_DOWN and event.instance:
                 if self.view.mark_down(event.instance, event.ts):
                     log.warning("instance down; excluded", instance=event.instance)
+            score = self.accuracy.apply_event(event)
+            if score is not None:
+                self.metrics.predictor_scored(score, self.accuracy)
             resolved = self.view.apply_event(event)
             if resolved is not None:
                 decision, outcome = resolved
