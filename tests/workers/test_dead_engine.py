@@ -20,6 +20,7 @@ from star.settings import Settings, WorkerSettings
 from star.wire import Event, EventKind, Report, decode
 from tests.conftest import bus_settings, redis_settings
 from tests.redis_server import RedisServer
+from workers.pacing import StepTimes
 from workers.state import EngineStats
 
 with warnings.catch_warnings():
@@ -63,6 +64,9 @@ class DyingEngine:
 
     async def predictions(self) -> dict[str, float]:
         return {}
+
+    async def step_times(self) -> StepTimes:
+        return StepTimes()  # no model step ran
 
     async def shutdown(self) -> None:
         self.shut_down = True
