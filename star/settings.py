@@ -140,7 +140,7 @@ class SchedulerSettings:
     """The rescheduler (paper §5, DESIGN §3)."""
 
     interval_s: float = _opt(0.25, "planner tick interval", positive)
-    mode: str = _opt("predicted", "no-migration, current, predicted, oracle or bins:K", planner_mode)
+    mode: str = _opt("predicted", "no-migration, current, predicted, oracle (true lengths, known for requests sent with ignore_eos and max_tokens; others count as unknown) or bins:K", planner_mode)
     dispatch: str = _opt("current-load", "P->D dispatch policy the leader publishes with the load view (<prefix>:dispatch); the proxies follow it while it is fresh", one_of(*DISPATCH_POLICIES))
     theta: float = _opt(0.1, "classification threshold: overloaded if w_i > (1+theta) * mean", non_negative)
     horizon: int = _opt(64, "H: future grid points tau_1..tau_H", non_negative)
