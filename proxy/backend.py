@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from star.sampling import migration_blocker
+from star.wire import Error
 
 FinishReason = Literal["stop", "length", "abort"]
 RequestKind = Literal["completion", "chat"]
@@ -124,6 +125,16 @@ class RequestRejected(BackendError):
 
     status = 400
     error_type = "invalid_request_error"
+
+
+def error_from(msg: Error, instance: str) -> BackendError:
+    """The client-facing error for a worker's :class:`~star.wire.Error` frame on ``instance``."""
+    text = f"{instance}: {msg.message}"
+    if msg.code == "bad_request":
+        return RequestRejected(text, code=msg.code)
+    if msg.code in {"shutting_down", "engine_dead"}:
+        return BackendUnavailable(text, code=msg.code)
+    return BackendError(text, code=msg.code)
 
 
 @runtime_checkable

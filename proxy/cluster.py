@@ -32,6 +32,7 @@ from proxy.backend import (
     GenerationRequest,
     RequestRejected,
     TokenBatch,
+    error_from,
 )
 from proxy.migration import DecodeRun, Migrator
 from proxy.upstream import ConnectionLost, WorkerClient, WorkerPool
@@ -321,7 +322,7 @@ class ClusterBackend:
             while True:
                 msg = await stream.next()
                 if isinstance(msg, Error):
-                    raise _error(msg, member.instance)
+                    raise error_from(msg, member.instance)
                 if isinstance(msg, Tokens) and msg.finish_reason is not None:
                     finished = True
                     if not msg.kv_transfer_params:
@@ -402,15 +403,6 @@ class ClusterBackend:
     def decode_address(self, instance: str) -> str | None:
         """Address of a live decode instance (None: not live; see :meth:`Directory.address`)."""
         return self.directory.address("decode", instance)
-
-
-def _error(msg: Error, instance: str) -> BackendError:
-    text = f"{instance}: {msg.message}"
-    if msg.code == "bad_request":
-        return RequestRejected(text, code=msg.code)
-    if msg.code in {"shutting_down", "engine_dead"}:
-        return BackendUnavailable(text, code=msg.code)
-    return BackendError(text, code=msg.code)
 
 
 async def _abort(client: Any, stream_id: int) -> None:

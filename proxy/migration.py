@@ -39,7 +39,7 @@ from typing import Any
 
 import structlog
 
-from proxy.backend import BackendError, GenerationRequest, TokenBatch
+from proxy.backend import BackendError, GenerationRequest, TokenBatch, error_from
 from proxy.upstream import ConnectionLost, Stream, WorkerClient
 from star.bus import Bus, Subscriber
 from star.sampling import continuation
@@ -311,7 +311,7 @@ class DecodeRun:
                     elif self.state is RunState.RESUMING:
                         await self._target_lost(f"{msg.code}: {msg.message}")
                     else:
-                        raise _error(msg, leg.instance)
+                        raise error_from(msg, leg.instance)
                 elif isinstance(msg, Tokens):
                     if self.state is RunState.RESUMING and (msg.token_ids or msg.finish_reason):
                         self._on_resumed()
@@ -434,12 +434,6 @@ class DecodeRun:
         self.emit(EventKind.ABORTED, "dst", instance=dead, reason=why)
         await self._close_leg(abort=True)
         await self._recover({dead}, source or self.source)
-
-
-def _error(msg: Error, instance: str) -> BackendError:
-    from proxy.cluster import _error as cluster_error
-
-    return cluster_error(msg, instance)
 
 
 class Migrator:
