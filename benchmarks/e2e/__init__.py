@@ -119,7 +119,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"bench e2e: {exc}", file=sys.stderr)
         return 2
     if not args.report_only:
-        code = _run_cells(args, cells, out)
+        from star.cli.up import Terminated
+
+        try:
+            code = _run_cells(args, cells, out)
+        except (KeyboardInterrupt, Terminated):
+            print(f"bench e2e: interrupted; finished cells are kept in {out}", file=sys.stderr)
+            return 130
         if code:
             return code
     docs = [d for d in load_all(out) if Cell(d["row"]["regime"], d["row"]["mode"],
@@ -150,6 +156,7 @@ def _run_cells(args: argparse.Namespace, cells: list[Cell], out: Path) -> int:
     from benchmarks.e2e.fleet import run_cell
     from benchmarks.e2e.metrics import (
         Slo,
+        fleet_kv_over_time,
         instance_series,
         max_kv_over_time,
         preemption_bins,
@@ -210,6 +217,7 @@ def _run_cells(args: argparse.Namespace, cells: list[Cell], out: Path) -> int:
             "series": {
                 "variance_ms2": variance_over_time(series, res.duration_s),
                 "max_kv": max_kv_over_time(series, res.duration_s),
+                "fleet_kv": fleet_kv_over_time(series, res.duration_s),
                 "preemptions": preemption_bins(series, res.duration_s),
                 "migrations_t": sorted(d.ts - res.t0 for d in res.decisions),
                 "instances": {name: asdict(s) for name, s in series.items()},

@@ -128,7 +128,11 @@ def fig11(docs: Sequence[dict[str, Any]], path: Path) -> Path:
             ax.set_visible(True)
             s = d["series"]
             kv = [v * 100 for v in s["max_kv"]]
-            ax.plot(range(len(kv)), kv, color=COLORS[d["row"]["mode"]], lw=1.2)
+            ax.plot(range(len(kv)), kv, color=COLORS[d["row"]["mode"]], lw=1.2, label="fullest instance")
+            fleet = [v * 100 for v in s.get("fleet_kv", [])]
+            if fleet:
+                ax.plot(range(len(fleet)), fleet, color="k", lw=0.8, ls=":", label="fleet as a whole")
+                ax.legend(fontsize=7, loc="lower center")
             ax.axhline(99, color="k", ls="--", lw=0.8)
             for t, n in enumerate(s["preemptions"]):
                 if n:

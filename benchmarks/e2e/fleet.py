@@ -11,17 +11,21 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import time
 import uuid
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from benchmarks.client import Timing
 from benchmarks.e2e.metrics import RequestRecord
 from benchmarks.e2e.regimes import Regime
 from benchmarks.serve import BenchRequest, drive
 from star.wire import Decision, Event, Report, WireError, decode_as
+
+T = TypeVar("T")
 
 WARMUP_REQUESTS = 6
 SETTLE_S = 2.0  # after the last response: the last reports land
@@ -83,6 +87,33 @@ def _records(
     ]
 
 
+def _run(coro: Coroutine[Any, Any, T]) -> T:
+    """``uvloop.run(coro)``, cancelled by SIGTERM or SIGINT (then :class:`Terminated`).
+
+    A Python-level signal handler cannot stop a coroutine that uvloop runs
+    (its exception is printed and dropped), so the loop's own handlers cancel it.
+    """
+    import uvloop
+
+    from star.cli.up import Terminated
+
+    async def main() -> T:
+        task = asyncio.ensure_future(coro)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, task.cancel)
+        try:
+            return await task
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+
+    try:
+        return uvloop.run(main())
+    except asyncio.CancelledError:
+        raise Terminated("interrupted") from None
+
+
 def run_cell(
     regime: Regime,
     mode: str,
@@ -99,8 +130,6 @@ def run_cell(
     progress: bool = False,
 ) -> CellResult:
     """Bring a fleet up, replay the workload, read the bus back, stop the fleet."""
-    import uvloop
-
     from star.cli.up import LocalCluster
 
     prefix = f"e2e-{uuid.uuid4().hex[:8]}"
@@ -112,18 +141,18 @@ def run_cell(
     with LocalCluster(None, port=0, prefill=prefill, decode=decode, env=env, run_dir=run_dir) as fleet:
         ready_s = fleet.wait_ready(ready_timeout_s)
         warm = [BenchRequest([{"role": "user", "content": "give me a tiny list of animals."}], 4)]
-        uvloop.run(
+        _run(
             drive(fleet.url, "chat", "star-tiny", warm * WARMUP_REQUESTS, [0.0] * WARMUP_REQUESTS,
                   {}, {}, timeout_s, False)
         )
         time.sleep(1.0)
         t0 = time.time()
-        timings, duration = uvloop.run(
+        timings, duration = _run(
             drive(fleet.url, "chat", "star-tiny", requests, times, extra, {}, timeout_s, progress)
         )
         time.sleep(SETTLE_S)
         fleet.check()
-        reports, decisions, events = asyncio.run(
+        reports, decisions, events = _run(
             _read_bus(fleet.redis_url, prefix, time.time() - t0 + 1.0)
         )
     return CellResult(

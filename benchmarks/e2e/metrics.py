@@ -128,6 +128,19 @@ def max_kv_over_time(series: dict[str, InstanceSeries], end_s: float) -> list[fl
     return [float(v) for v in (used / cap).max(axis=0)]
 
 
+def fleet_kv_over_time(series: dict[str, InstanceSeries], end_s: float) -> list[float]:
+    """Per 1 s bin, the decode fleet's KV use as a whole (all used / all capacity).
+
+    Near 1 the fleet itself is full and no placement avoids preemption; an
+    instance at 1 while this is well below is imbalance, what rescheduling fixes.
+    """
+    if not series:
+        return []
+    used = _binned(series, "kv_used", end_s).sum(axis=0)
+    cap = np.maximum(_binned(series, "capacity", end_s).sum(axis=0), 1)
+    return [float(v) for v in used / cap]
+
+
 def preemption_bins(series: dict[str, InstanceSeries], end_s: float) -> list[int]:
     """Per 1 s bin, preemptions that happened in it (all decode instances; Fig. 11's shading)."""
     if not series:
@@ -177,6 +190,7 @@ def summarize(
             outcomes[e.event.value] = outcomes.get(e.event.value, 0) + 1
     variance = variance_over_time(series, duration_s)
     max_kv = max_kv_over_time(series, duration_s)
+    fleet_kv = fleet_kv_over_time(series, duration_s)
     pads = [p for s in series.values() for p, n in zip(s.pad_share, s.running, strict=True) if n]
     return {
         "requests": len(records),
@@ -197,6 +211,7 @@ def summarize(
         "migration_outcomes": outcomes,
         "exec_time_variance": float(np.mean(variance)) if variance else math.nan,
         "max_kv_use": max(max_kv) if max_kv else math.nan,
+        "fleet_kv_peak": max(fleet_kv) if fleet_kv else math.nan,
         "kv_capacity": min((min(s.capacity) for s in series.values() if s.capacity), default=0),
         "pad_share": float(np.mean(pads)) if pads else 0.0,
         "errors": sorted({r.error for r in records if not r.ok})[:5],

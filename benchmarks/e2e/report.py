@@ -33,6 +33,7 @@ ROW_KEYS = (
     "migrations",
     "exec_time_variance",
     "max_kv_use",
+    "fleet_kv_peak",
     "slo_met",
     "pad_share",
     "live_mae",

@@ -166,6 +166,7 @@ def test_time_series_from_reports() -> None:
     # Bin 0: step times 30 and 10 ms -> variance 100 ms^2; bin 1: 30 and 0 (idle) -> 225.
     assert metrics.variance_over_time(series, 2.0) == [100.0, 225.0]
     assert metrics.max_kv_over_time(series, 2.0) == [0.9, 0.995]
+    assert metrics.fleet_kv_over_time(series, 2.0) == [0.5, 0.4975]
     # vLLM's counter is cumulative: 3 happened during the run, in the second second.
     assert metrics.preemptions(series) == 3
     assert metrics.preemption_bins(series, 2.0) == [0, 3]
@@ -191,6 +192,7 @@ def test_summary_counts_goodput_by_the_slo() -> None:
     assert row["migration_outcomes"] == {"resumed": 1, "refused": 1}
     assert row["exec_time_variance"] == pytest.approx(162.5)
     assert row["max_kv_use"] == pytest.approx(0.995) and row["kv_capacity"] == 1000
+    assert row["fleet_kv_peak"] == pytest.approx(0.5)
     assert row["pad_share"] == pytest.approx((0.5 + 0.5 + 0.7) / 3)  # while running only
     assert metrics.migrations_per_request(events) == {"r0": 1}
 
