@@ -34,7 +34,7 @@ from proxy.backend import (
     TokenBatch,
     error_from,
 )
-from proxy.migration import DecodeRun, Migrator
+from proxy.decode_run import DecodeRun, Migrator
 from proxy.upstream import ConnectionLost, WorkerClient, WorkerPool
 from star.bus import Bus, BusUnavailable, Subscriber
 from star.sampling import migration_blocker

@@ -1,20 +1,23 @@
-"""D->D migration in the proxy: one request's decode run across NIXL handoffs (DESIGN §5).
+"""D->D migration in the proxy, as a machine: one request's decode run across NIXL handoffs.
 
-Paper §5.4 "Overlap migration with decode computation". The proxy that owns a
-request reads ``star:decisions`` in order (:func:`follow_decisions`); a
-decision for one of its requests becomes a ``migrate`` command on that
-request's :class:`DecodeRun`, whose life is the table :data:`TRANSITIONS`
-(h11 style: every legal step in one dict, an illegal one raises):
+Paper §5.4 "Overlap migration with decode computation", DESIGN §5. This
+module is the sans-IO core (h11 style): the lifecycle is the table
+:data:`TRANSITIONS` (every legal step in one dict, an illegal one raises
+:class:`IllegalTransition`), and :class:`RunMachine` takes inputs (a
+decision, a frame of the current leg, a lost connection, a timeout, the
+outcome of opening a leg) and returns actions (open a leg, send a Release,
+close a leg, deliver tokens, emit an event, fail). It does no IO and reads no
+clock; :mod:`proxy.decode_run` drives it over the token protocol.
 
-1. ``DECODING --migrate--> RELEASING``: a Release frame goes to the source
-   worker, which stops the request at its next step boundary with the KV
-   blocks held; tokens keep flowing to the client meanwhile.
+1. ``DECODING --migrate--> RELEASING``: a Release goes to the source worker,
+   which stops the request at its next step boundary with the KV blocks
+   held; tokens keep flowing to the client meanwhile.
 2. ``RELEASING --handoff--> RESUMING``: the source answers with a Handoff
-   (``kv_transfer_params``); the proxy opens the request on the target with
-   prompt + every token the client has been sent and the budget reduced
+   (``kv_transfer_params``); the request opens on the target with prompt +
+   every token the client has been sent and the budget reduced
    (:func:`star.sampling.continuation`); the target pulls the blocks through
    NIXL and computes the one token the source had no KV for.
-3. ``RESUMING --tokens--> DECODING``: the first target token reaches the
+3. ``RESUMING --resumed--> DECODING``: the first target token reaches the
    client (event ``resumed`` with the stall the client saw).
 
 Failures (Llumnix's ABORTED_SRC / ABORTED_DST): the source refuses or the
@@ -22,33 +25,26 @@ request ends first -> ``refused``, nothing happened; the source goes away or
 does not answer within ``release_timeout_s`` -> ``aborted`` (src) and the
 request continues by recompute on the target; the target cannot be reached or
 fails before its first token -> ``aborted`` (dst) and the request continues by
-recompute on the source or any live decode instance. Every step is an event
-on ``star:events``. The client's stream stays open and each token index is
-delivered once.
+recompute on the source or any live decode instance. A decision that arrives
+while another migration of the request runs is refused (``already
+migrating``). The client's stream stays open and each token index is
+delivered once: a leg continues after exactly the tokens delivered.
 """
 
 from __future__ import annotations
 
-import asyncio
-import collections
 import enum
-import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
-import structlog
-
-from proxy.backend import BackendError, GenerationRequest, TokenBatch, error_from
-from proxy.upstream import ConnectionLost, Stream, WorkerClient
-from star.bus import Bus, Subscriber
+from proxy.backend import BackendError, FinishReason, TokenBatch, error_from
 from star.sampling import continuation
-from star.wire import Abort, Decision, Error, Event, EventKind, Generate, Handoff, Release, Tokens
-
-log = structlog.get_logger(__name__)
+from star.wire import Decision, Error, EventKind, Generate, Handoff, Tokens
 
 RELEASE_TIMEOUT_S = 10.0
 MAX_RECOVERIES = 3
+# The finish reasons a client may see; another (vLLM's "error") fails the request.
+_FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
 def leg_frame(
@@ -84,16 +80,18 @@ def leg_frame(
 class RunState(enum.StrEnum):
     DECODING = "decoding"  # tokens flow from one instance
     RELEASING = "releasing"  # Release sent; tokens may still come
-    RESUMING = "resuming"  # continued on the target; waiting for its first token
+    RESUMING = "resuming"  # continued elsewhere; waiting for its first token
     DONE = "done"  # finished (any reason)
 
 
 class RunEvent(enum.StrEnum):
-    MIGRATE = "migrate"  # a decision for this request
+    MIGRATE = "migrate"  # a decision for this request (refused unless DECODING)
+    TOKENS = "tokens"  # tokens from the current leg
     REFUSED = "refused"  # the source cannot release it (the stream goes on)
     HANDOFF = "handoff"  # the source released it with its KV held
     RESUMED = "resumed"  # first token from the target
-    SOURCE_LOST = "source_lost"  # ABORTED_SRC: source gone or silent during the release
+    SOURCE_LOST = "source_lost"  # ABORTED_SRC: the source went away
+    RELEASE_TIMEOUT = "release_timeout"  # ABORTED_SRC: no Handoff in time
     TARGET_LOST = "target_lost"  # ABORTED_DST: target unreachable or failed before a token
     RECOVERED = "recovered"  # continued by recompute elsewhere
     FINISH = "finish"  # final tokens, error, or the client went away
@@ -101,12 +99,18 @@ class RunEvent(enum.StrEnum):
 
 TRANSITIONS: dict[tuple[RunState, RunEvent], RunState] = {
     (RunState.DECODING, RunEvent.MIGRATE): RunState.RELEASING,
+    (RunState.DECODING, RunEvent.TOKENS): RunState.DECODING,
     (RunState.DECODING, RunEvent.SOURCE_LOST): RunState.RESUMING,
     (RunState.DECODING, RunEvent.FINISH): RunState.DONE,
+    (RunState.RELEASING, RunEvent.MIGRATE): RunState.RELEASING,  # refused: already migrating
+    (RunState.RELEASING, RunEvent.TOKENS): RunState.RELEASING,
     (RunState.RELEASING, RunEvent.REFUSED): RunState.DECODING,
     (RunState.RELEASING, RunEvent.HANDOFF): RunState.RESUMING,
     (RunState.RELEASING, RunEvent.SOURCE_LOST): RunState.RESUMING,
+    (RunState.RELEASING, RunEvent.RELEASE_TIMEOUT): RunState.RESUMING,
     (RunState.RELEASING, RunEvent.FINISH): RunState.DONE,
+    (RunState.RESUMING, RunEvent.MIGRATE): RunState.RESUMING,  # refused: already migrating
+    (RunState.RESUMING, RunEvent.TOKENS): RunState.RESUMING,  # an empty frame
     (RunState.RESUMING, RunEvent.RESUMED): RunState.DECODING,
     (RunState.RESUMING, RunEvent.TARGET_LOST): RunState.RESUMING,
     (RunState.RESUMING, RunEvent.RECOVERED): RunState.RESUMING,
@@ -115,7 +119,7 @@ TRANSITIONS: dict[tuple[RunState, RunEvent], RunState] = {
 
 
 class IllegalTransition(RuntimeError):
-    """An event that cannot happen in the run's current state (a proxy bug)."""
+    """An input that cannot happen in the run's current state (a proxy bug)."""
 
 
 def next_state(state: RunState, event: RunEvent) -> RunState:
@@ -127,7 +131,18 @@ def next_state(state: RunState, event: RunEvent) -> RunState:
         ) from None
 
 
-def refusal(run: DecodeRun | None, decision: Decision, finished: bool) -> str | None:
+class RunView(Protocol):
+    """What :func:`refusal` reads of a run."""
+
+    @property
+    def state(self) -> RunState: ...
+    @property
+    def instance(self) -> str: ...
+    @property
+    def blocker(self) -> str | None: ...
+
+
+def refusal(run: RunView | None, decision: Decision, finished: bool) -> str | None:
     """Why this proxy cannot start ``decision`` (None: it can)."""
     if run is None:
         return "finished" if finished else "unknown request"
@@ -144,354 +159,508 @@ def refusal(run: DecodeRun | None, decision: Decision, finished: bool) -> str | 
     return None
 
 
-@dataclass(slots=True)
-class _Migrate:
-    """The command a decision becomes, queued on the run's current stream."""
-
-    decision: Decision
-    address: str
-    since: float = field(default_factory=time.monotonic)
+# -- inputs: what happened (times are time.monotonic(), read by the driver) ------------
 
 
-@dataclass(slots=True)
-class _Leg:
+@dataclass(frozen=True, slots=True)
+class Start:
+    """Open the first leg on ``instance`` (the decode dispatch's pick)."""
+
     instance: str
     address: str
-    client: WorkerClient
-    stream: Stream
+    kv: dict[str, Any] | None
 
 
-class DecodeRun:
-    """One request's decode across instances (see the module docstring)."""
+@dataclass(frozen=True, slots=True)
+class Decided:
+    """A decision for this request (accepted by :func:`refusal` at ``since``)."""
+
+    decision: Decision
+    address: str  # the target's
+    since: float
+
+
+@dataclass(frozen=True, slots=True)
+class Received:
+    """A frame of the current leg, received at ``now``."""
+
+    msg: Tokens | Handoff | Error
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class Lost:
+    """The current leg's connection went away."""
+
+    why: str
+
+
+@dataclass(frozen=True, slots=True)
+class TimedOut:
+    """No Handoff by :meth:`RunMachine.deadline`."""
+
+
+@dataclass(frozen=True, slots=True)
+class Opened:
+    """The leg of the last :class:`OpenLeg` is open (its Generate sent)."""
+
+
+@dataclass(frozen=True, slots=True)
+class OpenFailed:
+    """The leg of the last :class:`OpenLeg` could not be opened."""
+
+    why: str
+
+
+@dataclass(frozen=True, slots=True)
+class Candidates:
+    """The answer to :class:`ListCandidates`: live decode instances as (instance, address)."""
+
+    members: tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Ended:
+    """The driver is done with the run: it finished, failed, or the client went away."""
+
+
+Input = Start | Decided | Received | Lost | TimedOut | Opened | OpenFailed | Candidates | Ended
+
+
+# -- actions: what to do, in order ------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class OpenLeg:
+    """Open a stream to ``address``, send it :meth:`frame`; answer Opened or OpenFailed."""
+
+    instance: str
+    address: str
+    request_id: str
+    prompt: list[int]
+    sampling: dict[str, Any]
+    generated: list[int]  # every token the client has been sent: the leg continues after them
+    kv: dict[str, Any] | None
+    fusion: list[float] | None
+
+    def frame(self, stream: int) -> Generate:
+        return leg_frame(
+            stream,
+            self.request_id,
+            self.prompt,
+            self.sampling,
+            self.generated,
+            self.kv,
+            self.fusion,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class SendRelease:
+    """Send a Release for ``migration`` on the current leg."""
+
+    migration: str
+
+
+@dataclass(frozen=True, slots=True)
+class CloseLeg:
+    """Close the current leg; ``abort``: the worker is told to drop the request."""
+
+    abort: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ListCandidates:
+    """Answer with :class:`Candidates`."""
+
+
+@dataclass(frozen=True, slots=True)
+class Deliver:
+    """Relay a batch to the client (one with a finish reason ends the stream)."""
+
+    batch: TokenBatch
+
+
+@dataclass(frozen=True, slots=True)
+class Emit:
+    """An event on ``star:events`` about this request."""
+
+    kind: EventKind
+    detail: str
+    instance: str
+    migration: str
+    data: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Warn:
+    """Something for the log; the run goes on."""
+
+    text: str
+    data: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Fail:
+    """The request cannot go on: the client gets ``error`` (then the driver sends Ended)."""
+
+    error: BackendError
+
+
+Action = OpenLeg | SendRelease | CloseLeg | ListCandidates | Deliver | Emit | Warn | Fail
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    decision: Decision
+    address: str
+    since: float
+
+
+class _Opening(enum.Enum):
+    FIRST = "first"
+    TARGET = "target"
+    RECOVERY = "recovery"
+
+
+_ANSWERS: dict[type, tuple[type, ...]] = {
+    OpenLeg: (Opened, OpenFailed),
+    ListCandidates: (Candidates,),
+}
+_REPLIES = (Start, Opened, OpenFailed, Candidates)
+
+
+class RunMachine:
+    """One request's decode run: :meth:`handle` takes an input and returns the actions.
+
+    The driver performs the actions in order; an :class:`OpenLeg` is answered
+    with :class:`Opened` or :class:`OpenFailed` and a :class:`ListCandidates`
+    with :class:`Candidates` before any other input. The first input is
+    :class:`Start`; :class:`Ended` may come at any time and ends the run.
+    """
 
     def __init__(
-        self, owner: Any, req: GenerationRequest, sampling: dict[str, Any], blocker: str | None
+        self,
+        request_id: str,
+        prompt: list[int],
+        sampling: dict[str, Any],
+        blocker: str | None,
+        release_timeout_s: float = RELEASE_TIMEOUT_S,
     ) -> None:
-        self.owner = owner  # the ClusterBackend: pool, directory, events
-        self.req = req
+        self.request_id = request_id
+        self.prompt = prompt
         self.sampling = sampling
         self.blocker = blocker
+        self.release_timeout_s = release_timeout_s
         self.state = RunState.DECODING
-        self.generated: list[int] = []
-        self.leg: _Leg | None = None
-        self.pending: _Migrate | None = None
-        self.migration = ""
+        self.generated: list[int] = []  # every token delivered, in order
+        self.instance = ""  # the current leg's ("" while none is open)
+        self.address = ""
+        self.where = ""  # the instance of the latest leg (kept after it closes)
+        self.migration = ""  # the latest decision started
         self.migrations = 0
         self.recoveries = 0
         self.last_token_s = 0.0
         self.handoff_s = 0.0
         self.fusion: list[float] | None = None  # the predictor state of the last handoff
-        self.where = ""  # the instance of the latest leg (kept after it closes)
         self.source: tuple[str, str] | None = None  # (instance, address) of the last source
+        self.pending: _Pending | None = None
+        self._awaiting: tuple[type, ...] | None = (Start,)
+        self._opening: tuple[_Opening, str, str] | None = None  # (why, instance, address)
+        self._recovery: tuple[tuple[str, str] | None, set[str]] | None = None  # prefer, exclude
+        self._candidates: list[tuple[str, str]] = []
 
-    @property
-    def instance(self) -> str:
-        return self.leg.instance if self.leg else ""
+    def deadline(self) -> float | None:
+        """When the release under way times out (None: none is)."""
+        if self.state is RunState.RELEASING and self.pending is not None:
+            return self.pending.since + self.release_timeout_s
+        return None
 
-    def fire(self, event: RunEvent) -> None:
+    def handle(self, event: Input) -> list[Action]:
+        """The actions for ``event``; :class:`IllegalTransition` if it cannot happen now."""
+        if isinstance(event, Ended):
+            return self._ended()
+        if self.state is RunState.DONE:
+            raise IllegalTransition(f"decode run input {type(event).__name__} after it ended")
+        if self._awaiting is not None and not isinstance(event, self._awaiting):
+            raise IllegalTransition(
+                f"decode run input {type(event).__name__} while waiting for "
+                f"{' or '.join(t.__name__ for t in self._awaiting)}"
+            )
+        if self._awaiting is None and isinstance(event, _REPLIES):
+            raise IllegalTransition(
+                f"decode run input {type(event).__name__} that was not asked for"
+            )
+        self._awaiting = None
+        out: list[Action] = []
+        if isinstance(event, Start):
+            self._open(out, _Opening.FIRST, event.instance, event.address, event.kv)
+        elif isinstance(event, Decided):
+            self._decided(out, event)
+        elif isinstance(event, Received):
+            if isinstance(event.msg, Tokens):
+                self._tokens(out, event.msg, event.now)
+            elif isinstance(event.msg, Handoff):
+                self._handoff(out, event.msg, event.now)
+            else:
+                self._error(out, event.msg)
+        elif isinstance(event, Lost):
+            if self.state is RunState.RESUMING:
+                self._target_lost(out, event.why)
+            else:
+                self._source_lost(out, event.why, RunEvent.SOURCE_LOST)
+        elif isinstance(event, TimedOut):
+            self._source_lost(
+                out, "no handoff within the release timeout", RunEvent.RELEASE_TIMEOUT
+            )
+        elif isinstance(event, Opened | OpenFailed):
+            self._opened(out, event)
+        elif isinstance(event, Candidates):
+            self._candidates = list(event.members)
+            self._try_next(out)
+        for action in out:
+            if type(action) in _ANSWERS:
+                self._awaiting = _ANSWERS[type(action)]
+        return out
+
+    # -- transitions ------------------------------------------------------------------
+
+    def _fire(self, event: RunEvent) -> None:
         self.state = next_state(self.state, event)
 
-    def emit(self, kind: EventKind, detail: str = "", instance: str = "", **data: Any) -> None:
-        self.owner.emit_event(
-            Event(
-                kind,
-                time.time(),
-                self.owner.origin,
-                request=self.req.request_id,
-                migration=self.migration,
-                instance=instance or self.instance,
-                detail=detail,
-                data=data,
+    def _emit(self, kind: EventKind, detail: str = "", instance: str = "", **data: Any) -> Emit:
+        return Emit(kind, detail, instance or self.instance, self.migration, data)
+
+    def _decided(self, out: list[Action], cmd: Decided) -> None:
+        before = self.state
+        self._fire(RunEvent.MIGRATE)
+        if before is not RunState.DECODING:
+            # Accepted while the run was decoding, behind another decision.
+            out.append(
+                self._emit(EventKind.REFUSED, "already migrating", target=cmd.decision.target)
+            )
+            return
+        self.pending = _Pending(cmd.decision, cmd.address, cmd.since)
+        self.migration = cmd.decision.id
+        out.append(
+            self._emit(
+                EventKind.MIGRATING,
+                "release sent",
+                target=cmd.decision.target,
+                origin=cmd.decision.origin,
+                reason=cmd.decision.reason,
             )
         )
+        out.append(SendRelease(cmd.decision.id))
 
-    def migrate(self, decision: Decision, address: str) -> None:
-        """Queue a decision on the current stream (accepted by :func:`refusal` first)."""
-        assert self.leg is not None
-        self.leg.stream.put(_Migrate(decision, address))  # type: ignore[arg-type]
+    def _tokens(self, out: list[Action], msg: Tokens, now: float) -> None:
+        if self.state is RunState.RESUMING and (msg.token_ids or msg.finish_reason):
+            self._resumed(out, now)  # the first token (or the end) from the new leg
+        else:
+            self._fire(RunEvent.TOKENS)
+        if msg.token_ids:
+            self.generated.extend(msg.token_ids)
+            self.last_token_s = now
+        if msg.finish_reason is None:
+            if msg.token_ids:
+                out.append(Deliver(TokenBatch(list(msg.token_ids))))
+            return
+        if self.state is RunState.RELEASING:
+            self._refused(out, "finished")
+        instance = self.instance
+        self._fire(RunEvent.FINISH)
+        self._close(out, abort=False)
+        reason = _FINISH_REASONS.get(msg.finish_reason)
+        if reason is None:
+            # vLLM's "error" (e.g. a KV load that failed with no recompute): the
+            # client gets an error event, not a silently truncated "stop".
+            out.append(
+                Fail(
+                    BackendError(
+                        f"decode instance {instance} ended the request "
+                        f"with finish reason {msg.finish_reason!r}",
+                        code="engine_error",
+                    )
+                )
+            )
+            return
+        out.append(Deliver(TokenBatch(list(msg.token_ids), reason, msg.stop_reason)))
 
-    # -- legs -----------------------------------------------------------------------
+    def _refused(self, out: list[Action], reason: str) -> None:
+        target = self.pending.decision.target if self.pending else ""
+        self.pending = None
+        self._fire(RunEvent.REFUSED)
+        out.append(self._emit(EventKind.REFUSED, reason, target=target))
 
-    async def _open(self, instance: str, address: str, kv: dict[str, Any] | None) -> None:
-        client = await self.owner.pool.get(address)
-        stream = client.open()
-        self.leg = _Leg(instance, address, client, stream)
-        self.where = instance
-        self.owner.owned[self.req.request_id] = instance
-        await client.send(
-            leg_frame(
-                stream.id,
-                self.req.request_id,
-                self.req.prompt_token_ids,
+    def _handoff(self, out: list[Action], msg: Handoff, now: float) -> None:
+        self._fire(RunEvent.HANDOFF)
+        assert self.pending is not None  # RELEASING has one
+        cmd = self.pending
+        expected = len(self.prompt) + len(self.generated)
+        if msg.num_tokens != expected:
+            out.append(
+                Warn(
+                    "handoff token count differs from what the client saw",
+                    {"handoff": msg.num_tokens, "seen": expected},
+                )
+            )
+        self.handoff_s = now
+        kv = dict(msg.kv_transfer_params)
+        self.fusion = msg.fusion  # the predictor state goes on with every later leg
+        out.append(
+            self._emit(
+                EventKind.RELEASED,
+                "handoff",
+                target=cmd.decision.target,
+                tokens=msg.num_tokens,
+                kv_tokens=int(kv.get("remote_num_tokens") or 0),
+                release_ms=round((self.handoff_s - cmd.since) * 1000, 2),
+                predictor_state=msg.fusion is not None,
+            )
+        )
+        self.source = (self.instance, self.address)
+        self._close(out, abort=False)
+        self._open(out, _Opening.TARGET, cmd.decision.target, cmd.address, kv)
+
+    def _error(self, out: list[Action], msg: Error) -> None:
+        if msg.code == "not_releasable" or msg.code == "unsupported":
+            self._refused(out, msg.message)
+        elif self.state is RunState.RESUMING:
+            self._target_lost(out, f"{msg.code}: {msg.message}")
+        else:
+            out.append(Fail(error_from(msg, self.instance)))
+
+    def _resumed(self, out: list[Action], now: float) -> None:
+        self._fire(RunEvent.RESUMED)
+        if self.pending is not None:
+            self.migrations += 1
+            out.append(
+                self._emit(
+                    EventKind.RESUMED,
+                    "",
+                    source=self.pending.decision.source,
+                    stall_ms=round((now - self.last_token_s) * 1000, 3),
+                    pull_ms=round((now - self.handoff_s) * 1000, 3) if self.handoff_s else None,
+                )
+            )
+        self.pending = None
+
+    def _source_lost(self, out: list[Action], why: str, event: RunEvent) -> None:
+        """ABORTED_SRC (or a plain loss of the decode instance): recompute elsewhere."""
+        source = self.instance
+        prefer = (self.pending.decision.target, self.pending.address) if self.pending else None
+        self._fire(event)
+        out.append(self._emit(EventKind.ABORTED, "src", reason=why))
+        self._close(out, abort=True)
+        self._recover(out, {source}, prefer)
+
+    def _target_lost(self, out: list[Action], why: str, dead: str = "") -> None:
+        """ABORTED_DST: the target failed before its first token; recompute on the source or any."""
+        dead = dead or self.instance
+        self._fire(RunEvent.TARGET_LOST)
+        out.append(self._emit(EventKind.ABORTED, "dst", instance=dead, reason=why))
+        self._close(out, abort=True)
+        self._recover(out, {dead}, self.source)
+
+    def _recover(
+        self, out: list[Action], exclude: set[str], prefer: tuple[str, str] | None
+    ) -> None:
+        """Continue by recompute of prompt + generated tokens on a live decode instance."""
+        self.recoveries += 1
+        if self.recoveries > MAX_RECOVERIES or self.blocker is not None:
+            out.append(
+                Fail(
+                    BackendError(
+                        f"request {self.request_id} lost its decode instance and cannot continue"
+                    )
+                )
+            )
+            return
+        self._recovery = (prefer, exclude)
+        out.append(ListCandidates())
+
+    def _try_next(self, out: list[Action]) -> None:
+        assert self._recovery is not None
+        prefer, exclude = self._recovery
+        if prefer is not None:
+            self._candidates.insert(0, prefer)
+            self._recovery = (None, exclude)
+        while self._candidates:
+            instance, address = self._candidates.pop(0)
+            if instance not in exclude:
+                self._open(out, _Opening.RECOVERY, instance, address, None)
+                return
+        self._recovery = None
+        out.append(
+            Fail(BackendError(f"no live decode instance can continue request {self.request_id}"))
+        )
+
+    def _open(
+        self,
+        out: list[Action],
+        why: _Opening,
+        instance: str,
+        address: str,
+        kv: dict[str, Any] | None,
+    ) -> None:
+        self._opening = (why, instance, address)
+        out.append(
+            OpenLeg(
+                instance,
+                address,
+                self.request_id,
+                self.prompt,
                 self.sampling,
-                self.generated,
+                list(self.generated),
                 kv,
                 self.fusion,
             )
         )
 
-    async def _close_leg(self, abort: bool) -> None:
-        leg, self.leg = self.leg, None
-        if leg is None:
+    def _opened(self, out: list[Action], event: Opened | OpenFailed) -> None:
+        assert self._opening is not None
+        why, instance, address = self._opening
+        self._opening = None
+        if isinstance(event, Opened):
+            self.instance, self.address, self.where = instance, address, instance
+            if why is _Opening.RECOVERY:
+                self._recovery = None
+                self._fire(RunEvent.RECOVERED)
+                out.append(
+                    self._emit(
+                        EventKind.DISPATCHED,
+                        "recompute",
+                        instance=instance,
+                        tokens=len(self.generated),
+                    )
+                )
             return
-        leg.stream.close()
-        if abort:
-            try:
-                await leg.client.send(Abort(leg.stream.id))
-            except ConnectionLost:
-                pass
+        if why is _Opening.FIRST:
+            out.append(Fail(BackendError(f"decode instance {instance} unreachable: {event.why}")))
+        elif why is _Opening.TARGET:
+            self._target_lost(out, f"target unreachable: {event.why}", dead=instance)
+        else:
+            assert self._recovery is not None
+            self._recovery[1].add(instance)
+            self._try_next(out)
 
-    async def start(self, instance: str, address: str, kv: dict[str, Any] | None) -> None:
-        await self._open(instance, address, kv)
+    def _close(self, out: list[Action], abort: bool) -> None:
+        if self.instance:
+            out.append(CloseLeg(abort))
+        self.instance = self.address = ""
 
-    async def _recover(self, exclude: set[str], prefer: tuple[str, str] | None) -> None:
-        """Continue by recompute of prompt + generated tokens on a live decode instance."""
-        self.recoveries += 1
-        if self.recoveries > MAX_RECOVERIES or self.blocker is not None:
-            raise BackendError(
-                f"request {self.req.request_id} lost its decode instance and cannot continue"
-            )
-        candidates: list[tuple[str, str]] = [prefer] if prefer else []
-        candidates += [(m.instance, m.address) for m in self.owner.directory.members("decode")]
-        for instance, address in candidates:
-            if instance in exclude:
-                continue
-            try:
-                await self._open(instance, address, None)
-            except (OSError, ConnectionLost, TimeoutError) as exc:
-                exclude.add(instance)
-                self.owner.directory.mark_down(address)
-                log.warning("recovery target unreachable", instance=instance, error=str(exc))
-                continue
-            self.fire(RunEvent.RECOVERED)
-            self.emit(
-                EventKind.DISPATCHED, "recompute", instance=instance, tokens=len(self.generated)
-            )
-            return
-        raise BackendError(f"no live decode instance can continue request {self.req.request_id}")
-
-    # -- the loop -------------------------------------------------------------------
-
-    async def run(self) -> AsyncIterator[TokenBatch]:
-        """Relay tokens until the request finishes; migrations happen inside."""
-        try:
-            while True:
-                assert self.leg is not None
-                leg = self.leg
-                timeout = None
-                if self.state is RunState.RELEASING and self.pending is not None:
-                    timeout = max(RELEASE_TIMEOUT_S - (time.monotonic() - self.pending.since), 0.0)
-                try:
-                    if timeout is not None and timeout <= 0:
-                        # The deadline passed while the last frame was handled:
-                        # time out without reading, as wait_for did
-                        # (asyncio.timeout(0) would still take a queued frame).
-                        raise TimeoutError
-                    # Not wait_for: on Python 3.11 it returns the frame when a
-                    # cancel lands just as the frame arrives (gh-86296), and
-                    # this loop would go on for a client that is gone.
-                    async with asyncio.timeout(timeout):
-                        msg = await leg.stream.next()
-                except TimeoutError:
-                    await self._source_lost("no handoff within the release timeout")
-                    continue
-                except ConnectionLost as exc:
-                    if self.state is RunState.RESUMING:
-                        await self._target_lost(str(exc))
-                    else:
-                        await self._source_lost(str(exc))
-                    continue
-                if isinstance(msg, _Migrate):
-                    await self._on_migrate(msg)
-                elif isinstance(msg, Handoff):
-                    await self._on_handoff(msg)
-                elif isinstance(msg, Error):
-                    if msg.code == "not_releasable" or msg.code == "unsupported":
-                        self._on_refused(msg.message)
-                    elif self.state is RunState.RESUMING:
-                        await self._target_lost(f"{msg.code}: {msg.message}")
-                    else:
-                        raise error_from(msg, leg.instance)
-                elif isinstance(msg, Tokens):
-                    if self.state is RunState.RESUMING and (msg.token_ids or msg.finish_reason):
-                        self._on_resumed()
-                    if msg.token_ids:
-                        self.generated.extend(msg.token_ids)
-                        self.last_token_s = time.monotonic()
-                    if msg.finish_reason is not None:
-                        if self.state is RunState.RELEASING:
-                            self._on_refused("finished")
-                        self.fire(RunEvent.FINISH)
-                        await self._close_leg(abort=False)
-                        reason = msg.finish_reason
-                        if reason not in ("stop", "length", "abort"):
-                            # vLLM's "error" (e.g. a KV load that failed with no
-                            # recompute): the client gets an error event, not a
-                            # silently truncated "stop".
-                            raise BackendError(
-                                f"decode instance {leg.instance} ended the request "
-                                f"with finish reason {reason!r}",
-                                code="engine_error",
-                            )
-                        yield TokenBatch(list(msg.token_ids), reason, msg.stop_reason)  # type: ignore[arg-type]
-                        return
-                    if msg.token_ids:
-                        yield TokenBatch(list(msg.token_ids))
-        finally:
-            if self.leg is not None:
-                await self._close_leg(abort=True)
-            if self.state is RunState.RELEASING or self.state is RunState.RESUMING:
-                self.emit(
+    def _ended(self) -> list[Action]:
+        if self.state is RunState.DONE:
+            return []  # ended already (finished, then closed)
+        out: list[Action] = []
+        migrating = self.state is RunState.RELEASING or self.state is RunState.RESUMING
+        self._fire(RunEvent.FINISH)
+        self._awaiting = self._opening = self._recovery = None
+        self._close(out, abort=True)
+        if migrating:
+            out.append(
+                self._emit(
                     EventKind.ABORTED, "client", reason="the request ended during the migration"
                 )
-            self.state = RunState.DONE
-
-    async def _on_migrate(self, cmd: _Migrate) -> None:
-        if self.state is not RunState.DECODING or self.leg is None:
-            self.emit(EventKind.REFUSED, "already migrating", target=cmd.decision.target)
-            return
-        self.pending = cmd
-        self.migration = cmd.decision.id
-        self.fire(RunEvent.MIGRATE)
-        self.emit(
-            EventKind.MIGRATING,
-            "release sent",
-            target=cmd.decision.target,
-            origin=cmd.decision.origin,
-            reason=cmd.decision.reason,
-        )
-        await self.leg.client.send(Release(self.leg.stream.id, cmd.decision.id))
-
-    def _on_refused(self, reason: str) -> None:
-        target = self.pending.decision.target if self.pending else ""
-        self.pending = None
-        self.fire(RunEvent.REFUSED)
-        self.emit(EventKind.REFUSED, reason, target=target)
-
-    async def _on_handoff(self, msg: Handoff) -> None:
-        assert self.pending is not None and self.leg is not None
-        cmd, source = self.pending, self.leg
-        expected = len(self.req.prompt_token_ids) + len(self.generated)
-        if msg.num_tokens != expected:
-            log.warning(
-                "handoff token count differs from what the client saw",
-                handoff=msg.num_tokens,
-                seen=expected,
             )
-        self.fire(RunEvent.HANDOFF)
-        self.handoff_s = time.monotonic()
-        kv = dict(msg.kv_transfer_params)
-        self.fusion = msg.fusion  # the predictor state goes on with every later leg
-        self.emit(
-            EventKind.RELEASED,
-            "handoff",
-            target=cmd.decision.target,
-            tokens=msg.num_tokens,
-            kv_tokens=int(kv.get("remote_num_tokens") or 0),
-            release_ms=round((self.handoff_s - cmd.since) * 1000, 2),
-            predictor_state=msg.fusion is not None,
-        )
-        await self._close_leg(abort=False)
-        self.source = (source.instance, source.address)
-        try:
-            await self._open(cmd.decision.target, cmd.address, kv)
-        except (OSError, ConnectionLost, TimeoutError) as exc:
-            self.owner.directory.mark_down(cmd.address)
-            await self._target_lost(f"target unreachable: {exc}")
-
-    def _on_resumed(self) -> None:
-        self.fire(RunEvent.RESUMED)
-        now = time.monotonic()
-        if self.pending is not None:
-            self.migrations += 1
-            self.emit(
-                EventKind.RESUMED,
-                "",
-                source=self.pending.decision.source,
-                stall_ms=round((now - self.last_token_s) * 1000, 3),
-                pull_ms=round((now - self.handoff_s) * 1000, 3) if self.handoff_s else None,
-            )
-        self.pending = None
-
-    async def _source_lost(self, why: str) -> None:
-        """ABORTED_SRC (or a plain loss of the decode instance): recompute elsewhere."""
-        source = self.leg.instance if self.leg else ""
-        target = self.pending.decision.target if self.pending else None
-        address = self.pending.address if self.pending else None
-        self.fire(RunEvent.SOURCE_LOST)
-        self.emit(EventKind.ABORTED, "src", reason=why)
-        await self._close_leg(abort=True)
-        await self._recover({source}, (target, address) if target and address else None)
-
-    async def _target_lost(self, why: str, source: tuple[str, str] | None = None) -> None:
-        """ABORTED_DST: the target failed before its first token; recompute on the source or any."""
-        dead = (
-            self.leg.instance
-            if self.leg
-            else (self.pending.decision.target if self.pending else "")
-        )
-        self.fire(RunEvent.TARGET_LOST)
-        self.emit(EventKind.ABORTED, "dst", instance=dead, reason=why)
-        await self._close_leg(abort=True)
-        await self._recover({dead}, source or self.source)
-
-
-class Migrator:
-    """Turns decisions into migrations of this proxy's requests (:func:`follow_decisions`)."""
-
-    def __init__(
-        self,
-        runs: dict[str, DecodeRun],
-        address_of: Callable[[str], str | None],
-        emit: Callable[[Event], None],
-        origin: str,
-    ) -> None:
-        self.runs = runs
-        self.address_of = address_of
-        self.emit = emit
-        self.origin = origin
-        self.finished: collections.OrderedDict[str, None] = collections.OrderedDict()
-
-    def finished_request(self, request_id: str) -> None:
-        self.finished[request_id] = None
-        while len(self.finished) > 10_000:
-            self.finished.popitem(last=False)
-
-    def apply(self, decision: Decision) -> str | None:
-        """Start ``decision`` or say why not (also as a ``refused`` event)."""
-        run = self.runs.get(decision.request)
-        reason = refusal(run, decision, decision.request in self.finished)
-        address = self.address_of(decision.target) if reason is None else None
-        if reason is None and address is None:
-            reason = f"target {decision.target} is not a live decode instance"
-        if reason is not None:
-            self.emit(
-                Event(
-                    EventKind.REFUSED,
-                    time.time(),
-                    self.origin,
-                    request=decision.request,
-                    migration=decision.id,
-                    instance=run.instance if run else decision.source,
-                    detail=reason,
-                    data={"target": decision.target},
-                )
-            )
-            return reason
-        assert run is not None and address is not None
-        run.migrate(decision, address)
-        return None
-
-
-async def follow_decisions(bus: Bus, migrator: Migrator, start: str = "$") -> None:
-    """Read ``star:decisions`` in order and apply each (runs until cancelled)."""
-    # Through a Redis outage the iteration waits (and logs it once): streams go
-    # on without migrations until Redis is back, then reading resumes after the
-    # last decision seen.
-    async for entry in Subscriber(bus, "decisions", Decision, start=start):
-        decision = entry.msg
-        assert isinstance(decision, Decision)
-        try:
-            migrator.apply(decision)
-        except Exception:  # a bug here must not stop the following of decisions
-            log.exception("decision failed", decision=decision.id, request=decision.request)
+        return out

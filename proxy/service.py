@@ -10,8 +10,8 @@ import structlog
 
 from proxy.app import ProxyApp, create_server
 from proxy.cluster import ClusterBackend, Directory
+from proxy.decode_run import follow_decisions
 from proxy.http import HttpServer
-from proxy.migration import follow_decisions
 from proxy.tokenizer import ModelCard
 from proxy.upstream import WorkerPool
 from star.bus import Bus, BusUnavailable
