@@ -35,7 +35,7 @@ from proxy.backend import (
     error_from,
 )
 from proxy.decode_run import DecodeRun, Migrator
-from proxy.upstream import ConnectionLost, WorkerClient, WorkerPool
+from proxy.upstream import ConnectionLost, Stream, WorkerClient, WorkerPool
 from star.bus import Bus, BusUnavailable, Subscriber
 from star.sampling import migration_blocker
 from star.settings import DISPATCH_POLICIES
@@ -243,7 +243,6 @@ class ClusterBackend:
         self.policy = policy
         self.origin = origin
         self.events = events
-        self.owned: dict[str, str] = {}  # request id -> decode instance
         self.runs: dict[str, DecodeRun] = {}  # request id -> its decode run
         self.migrator = Migrator(self.runs, self.decode_address, self._emit, origin)
 
@@ -254,7 +253,7 @@ class ClusterBackend:
             "ok": bool(prefill and decode),
             "prefill": sorted(m.instance for m in prefill),
             "decode": sorted(m.instance for m in decode),
-            "streams": len(self.owned),
+            "streams": len(self.runs),
         }
 
     def _emit(self, event: Event) -> None:
@@ -377,7 +376,6 @@ class ClusterBackend:
             raise
         finally:
             self.runs.pop(req.request_id, None)
-            self.owned.pop(req.request_id, None)
             self.migrator.finished_request(req.request_id)
             self._emit(
                 Event(
@@ -397,8 +395,20 @@ class ClusterBackend:
                 )
             )
 
+    # -- what a DecodeRun needs (proxy.decode_run.Fleet) -------------------------------
+
     def emit_event(self, event: Event) -> None:
         self._emit(event)
+
+    async def open_leg(self, address: str) -> Stream:
+        client = await self.pool.get(address)
+        return client.open()
+
+    def decode_members(self) -> list[tuple[str, str]]:
+        return [(m.instance, m.address) for m in self.directory.members("decode")]
+
+    def mark_down(self, address: str) -> None:
+        self.directory.mark_down(address)
 
     def decode_address(self, instance: str) -> str | None:
         """Address of a live decode instance (None: not live; see :meth:`Directory.address`)."""

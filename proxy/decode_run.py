@@ -1,328 +1,297 @@
-"""The driver of :mod:`proxy.migration`'s decode run over the token protocol, and decisions.
+"""The decode run's driver: :mod:`proxy.migration`'s machine over the token protocol.
 
-:class:`DecodeRun` relays one request's tokens across legs on decode
-instances; :class:`Migrator` and :func:`follow_decisions` read
-``star:decisions`` in order and hand each to its run.
+:class:`DecodeRun` relays one request's tokens from its current leg (a stream
+on a decode worker) and performs what :class:`~proxy.migration.RunMachine`
+asks: open a leg, send a Release, close a leg, emit an event. It reaches its
+owner only through :class:`Fleet` and its legs only through :class:`Leg`, so
+it runs as well over in-process fakes as over workers. Decisions come on
+their own channel (:meth:`DecodeRun.migrate`); :class:`Migrator` and
+:func:`follow_decisions` read ``star:decisions`` in order and hand each to its
+run.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 
-from proxy.backend import BackendError, GenerationRequest, TokenBatch, error_from
+from proxy.backend import GenerationRequest, TokenBatch
 from proxy.migration import (
-    MAX_RECOVERIES,
     RELEASE_TIMEOUT_S,
-    RunEvent,
+    Candidates,
+    CloseLeg,
+    Decided,
+    Deliver,
+    Emit,
+    Ended,
+    Input,
+    ListCandidates,
+    Lost,
+    Opened,
+    OpenFailed,
+    OpenLeg,
+    Received,
+    RunMachine,
     RunState,
-    leg_frame,
-    next_state,
+    SendRelease,
+    Start,
+    TimedOut,
+    Warn,
     refusal,
 )
-from proxy.upstream import ConnectionLost, Stream, WorkerClient
+from proxy.upstream import ConnectionLost
 from star.bus import Bus, Subscriber
-from star.wire import Abort, Decision, Error, Event, EventKind, Handoff, Release, Tokens
+from star.wire import Abort, Decision, Error, Event, EventKind, Handoff, Message, Release, Tokens
 
 log = structlog.get_logger(__name__)
 
 
-@dataclass(slots=True)
-class _Migrate:
-    """The command a decision becomes, queued on the run's current stream."""
+class Leg(Protocol):
+    """One request's stream on a decode worker (:class:`proxy.upstream.Stream`)."""
 
-    decision: Decision
-    address: str
-    since: float = field(default_factory=time.monotonic)
+    @property
+    def id(self) -> int: ...
+
+    async def next(self) -> Message:
+        """The next frame; raises :class:`~proxy.upstream.ConnectionLost`."""
+        ...
+
+    async def send(self, msg: Message) -> None:
+        """Send a frame; raises :class:`~proxy.upstream.ConnectionLost`."""
+        ...
+
+    def close(self) -> None: ...
 
 
-@dataclass(slots=True)
-class _Leg:
-    instance: str
-    address: str
-    client: WorkerClient
-    stream: Stream
+class Fleet(Protocol):
+    """What a run needs of its owner (:class:`proxy.cluster.ClusterBackend`)."""
+
+    @property
+    def origin(self) -> str: ...
+
+    async def open_leg(self, address: str) -> Leg:
+        """A new stream on the worker at ``address``; raises OSError,
+        TimeoutError or ConnectionLost when it cannot be reached."""
+        ...
+
+    def decode_members(self) -> list[tuple[str, str]]:
+        """The live decode instances as (instance, address), for a recovery."""
+        ...
+
+    def mark_down(self, address: str) -> None:
+        """``address`` refused a connection: avoid it for a while."""
+        ...
+
+    def emit_event(self, event: Event) -> None: ...
 
 
 class DecodeRun:
-    """One request's decode across instances (see the module docstring)."""
+    """One request's decode across instances (the machine: :mod:`proxy.migration`)."""
 
     def __init__(
-        self, owner: Any, req: GenerationRequest, sampling: dict[str, Any], blocker: str | None
+        self,
+        fleet: Fleet,
+        req: GenerationRequest,
+        sampling: dict[str, Any],
+        blocker: str | None,
+        release_timeout_s: float = RELEASE_TIMEOUT_S,
     ) -> None:
-        self.owner = owner  # the ClusterBackend: pool, directory, events
+        self.fleet = fleet
         self.req = req
-        self.sampling = sampling
-        self.blocker = blocker
-        self.state = RunState.DECODING
-        self.generated: list[int] = []
-        self.leg: _Leg | None = None
-        self.pending: _Migrate | None = None
-        self.migration = ""
-        self.migrations = 0
-        self.recoveries = 0
-        self.last_token_s = 0.0
-        self.handoff_s = 0.0
-        self.fusion: list[float] | None = None  # the predictor state of the last handoff
-        self.where = ""  # the instance of the latest leg (kept after it closes)
-        self.source: tuple[str, str] | None = None  # (instance, address) of the last source
+        self.machine = RunMachine(
+            req.request_id, req.prompt_token_ids, sampling, blocker, release_timeout_s
+        )
+        self.leg: Leg | None = None
+        # Decisions accepted while the current leg runs (they go with it).
+        self.decisions: asyncio.Queue[Decided] = asyncio.Queue()
+        self._frame: asyncio.Task[Message] | None = None  # the current leg's next frame
+        self._decision: asyncio.Task[Decided] | None = None
+
+    # -- what the owner and the Migrator read -----------------------------------------
+
+    @property
+    def state(self) -> RunState:
+        return self.machine.state
 
     @property
     def instance(self) -> str:
-        return self.leg.instance if self.leg else ""
+        """The current leg's decode instance ("" while none is open)."""
+        return self.machine.instance
 
-    def fire(self, event: RunEvent) -> None:
-        self.state = next_state(self.state, event)
+    @property
+    def blocker(self) -> str | None:
+        return self.machine.blocker
 
-    def emit(self, kind: EventKind, detail: str = "", instance: str = "", **data: Any) -> None:
-        self.owner.emit_event(
-            Event(
-                kind,
-                time.time(),
-                self.owner.origin,
-                request=self.req.request_id,
-                migration=self.migration,
-                instance=instance or self.instance,
-                detail=detail,
-                data=data,
-            )
-        )
+    @property
+    def where(self) -> str:
+        """The latest leg's instance (kept after it closed)."""
+        return self.machine.where
+
+    @property
+    def generated(self) -> list[int]:
+        return self.machine.generated
+
+    @property
+    def migrations(self) -> int:
+        return self.machine.migrations
+
+    @property
+    def recoveries(self) -> int:
+        return self.machine.recoveries
 
     def migrate(self, decision: Decision, address: str) -> None:
-        """Queue a decision on the current stream (accepted by :func:`refusal` first)."""
-        assert self.leg is not None
-        self.leg.stream.put(_Migrate(decision, address))  # type: ignore[arg-type]
+        """Queue a decision (accepted by :func:`~proxy.migration.refusal` first)."""
+        self.decisions.put_nowait(Decided(decision, address, time.monotonic()))
 
-    # -- legs -----------------------------------------------------------------------
-
-    async def _open(self, instance: str, address: str, kv: dict[str, Any] | None) -> None:
-        client = await self.owner.pool.get(address)
-        stream = client.open()
-        self.leg = _Leg(instance, address, client, stream)
-        self.where = instance
-        self.owner.owned[self.req.request_id] = instance
-        await client.send(
-            leg_frame(
-                stream.id,
-                self.req.request_id,
-                self.req.prompt_token_ids,
-                self.sampling,
-                self.generated,
-                kv,
-                self.fusion,
-            )
-        )
-
-    async def _close_leg(self, abort: bool) -> None:
-        leg, self.leg = self.leg, None
-        if leg is None:
-            return
-        leg.stream.close()
-        if abort:
-            try:
-                await leg.client.send(Abort(leg.stream.id))
-            except ConnectionLost:
-                pass
+    # -- the loop ---------------------------------------------------------------------
 
     async def start(self, instance: str, address: str, kv: dict[str, Any] | None) -> None:
-        await self._open(instance, address, kv)
-
-    async def _recover(self, exclude: set[str], prefer: tuple[str, str] | None) -> None:
-        """Continue by recompute of prompt + generated tokens on a live decode instance."""
-        self.recoveries += 1
-        if self.recoveries > MAX_RECOVERIES or self.blocker is not None:
-            raise BackendError(
-                f"request {self.req.request_id} lost its decode instance and cannot continue"
-            )
-        candidates: list[tuple[str, str]] = [prefer] if prefer else []
-        candidates += [(m.instance, m.address) for m in self.owner.directory.members("decode")]
-        for instance, address in candidates:
-            if instance in exclude:
-                continue
-            try:
-                await self._open(instance, address, None)
-            except (OSError, ConnectionLost, TimeoutError) as exc:
-                exclude.add(instance)
-                self.owner.directory.mark_down(address)
-                log.warning("recovery target unreachable", instance=instance, error=str(exc))
-                continue
-            self.fire(RunEvent.RECOVERED)
-            self.emit(
-                EventKind.DISPATCHED, "recompute", instance=instance, tokens=len(self.generated)
-            )
-            return
-        raise BackendError(f"no live decode instance can continue request {self.req.request_id}")
-
-    # -- the loop -------------------------------------------------------------------
+        """Open the first leg; a failure to is the caller's (nothing has started)."""
+        [first] = self.machine.handle(Start(instance, address, kv))
+        assert isinstance(first, OpenLeg)
+        await self._open(first)
+        self.machine.handle(Opened())
 
     async def run(self) -> AsyncIterator[TokenBatch]:
         """Relay tokens until the request finishes; migrations happen inside."""
         try:
             while True:
-                assert self.leg is not None
-                leg = self.leg
-                timeout = None
-                if self.state is RunState.RELEASING and self.pending is not None:
-                    timeout = max(RELEASE_TIMEOUT_S - (time.monotonic() - self.pending.since), 0.0)
-                try:
-                    if timeout is not None and timeout <= 0:
-                        # The deadline passed while the last frame was handled:
-                        # time out without reading, as wait_for did
-                        # (asyncio.timeout(0) would still take a queued frame).
-                        raise TimeoutError
-                    # Not wait_for: on Python 3.11 it returns the frame when a
-                    # cancel lands just as the frame arrives (gh-86296), and
-                    # this loop would go on for a client that is gone.
-                    async with asyncio.timeout(timeout):
-                        msg = await leg.stream.next()
-                except TimeoutError:
-                    await self._source_lost("no handoff within the release timeout")
-                    continue
-                except ConnectionLost as exc:
-                    if self.state is RunState.RESUMING:
-                        await self._target_lost(str(exc))
-                    else:
-                        await self._source_lost(str(exc))
-                    continue
-                if isinstance(msg, _Migrate):
-                    await self._on_migrate(msg)
-                elif isinstance(msg, Handoff):
-                    await self._on_handoff(msg)
-                elif isinstance(msg, Error):
-                    if msg.code == "not_releasable" or msg.code == "unsupported":
-                        self._on_refused(msg.message)
-                    elif self.state is RunState.RESUMING:
-                        await self._target_lost(f"{msg.code}: {msg.message}")
-                    else:
-                        raise error_from(msg, leg.instance)
-                elif isinstance(msg, Tokens):
-                    if self.state is RunState.RESUMING and (msg.token_ids or msg.finish_reason):
-                        self._on_resumed()
-                    if msg.token_ids:
-                        self.generated.extend(msg.token_ids)
-                        self.last_token_s = time.monotonic()
-                    if msg.finish_reason is not None:
-                        if self.state is RunState.RELEASING:
-                            self._on_refused("finished")
-                        self.fire(RunEvent.FINISH)
-                        await self._close_leg(abort=False)
-                        reason = msg.finish_reason
-                        if reason not in ("stop", "length", "abort"):
-                            # vLLM's "error" (e.g. a KV load that failed with no
-                            # recompute): the client gets an error event, not a
-                            # silently truncated "stop".
-                            raise BackendError(
-                                f"decode instance {leg.instance} ended the request "
-                                f"with finish reason {reason!r}",
-                                code="engine_error",
-                            )
-                        yield TokenBatch(list(msg.token_ids), reason, msg.stop_reason)  # type: ignore[arg-type]
+                for batch in await self._perform(await self._next_input()):
+                    yield batch
+                    if batch.finish_reason is not None:
                         return
-                    if msg.token_ids:
-                        yield TokenBatch(list(msg.token_ids))
         finally:
-            if self.leg is not None:
-                await self._close_leg(abort=True)
-            if self.state is RunState.RELEASING or self.state is RunState.RESUMING:
-                self.emit(
-                    EventKind.ABORTED, "client", reason="the request ended during the migration"
+            self._drop(self._decision)
+            self._decision = None
+            await self._perform(Ended())  # closes a leg still open (the run was cut short)
+
+    async def _next_input(self) -> Input:
+        """The next frame of the current leg, a decision, or the release timing out.
+
+        A frame that is already in goes first; decisions wait behind it.
+        """
+        while True:
+            leg = self.leg
+            assert leg is not None
+            deadline = self.machine.deadline()
+            if deadline is not None and deadline <= time.monotonic():
+                return TimedOut()  # without reading, even if a frame is in
+            if self._frame is None:
+                self._frame = asyncio.ensure_future(leg.next())
+            if self._decision is None:
+                self._decision = asyncio.ensure_future(self.decisions.get())
+            if not self._frame.done() and not self._decision.done():
+                # Not wait_for (gh-86296): asyncio.wait never swallows a cancel.
+                await asyncio.wait(
+                    (self._frame, self._decision),
+                    timeout=None if deadline is None else deadline - time.monotonic(),
+                    return_when=asyncio.FIRST_COMPLETED,
                 )
-            self.state = RunState.DONE
+            if self._frame.done():
+                frame, self._frame = self._frame, None
+                try:
+                    msg = frame.result()
+                except ConnectionLost as exc:
+                    return Lost(str(exc))
+                if isinstance(msg, Tokens | Handoff | Error):
+                    return Received(msg, time.monotonic())
+                continue  # nothing else belongs to a request's stream
+            if self._decision.done():
+                decided, self._decision = self._decision.result(), None
+                return decided
+            return TimedOut()
 
-    async def _on_migrate(self, cmd: _Migrate) -> None:
-        if self.state is not RunState.DECODING or self.leg is None:
-            self.emit(EventKind.REFUSED, "already migrating", target=cmd.decision.target)
-            return
-        self.pending = cmd
-        self.migration = cmd.decision.id
-        self.fire(RunEvent.MIGRATE)
-        self.emit(
-            EventKind.MIGRATING,
-            "release sent",
-            target=cmd.decision.target,
-            origin=cmd.decision.origin,
-            reason=cmd.decision.reason,
-        )
-        await self.leg.client.send(Release(self.leg.stream.id, cmd.decision.id))
+    async def _perform(self, first: Input) -> list[TokenBatch]:
+        """Feed ``first`` to the machine and do what it says (answering its questions)."""
+        out: list[TokenBatch] = []
+        todo = [first]
+        while todo:
+            for action in self.machine.handle(todo.pop()):
+                if isinstance(action, Deliver):
+                    out.append(action.batch)
+                elif isinstance(action, Emit):
+                    self._emit(action)
+                elif isinstance(action, SendRelease):
+                    assert self.leg is not None
+                    await self.leg.send(Release(self.leg.id, action.migration))
+                elif isinstance(action, CloseLeg):
+                    await self._close_leg(action.abort)
+                elif isinstance(action, OpenLeg):
+                    try:
+                        await self._open(action)
+                    except (OSError, ConnectionLost, TimeoutError) as exc:
+                        self.fleet.mark_down(action.address)
+                        log.warning(
+                            "decode instance unreachable", instance=action.instance, error=str(exc)
+                        )
+                        todo.append(OpenFailed(str(exc)))
+                    else:
+                        todo.append(Opened())
+                elif isinstance(action, ListCandidates):
+                    todo.append(Candidates(tuple(self.fleet.decode_members())))
+                elif isinstance(action, Warn):
+                    log.warning(action.text, **action.data)
+                else:
+                    raise action.error
+        return out
 
-    def _on_refused(self, reason: str) -> None:
-        target = self.pending.decision.target if self.pending else ""
-        self.pending = None
-        self.fire(RunEvent.REFUSED)
-        self.emit(EventKind.REFUSED, reason, target=target)
+    # -- legs -------------------------------------------------------------------------
 
-    async def _on_handoff(self, msg: Handoff) -> None:
-        assert self.pending is not None and self.leg is not None
-        cmd, source = self.pending, self.leg
-        expected = len(self.req.prompt_token_ids) + len(self.generated)
-        if msg.num_tokens != expected:
-            log.warning(
-                "handoff token count differs from what the client saw",
-                handoff=msg.num_tokens,
-                seen=expected,
-            )
-        self.fire(RunEvent.HANDOFF)
-        self.handoff_s = time.monotonic()
-        kv = dict(msg.kv_transfer_params)
-        self.fusion = msg.fusion  # the predictor state goes on with every later leg
-        self.emit(
-            EventKind.RELEASED,
-            "handoff",
-            target=cmd.decision.target,
-            tokens=msg.num_tokens,
-            kv_tokens=int(kv.get("remote_num_tokens") or 0),
-            release_ms=round((self.handoff_s - cmd.since) * 1000, 2),
-            predictor_state=msg.fusion is not None,
-        )
-        await self._close_leg(abort=False)
-        self.source = (source.instance, source.address)
+    async def _open(self, action: OpenLeg) -> None:
+        leg = await self.fleet.open_leg(action.address)
         try:
-            await self._open(cmd.decision.target, cmd.address, kv)
-        except (OSError, ConnectionLost, TimeoutError) as exc:
-            self.owner.directory.mark_down(cmd.address)
-            await self._target_lost(f"target unreachable: {exc}")
+            await leg.send(action.frame(leg.id))
+        except BaseException:
+            leg.close()
+            with contextlib.suppress(ConnectionLost):
+                await leg.send(Abort(leg.id))  # the Generate may have gone out
+            raise
+        self.leg = leg
 
-    def _on_resumed(self) -> None:
-        self.fire(RunEvent.RESUMED)
-        now = time.monotonic()
-        if self.pending is not None:
-            self.migrations += 1
-            self.emit(
-                EventKind.RESUMED,
-                "",
-                source=self.pending.decision.source,
-                stall_ms=round((now - self.last_token_s) * 1000, 3),
-                pull_ms=round((now - self.handoff_s) * 1000, 3) if self.handoff_s else None,
+    async def _close_leg(self, abort: bool) -> None:
+        leg, self.leg = self.leg, None
+        if leg is None:
+            return
+        self._drop(self._frame)
+        self._frame = None
+        # Decisions were accepted for this leg: they go with it.
+        while not self.decisions.empty():
+            self.decisions.get_nowait()
+        if self._decision is not None and self._decision.done():
+            self._decision = None
+        leg.close()
+        if abort:
+            with contextlib.suppress(ConnectionLost):
+                await leg.send(Abort(leg.id))
+
+    @staticmethod
+    def _drop(task: asyncio.Task[Any] | None) -> None:
+        if task is None:
+            return
+        if not task.done():
+            task.cancel()
+        elif not task.cancelled():
+            task.exception()  # retrieved: a lost connection it saw is not news
+
+    def _emit(self, action: Emit) -> None:
+        self.fleet.emit_event(
+            Event(
+                action.kind,
+                time.time(),
+                self.fleet.origin,
+                request=self.req.request_id,
+                migration=action.migration,
+                instance=action.instance,
+                detail=action.detail,
+                data=action.data,
             )
-        self.pending = None
-
-    async def _source_lost(self, why: str) -> None:
-        """ABORTED_SRC (or a plain loss of the decode instance): recompute elsewhere."""
-        source = self.leg.instance if self.leg else ""
-        target = self.pending.decision.target if self.pending else None
-        address = self.pending.address if self.pending else None
-        self.fire(RunEvent.SOURCE_LOST)
-        self.emit(EventKind.ABORTED, "src", reason=why)
-        await self._close_leg(abort=True)
-        await self._recover({source}, (target, address) if target and address else None)
-
-    async def _target_lost(self, why: str, source: tuple[str, str] | None = None) -> None:
-        """ABORTED_DST: the target failed before its first token; recompute on the source or any."""
-        dead = (
-            self.leg.instance
-            if self.leg
-            else (self.pending.decision.target if self.pending else "")
         )
-        self.fire(RunEvent.TARGET_LOST)
-        self.emit(EventKind.ABORTED, "dst", instance=dead, reason=why)
-        await self._close_leg(abort=True)
-        await self._recover({dead}, source or self.source)
 
 
 class Migrator:

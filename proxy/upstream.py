@@ -42,6 +42,10 @@ class Stream:
             raise item
         return item
 
+    async def send(self, msg: Message) -> None:
+        """Send a frame on this stream's connection; raises :class:`ConnectionLost`."""
+        await self.client.send(msg)
+
     def close(self) -> None:
         self.client.forget(self.id)
 
