@@ -340,7 +340,8 @@ def test_illegal_inputs_raise(before: list[Input], event: Input) -> None:
 def inputs(draw: st.DrawFn, m: RunMachine, awaiting: type | None) -> Input:
     """An input: mostly one the driver could send now, sometimes any at all."""
     if awaiting is OpenLeg and draw(st.integers(0, 9)):
-        return draw(st.sampled_from([Opened(), OpenFailed("refused")]))
+        answers: list[Input] = [Opened(), OpenFailed("refused")]
+        return draw(st.sampled_from(answers))
     if awaiting is ListCandidates and draw(st.integers(0, 9)):
         return Candidates(tuple(draw(st.lists(st.sampled_from(FLEET), max_size=3))))
     ids = draw(st.lists(st.integers(0, 50), max_size=3))
