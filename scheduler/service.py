@@ -34,7 +34,7 @@ from scheduler.metrics import SchedulerMetrics
 from scheduler.view import ClusterView, decision_for
 from star.bus import TRANSIENT, Bus, BusUnavailable, GroupReader, Subscriber
 from star.planner import plan
-from star.planner.types import Instance, Mode, ModeKind, PlannerParams
+from star.planner.types import Instance, ModeKind, PlannerParams
 from star.predictor.live import AccuracyTracker
 from star.process import Service
 from star.settings import Settings
@@ -44,26 +44,6 @@ log = structlog.get_logger(__name__)
 
 # What a tick's publishing raises while Redis is unreachable.
 REDIS_DOWN: tuple[type[BaseException], ...] = (BusUnavailable, *TRANSIENT)
-
-
-def planner_params(settings: Settings) -> PlannerParams:
-    """The planner's knobs from ``[scheduler]`` settings."""
-    s = settings.scheduler
-    return PlannerParams(
-        mode=Mode.parse(s.mode),
-        horizon=s.horizon,
-        delta=s.delta,
-        beta_decay=s.beta_decay,
-        theta=s.theta,
-        min_gain=s.min_gain,
-        max_migrations=s.max_migrations,
-        bandwidth_bytes_per_s=s.bandwidth_gbps * 1e9 / 8,
-        handoff_latency_s=s.handoff_latency_s,
-        transfer_budget_s=s.transfer_budget_s,
-        # bins:K edges at the served model's length scale (its context length
-        # unless set), not the paper's 32K-token answers.
-        bins_scale_tokens=s.bins_scale_tokens or settings.worker.max_model_len,
-    )
 
 
 def default_node_name() -> str:
@@ -77,7 +57,7 @@ class SchedulerService(Service):
         super().__init__(drain_timeout_s=2.0)
         self.settings = settings
         self.node = node or default_node_name()
-        self.params = planner_params(settings)
+        self.params = PlannerParams.from_settings(settings)
         self.view = ClusterView(
             settings.scheduler.staleness_s, settings.scheduler.decision_timeout_s
         )

@@ -71,7 +71,7 @@ def redis_url(value: Any) -> str | None:
 
 
 def planner_mode(value: Any) -> str | None:
-    from star.planner.types import Mode
+    from star.planner.modes import Mode
 
     try:
         Mode.parse(value)

@@ -104,14 +104,13 @@ def _live_state(args: argparse.Namespace) -> tuple[list[Instance], PlannerParams
     import asyncio
     import time
 
-    from scheduler.service import planner_params
     from scheduler.view import rebuild
     from star.bus import Bus, BusUnavailable
     from star.settings import load_settings
     from star.wire import Decision, Event, Message, Report, WireError, decode
 
     settings = load_settings(args.config)
-    params = params_from_dict(_overrides({}, args), base=planner_params(settings))
+    params = params_from_dict(_overrides({}, args), base=PlannerParams.from_settings(settings))
 
     def decoded(rows: list[tuple[str, dict[bytes, bytes]]]) -> list[Message]:
         out: list[Message] = []

@@ -7,7 +7,7 @@ no clock, so the live scheduler, ``star plan`` and the simulator share it.
 
 from __future__ import annotations
 
-from star.planner.core import plan, validate_params
+from star.planner.core import plan
 from star.planner.trace import BIN_EDGES, remaining_for, weights
 from star.planner.types import (
     Candidate,
@@ -19,6 +19,7 @@ from star.planner.types import (
     PlannerParams,
     Request,
     Verdict,
+    validate_params,
 )
 
 __all__ = [

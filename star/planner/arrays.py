@@ -48,7 +48,7 @@ from star.planner.trace import (
     grid,
     weights,
 )
-from star.planner.types import AUTO, Instance, Mode, ModeKind, PlannerParams
+from star.planner.types import AUTO, Instance, Mode, ModeKind, PlannerParams, validate_params
 
 # Delta-V is a difference of sums that can cancel exactly: moving the only
 # request of s onto an empty t just swaps the two traces (Delta-V = 0), and
@@ -143,9 +143,6 @@ class _Constants:
 
 @lru_cache(maxsize=64)
 def _constants(params: PlannerParams) -> _Constants:
-    # Importing core here would be circular; validation lives there.
-    from star.planner.core import validate_params
-
     validate_params(params)
     tau = grid(params)
     return _Constants(weights(params), tau, noise_floor(tau.size))

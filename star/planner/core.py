@@ -14,7 +14,6 @@ its verdict, computed here with numpy from the same prefix tables.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import repeat
@@ -45,39 +44,13 @@ from star.planner.types import (
     Plan,
     PlannerParams,
     Verdict,
+    validate_params,
 )
 
 _VERDICTS = tuple(Verdict)
 _CODE = {v: i for i, v in enumerate(_VERDICTS)}
 
-__all__ = ["CLASSIFY_RTOL", "noise_floor", "parse_max_migrations", "plan", "validate_params"]
-
-
-def validate_params(params: PlannerParams) -> None:
-    """Raise ValueError, quoting the bad value, for parameters Algorithm 1 cannot use."""
-
-    def bad(name: str, value: object, why: str) -> ValueError:
-        return ValueError(f"planner parameter {name}={value!r}: {why}")
-
-    if not isinstance(params.horizon, int) or params.horizon < 0:
-        raise bad("horizon", params.horizon, "must be an integer >= 0")
-    if not isinstance(params.delta, int) or params.delta < 1:
-        raise bad("delta", params.delta, "must be an integer >= 1 (decode steps)")
-    m = params.max_migrations
-    if m != AUTO and (not isinstance(m, int) or isinstance(m, bool) or m < 0):
-        raise bad("max_migrations", m, f"must be {AUTO!r} or an integer >= 0")
-    if not isinstance(params.bins_scale_tokens, int) or params.bins_scale_tokens < 1:
-        raise bad("bins_scale_tokens", params.bins_scale_tokens, "must be an integer >= 1 (tokens)")
-    if not (math.isfinite(params.beta_decay) and params.beta_decay > 0):
-        raise bad("beta_decay", params.beta_decay, "must be a finite number > 0")
-    for name in ("theta", "min_gain", "handoff_latency_s", "transfer_budget_s"):
-        value = getattr(params, name)
-        if not (math.isfinite(value) and value >= 0):
-            raise bad(name, value, "must be a finite number >= 0")
-    for name in ("bandwidth_bytes_per_s", "default_step_time_s"):
-        value = getattr(params, name)
-        if not (math.isfinite(value) and value > 0):
-            raise bad(name, value, "must be a finite number > 0")
+__all__ = ["CLASSIFY_RTOL", "noise_floor", "parse_max_migrations", "plan"]
 
 
 def parse_max_migrations(text: str) -> int | Literal["auto"]:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from star.planner.core import CLASSIFY_RTOL, noise_floor, validate_params
+from star.planner.core import CLASSIFY_RTOL, noise_floor
 from star.planner.trace import (
     FloatArray,
     contribution,
@@ -36,6 +36,7 @@ from star.planner.types import (
     Plan,
     PlannerParams,
     Verdict,
+    validate_params,
 )
 
 

@@ -28,8 +28,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from star.planner.core import validate_params
-from star.planner.types import AUTO, Instance, Mode, PlannerParams, Request
+from star.planner.types import AUTO, Instance, Mode, PlannerParams, Request, validate_params
 
 SCHEMA_VERSION = 1
 

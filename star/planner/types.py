@@ -8,46 +8,30 @@ the simulator: all three build :class:`Instance` values and call
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
+from star.planner.modes import Mode, ModeKind
 
-class ModeKind(enum.StrEnum):
-    """How the planner sees a request's future (paper §6.1 "Baselines")."""
+if TYPE_CHECKING:
+    from star.settings import Settings
 
-    NO_MIGRATION = "no-migration"  # vLLM baseline: P->D dispatch only
-    CURRENT = "current"  # STAR w/o prediction: H = 0, c_r = N(r)
-    PREDICTED = "predicted"  # STAR: R-hat from the length predictor
-    ORACLE = "oracle"  # true remaining lengths (simulator, tests)
-    BINS = "bins"  # R-hat quantised to the paper's Table 4 bins
-
-
-@dataclass(frozen=True, slots=True)
-class Mode:
-    """A planner mode; ``bins`` carries its bin count (2, 4 or 6)."""
-
-    kind: ModeKind
-    bins: int = 0
-
-    @classmethod
-    def parse(cls, text: str) -> Mode:
-        """Parse ``no-migration``, ``current``, ``predicted``, ``oracle`` or ``bins:K``."""
-        name, _, arg = text.strip().partition(":")
-        try:
-            kind = ModeKind(name)
-        except ValueError:
-            choices = ", ".join(k.value for k in ModeKind if k is not ModeKind.BINS)
-            raise ValueError(f"unknown mode {text!r}; expected one of {choices}, bins:K") from None
-        if kind is ModeKind.BINS:
-            if arg not in {"2", "4", "6"}:
-                raise ValueError(f"mode {text!r}: bins takes 2, 4 or 6 (paper Table 4)")
-            return cls(kind, int(arg))
-        if arg:
-            raise ValueError(f"mode {text!r}: only bins takes an argument")
-        return cls(kind)
-
-    def __str__(self) -> str:
-        return f"bins:{self.bins}" if self.kind is ModeKind.BINS else self.kind.value
+__all__ = [
+    "AUTO",
+    "BALANCE",
+    "DRAIN",
+    "Candidate",
+    "Instance",
+    "Mode",
+    "ModeKind",
+    "Move",
+    "Plan",
+    "PlannerParams",
+    "Request",
+    "Verdict",
+    "validate_params",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +91,7 @@ class PlannerParams:
     C_mig(r) = KV bytes of r / ``bandwidth_bytes_per_s`` + ``handoff_latency_s``.
     """
 
-    mode: Mode = Mode(ModeKind.PREDICTED)
+    mode: Mode = Mode(ModeKind.PREDICTED)  # noqa: RUF009 (Mode is frozen)
     horizon: int = 64
     delta: int = 32
     beta_decay: float = 0.95
@@ -124,9 +108,56 @@ class PlannerParams:
     # passes the served model's (scheduler.bins_scale_tokens).
     bins_scale_tokens: int = 32768
 
+    @classmethod
+    def from_settings(cls, settings: Settings) -> PlannerParams:
+        """The planner's knobs from ``[scheduler]`` settings (the live scheduler, ``star plan``)."""
+        s = settings.scheduler
+        return cls(
+            mode=Mode.parse(s.mode),
+            horizon=s.horizon,
+            delta=s.delta,
+            beta_decay=s.beta_decay,
+            theta=s.theta,
+            min_gain=s.min_gain,
+            max_migrations=s.max_migrations,
+            bandwidth_bytes_per_s=s.bandwidth_gbps * 1e9 / 8,
+            handoff_latency_s=s.handoff_latency_s,
+            transfer_budget_s=s.transfer_budget_s,
+            # bins:K edges at the served model's length scale (its context length
+            # unless set), not the paper's 32K-token answers.
+            bins_scale_tokens=s.bins_scale_tokens or settings.worker.max_model_len,
+        )
+
 
 AUTO: Literal["auto"] = "auto"
 """``PlannerParams.max_migrations``: as many moves per tick as there are overloaded instances."""
+
+
+def validate_params(params: PlannerParams) -> None:
+    """Raise ValueError, quoting the bad value, for parameters Algorithm 1 cannot use."""
+
+    def bad(name: str, value: object, why: str) -> ValueError:
+        return ValueError(f"planner parameter {name}={value!r}: {why}")
+
+    if not isinstance(params.horizon, int) or params.horizon < 0:
+        raise bad("horizon", params.horizon, "must be an integer >= 0")
+    if not isinstance(params.delta, int) or params.delta < 1:
+        raise bad("delta", params.delta, "must be an integer >= 1 (decode steps)")
+    m = params.max_migrations
+    if m != AUTO and (not isinstance(m, int) or isinstance(m, bool) or m < 0):
+        raise bad("max_migrations", m, f"must be {AUTO!r} or an integer >= 0")
+    if not isinstance(params.bins_scale_tokens, int) or params.bins_scale_tokens < 1:
+        raise bad("bins_scale_tokens", params.bins_scale_tokens, "must be an integer >= 1 (tokens)")
+    if not (math.isfinite(params.beta_decay) and params.beta_decay > 0):
+        raise bad("beta_decay", params.beta_decay, "must be a finite number > 0")
+    for name in ("theta", "min_gain", "handoff_latency_s", "transfer_budget_s"):
+        value = getattr(params, name)
+        if not (math.isfinite(value) and value >= 0):
+            raise bad(name, value, "must be a finite number >= 0")
+    for name in ("bandwidth_bytes_per_s", "default_step_time_s"):
+        value = getattr(params, name)
+        if not (math.isfinite(value) and value > 0):
+            raise bad(name, value, "must be a finite number > 0")
 
 
 class Verdict(enum.StrEnum):

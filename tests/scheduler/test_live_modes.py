@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 
-from scheduler.service import planner_params
 from star.bus import Bus, Subscriber
 from star.planner.trace import bin_edges
+from star.planner.types import PlannerParams
 from star.settings import SchedulerSettings, Settings, WorkerSettings
 from star.wire import Decision, Report, RequestLoad
 from tests.redis_server import free_port
@@ -175,6 +175,6 @@ def test_bins_edges_follow_the_served_model_unless_set(
     settings = Settings(
         scheduler=SchedulerSettings(mode="bins:4", **scheduler), worker=WorkerSettings(**worker)
     )
-    params = planner_params(settings)
+    params = PlannerParams.from_settings(settings)
     assert params.bins_scale_tokens == scale
     assert bin_edges(4, params.bins_scale_tokens)[-1] == scale
