@@ -12,16 +12,18 @@ the traces and the gate), planner objects only when the planner is called.
 from __future__ import annotations
 
 import itertools
+from array import array
 from dataclasses import dataclass, replace
 from functools import cached_property
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
 
-from star.planner import Instance, ModeKind, Request
+from star.planner import Instance, Mode, ModeKind, Request
 from star.planner.arrays import ClusterArrays, remaining_of
+from star.sim.config import SimConfig
 from star.sim.predictor import (
     CORRELATION_TOKENS,
     LAMBDA_TOKENS,
@@ -29,13 +31,13 @@ from star.sim.predictor import (
     S0,
     S_MIN,
     W0,
+    NoiseState,
+    PriorMedian,
 )
-
-if TYPE_CHECKING:
-    from star.sim.engine import Simulator
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
+BoolArray = npt.NDArray[np.bool_]
 
 PREDICTING = (ModeKind.PREDICTED, ModeKind.BINS)
 
@@ -59,6 +61,79 @@ class Rows:
     predicted: FloatArray | None = None  # booked rows: the R-hat decided with (NaN: none)
 
 
+class SimState(Protocol):
+    """What a :class:`Snapshot` reads of the simulator (:class:`star.sim.engine.Simulator`).
+
+    A protocol, so that the engine imports this module and not the reverse.
+    """
+
+    # Per decode instance (typed arrays: read through np.frombuffer).
+    @property
+    def S(self) -> array[int]: ...
+    @property
+    def t0(self) -> array[float]: ...
+    @property
+    def k(self) -> array[int]: ...
+    @property
+    def tbsum(self) -> array[int]: ...
+    @property
+    def extra(self) -> array[float]: ...
+    @property
+    def mnext(self) -> array[int]: ...
+    @property
+    def inflight(self) -> array[int]: ...
+    @property
+    def running(self) -> list[list[int]]: ...
+    @property
+    def incoming(self) -> list[list[int]]: ...
+    @property
+    def inst_ids(self) -> list[str]: ...
+    @property
+    def cap_array(self) -> FloatArray: ...
+    @property
+    def bpt_array(self) -> FloatArray: ...
+    @property
+    def all_instances(self) -> BoolArray: ...
+    # Per request.
+    @property
+    def tbase(self) -> IntArray: ...
+    @property
+    def gbase(self) -> IntArray: ...
+    @property
+    def output(self) -> IntArray: ...
+    @property
+    def held(self) -> list[int]: ...
+    @property
+    def gen_held(self) -> list[int]: ...
+    @property
+    def pred_held(self) -> list[float | None]: ...
+    @property
+    def where(self) -> list[int]: ...
+    @property
+    def ids(self) -> list[str]: ...
+    # The run.
+    @property
+    def n(self) -> int: ...
+    @property
+    def a(self) -> float: ...
+    @property
+    def b(self) -> float: ...
+    @property
+    def cap(self) -> int: ...
+    @property
+    def bpt(self) -> int: ...
+    @property
+    def cfg(self) -> SimConfig: ...
+    @property
+    def mode(self) -> Mode: ...
+    @property
+    def tau(self) -> FloatArray: ...
+    @property
+    def noise(self) -> NoiseState: ...
+    @property
+    def prior(self) -> PriorMedian: ...
+
+
 class Snapshot:
     """Every decode instance at time ``now``, read-only.
 
@@ -68,7 +143,7 @@ class Snapshot:
     per-instance loads).
     """
 
-    def __init__(self, sim: Simulator, now: float) -> None:
+    def __init__(self, sim: SimState, now: float) -> None:
         self.sim = sim
         # Copies: the instance arrays keep changing during the tick.
         batch = np.frombuffer(sim.k, dtype=np.int64).copy()
