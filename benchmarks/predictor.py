@@ -101,7 +101,8 @@ async def engine_overhead(
     """
     import asyncio
 
-    from star.predictor.collect import _run_one, synthetic_prompt_ids
+    from star.predictor.collect import synthetic_prompt_ids
+    from workers.collect import run_one
     from workers.engine import EngineHandle, EngineSpec
 
     engine = await EngineHandle.start(
@@ -114,7 +115,7 @@ async def engine_overhead(
         await engine.predictions()
         before = engine.tap.timing
         await asyncio.gather(
-            *(_run_one(engine, f"b{i}", prompt_of(i), 2048) for i in range(requests))
+            *(run_one(engine, f"b{i}", prompt_of(i), 2048) for i in range(requests))
         )
         await engine.predictions()  # refreshes engine.tap.timing
         after = engine.tap.timing

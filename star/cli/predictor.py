@@ -162,8 +162,9 @@ def _err(msg: str) -> int:
 
 
 def run_collect(args: argparse.Namespace) -> int:
-    from star.predictor.collect import CollectConfig, collect, stats_line
+    from star.predictor.collect import stats_line
     from star.predictor.dataset import DatasetError
+    from workers.collect import CollectConfig, collect
 
     if min(args.requests, args.samples_per_prompt, args.batch, args.every, args.max_tokens) < 1:
         return _err(

@@ -206,8 +206,8 @@ async def test_reports_carry_r_hat_and_its_future_load(worker: Any) -> None:
 
 
 async def test_collect_through_the_engine_and_resume(worker: Any, tmp_path: Path) -> None:
-    from star.predictor.collect import CollectConfig, collect
     from star.predictor.dataset import DataDir
+    from workers.collect import CollectConfig, collect
 
     engine = worker.engine
     cfg = CollectConfig(
