@@ -41,7 +41,7 @@ from benchmarks.e2e.report import (
     write_cell,
 )
 
-QUICK = {"modes": "no-migration,predicted", "rates": "2", "seeds": "1", "num_prompts": 40}
+QUICK = {"modes": "no-migration,predicted", "rates": "2.5", "seeds": "1", "num_prompts": 40}
 
 
 def _csv(text: str) -> list[str]:
@@ -60,7 +60,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--regimes", default="memory,device", help="memory and/or device (default %(default)s)")
     add("--modes", default=",".join(MODES), help="scheduler modes (default %(default)s)")
-    add("--rates", default="1.5,2,2.5", help="request rates, req/s (default %(default)s)")
+    add("--rates", default="2,2.5,3", help="request rates, req/s (default %(default)s)")
     add("--seeds", default="1,2,3", help="workload seeds (default %(default)s)")
     add("--num-prompts", type=int, default=100, help="requests per cell (default %(default)s)")
     add("--workload", default="replay",
