@@ -110,8 +110,7 @@ class DecodeRun:
         self.leg: Leg | None = None
         # Decisions accepted while the current leg runs (they go with it).
         self.decisions: asyncio.Queue[Decided] = asyncio.Queue()
-        self._frame: asyncio.Task[Message] | None = None  # the current leg's next frame
-        self._decision: asyncio.Task[Decided] | None = None
+        self._waiting: asyncio.Timeout | None = None  # the wait for a frame, while it lasts
 
     # -- what the owner and the Migrator read -----------------------------------------
 
@@ -148,6 +147,9 @@ class DecodeRun:
     def migrate(self, decision: Decision, address: str) -> None:
         """Queue a decision (accepted by :func:`~proxy.migration.refusal` first)."""
         self.decisions.put_nowait(Decided(decision, address, time.monotonic()))
+        waiting = self._waiting
+        if waiting is not None and not waiting.expired():
+            waiting.reschedule(asyncio.get_running_loop().time())  # stop waiting for a frame
 
     # -- the loop ---------------------------------------------------------------------
 
@@ -167,45 +169,34 @@ class DecodeRun:
                     if batch.finish_reason is not None:
                         return
         finally:
-            self._drop(self._decision)
-            self._decision = None
             await self._perform(Ended())  # closes a leg still open (the run was cut short)
 
     async def _next_input(self) -> Input:
-        """The next frame of the current leg, a decision, or the release timing out.
-
-        A frame that is already in goes first; decisions wait behind it.
-        """
+        """A decision, the next frame of the current leg, or the release timing out."""
         while True:
+            if not self.decisions.empty():
+                return self.decisions.get_nowait()
             leg = self.leg
             assert leg is not None
             deadline = self.machine.deadline()
-            if deadline is not None and deadline <= time.monotonic():
+            delay = None if deadline is None else deadline - time.monotonic()
+            if delay is not None and delay <= 0:
                 return TimedOut()  # without reading, even if a frame is in
-            if self._frame is None:
-                self._frame = asyncio.ensure_future(leg.next())
-            if self._decision is None:
-                self._decision = asyncio.ensure_future(self.decisions.get())
-            if not self._frame.done() and not self._decision.done():
-                # Not wait_for (gh-86296): asyncio.wait never swallows a cancel.
-                await asyncio.wait(
-                    (self._frame, self._decision),
-                    timeout=None if deadline is None else deadline - time.monotonic(),
-                    return_when=asyncio.FIRST_COMPLETED,
-                )
-            if self._frame.done():
-                frame, self._frame = self._frame, None
-                try:
-                    msg = frame.result()
-                except ConnectionLost as exc:
-                    return Lost(str(exc))
-                if isinstance(msg, Tokens | Handoff | Error):
-                    return Received(msg, time.monotonic())
-                continue  # nothing else belongs to a request's stream
-            if self._decision.done():
-                decided, self._decision = self._decision.result(), None
-                return decided
-            return TimedOut()
+            try:
+                # The wait for a frame ends at the release deadline, or at once
+                # when a decision comes in (migrate() moves it to now). Not
+                # wait_for: on 3.11 it can swallow a cancel (gh-86296).
+                async with asyncio.timeout(delay) as self._waiting:
+                    msg = await leg.next()
+            except TimeoutError:
+                continue  # the loop's top says which
+            except ConnectionLost as exc:
+                return Lost(str(exc))
+            finally:
+                self._waiting = None
+            if isinstance(msg, Tokens | Handoff | Error):
+                return Received(msg, time.monotonic())
+            # nothing else belongs to a request's stream
 
     async def _perform(self, first: Input) -> list[TokenBatch]:
         """Feed ``first`` to the machine and do what it says (answering its questions)."""
@@ -258,26 +249,13 @@ class DecodeRun:
         leg, self.leg = self.leg, None
         if leg is None:
             return
-        self._drop(self._frame)
-        self._frame = None
         # Decisions were accepted for this leg: they go with it.
         while not self.decisions.empty():
             self.decisions.get_nowait()
-        if self._decision is not None and self._decision.done():
-            self._decision = None
         leg.close()
         if abort:
             with contextlib.suppress(ConnectionLost):
                 await leg.send(Abort(leg.id))
-
-    @staticmethod
-    def _drop(task: asyncio.Task[Any] | None) -> None:
-        if task is None:
-            return
-        if not task.done():
-            task.cancel()
-        elif not task.cancelled():
-            task.exception()  # retrieved: a lost connection it saw is not news
 
     def _emit(self, action: Emit) -> None:
         self.fleet.emit_event(
