@@ -155,7 +155,6 @@ def _run_cells(args: argparse.Namespace, cells: list[Cell], out: Path) -> int:
 
     from benchmarks.e2e.fleet import run_cell
     from benchmarks.e2e.metrics import (
-        Slo,
         fleet_kv_over_time,
         instance_series,
         max_kv_over_time,
@@ -167,6 +166,7 @@ def _run_cells(args: argparse.Namespace, cells: list[Cell], out: Path) -> int:
     from benchmarks.e2e.regimes import bytes_per_token, regime
     from benchmarks.e2e.simreal import simulate_cell
     from benchmarks.e2e.workload import Workload, schedule
+    from benchmarks.serve import Slo
     from star.model import tiny_model_path
     from star.predictor.live import replay as live_accuracy
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.serve import Slo
 from star.wire import Decision, Event, EventKind, Report
 
 BIN_S = 1.0  # time series resolution (s)
@@ -50,17 +51,9 @@ class RequestRecord:
     migrations: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class Slo:
-    ttft_ms: float
-    tpot_ms: float
-
-    def met(self, r: RequestRecord) -> bool:
-        return (
-            r.ok
-            and r.ttft_s * 1e3 <= self.ttft_ms
-            and (r.tpot_s is None or r.tpot_s * 1e3 <= self.tpot_ms)
-        )
+def met(slo: Slo, r: RequestRecord) -> bool:
+    """Whether a request counts toward goodput: completed, TTFT and TPOT within ``slo``."""
+    return r.ok and r.ttft_s * 1e3 <= slo.ttft_ms and (r.tpot_s is None or r.tpot_s * 1e3 <= slo.tpot_ms)
 
 
 @dataclass(slots=True)
@@ -182,7 +175,7 @@ def summarize(
     ok = [r for r in records if r.ok]
     tpots = [r.tpot_s * 1e3 for r in ok if r.tpot_s is not None]
     ttfts = [r.ttft_s * 1e3 for r in ok]
-    good = [r for r in records if slo.met(r)]
+    good = [r for r in records if met(slo, r)]
     dur = max(duration_s, 1e-9)
     outcomes: dict[str, int] = {}
     for e in events:

@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 
 from benchmarks.e2e import metrics, report
-from benchmarks.e2e.metrics import RequestRecord, Slo, instance_series
+from benchmarks.e2e.metrics import RequestRecord, instance_series
 from benchmarks.e2e.regimes import VLLM_RESERVE_TOKENS, kv_capacity, regime
 from benchmarks.e2e.workload import Workload, replay_lengths, schedule, size_for_length
+from benchmarks.serve import Slo
 from star.wire import Decision, Event, EventKind, Report, RequestLoad
 from workers.pacing import DeviceClock, StepTimes, batch_tokens
 
