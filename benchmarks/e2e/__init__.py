@@ -23,7 +23,6 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -153,22 +152,12 @@ def run(args: argparse.Namespace) -> int:
 def _run_cells(args: argparse.Namespace, cells: list[Cell], out: Path) -> int:
     from tqdm import tqdm
 
+    from benchmarks.e2e.cell import document
     from benchmarks.e2e.fleet import run_cell
-    from benchmarks.e2e.metrics import (
-        fleet_kv_over_time,
-        instance_series,
-        max_kv_over_time,
-        preemption_bins,
-        records_as_rows,
-        summarize,
-        variance_over_time,
-    )
     from benchmarks.e2e.regimes import bytes_per_token, regime
     from benchmarks.e2e.simreal import simulate_cell
     from benchmarks.e2e.workload import Workload, schedule
-    from benchmarks.serve import Slo
     from star.model import tiny_model_path
-    from star.predictor.live import replay as live_accuracy
 
     workload = Workload(args.workload, tuple(_csv(args.sizes)), args.cap)
     model = Path(tiny_model_path())
@@ -201,59 +190,20 @@ def _run_cells(args: argparse.Namespace, cells: list[Cell], out: Path) -> int:
             bar.write(f"bench e2e: {cell} failed: {exc}; fleet logs kept in {logs}")
             failed += 1
             continue
-        series = instance_series(res.reports, res.t0)
-        migrated = _migrations(res.events)
-        records = [_with_migrations(r, migrated) for r in res.records]
-        summary = summarize(records, series, res.decisions, res.events, res.duration_s,
-                            Slo(reg.slo_ttft_ms, reg.slo_tpot_ms))
-        rowdoc = {"regime": cell.regime, "workload": workload.name, "mode": cell.mode,
-                  "rate": cell.rate, "seed": cell.seed, "timing": reg.label, **summary}
-        doc: dict[str, Any] = {
-            "row": rowdoc,
-            "config": {"regime": asdict(reg),
-                       "num_prompts": args.num_prompts, "workload": workload.name, "cap": workload.cap,
-                       "prefill": args.prefill, "decode": args.decode, "bytes_per_token": bpt,
-                       "ready_s": res.ready_s, "wall_s": time.monotonic() - started},
-            "series": {
-                "variance_ms2": variance_over_time(series, res.duration_s),
-                "max_kv": max_kv_over_time(series, res.duration_s),
-                "fleet_kv": fleet_kv_over_time(series, res.duration_s),
-                "preemptions": preemption_bins(series, res.duration_s),
-                "migrations_t": sorted(d.ts - res.t0 for d in res.decisions),
-                "instances": {name: asdict(s) for name, s in series.items()},
-            },
-            "decisions": [{"t": d.ts - res.t0, "request": d.request, "source": d.source,
-                           "target": d.target, "delta_v": d.delta_v, "reason": d.reason}
-                          for d in res.decisions],
-            "events": [{"t": e.ts - res.t0, "event": e.event.value, "request": e.request,
-                        "instance": e.instance, "migration": e.migration, "detail": e.detail,
-                        "data": e.data}
-                       for e in res.events],
-        }
-        # The live predictor's accuracy over the run (as the scheduler's /metrics has it).
-        doc["predictor_live"] = live_accuracy(res.reports, res.events)
-        rowdoc["live_mae"] = doc["predictor_live"]["mae"]
-        rows = records_as_rows(records)
+        doc, rows = document(cell, workload.name, reg, res, {
+            "num_prompts": args.num_prompts, "cap": workload.cap, "prefill": args.prefill,
+            "decode": args.decode, "bytes_per_token": bpt, "wall_s": time.monotonic() - started,
+        })
         doc["sim"] = simulate_cell(doc, rows)
         write_cell(out, cell, doc, rows)
         shutil.rmtree(logs, ignore_errors=True)
         bar.write(f"{cell.regime} {cell.mode} rate {cell.rate:g} seed {cell.seed}: "
-                  f"P99 TPOT {summary['p99_tpot_ms']:.1f} ms, goodput {summary['goodput']:.2f} req/s, "
-                  f"preemptions {summary['preemptions']}, migrations {summary['migrations']}")
+                  f"P99 TPOT {doc['row']['p99_tpot_ms']:.1f} ms, goodput {doc['row']['goodput']:.2f} req/s, "
+                  f"preemptions {doc['row']['preemptions']}, migrations {doc['row']['migrations']}")
     if failed:
         print(f"bench e2e: {failed} of {len(todo)} cells failed; run again to retry them", file=sys.stderr)
         return 1
     return 0
-
-
-def _migrations(events: list[Any]) -> dict[str, int]:
-    from benchmarks.e2e.metrics import migrations_per_request
-
-    return migrations_per_request(events)
-
-
-def _with_migrations(record: Any, migrated: dict[str, int]) -> Any:
-    return replace(record, migrations=migrated.get(record.request_id, 0))
 
 
 def _token_counter(model: Path) -> Any:

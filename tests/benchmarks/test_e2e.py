@@ -261,3 +261,33 @@ def test_live_accuracy_and_sim_tables() -> None:
     sim = report.sim_table(docs)
     assert "| device | 2 | predicted | 20.0 / 22.0 | +10 % |" in sim
     assert "| device | 2 | no-migration | 20.0 / 30.0 | +50 % |" in sim
+
+
+def test_a_cell_document_from_what_a_run_recorded() -> None:
+    from benchmarks.e2e.cell import document
+    from benchmarks.e2e.fleet import CellResult
+
+    t0 = 100.0
+    series_reports = [
+        _report("d0", 1, t0 + 0.5, used=900, running=3, step_s=0.030, preempt=2, pad=0.5),
+        _report("d0", 2, t0 + 1.5, used=995, running=3, step_s=0.030, preempt=5, pad=0.5),
+    ]
+    res = CellResult(
+        records=[_rec(0), _rec(1, ok=False)],
+        reports=series_reports,
+        decisions=[Decision("m1", "r0", "d0", "d1", 1, -5.0, "predicted", t0 + 0.2)],
+        events=[Event(EventKind.RESUMED, t0 + 0.3, "proxy", request="r0", migration="m1")],
+        t0=t0, duration_s=2.0, ready_s=30.0,
+    )
+    reg = regime("device", 1024)
+    doc, rows = document(report.Cell("device", "predicted", 2.5, 1), "replay", reg, res, {"cap": 1024})
+    assert doc["row"]["timing"] == "emulated device timing"
+    assert (doc["row"]["mode"], doc["row"]["rate"], doc["row"]["workload"]) == ("predicted", 2.5, "replay")
+    assert doc["row"]["preemptions"] == 3 and doc["row"]["migrations"] == 1
+    assert doc["config"]["regime"]["kv_tokens"] == 2176 and doc["config"]["cap"] == 1024
+    assert doc["series"]["migrations_t"] == [pytest.approx(0.2)]
+    assert doc["series"]["preemptions"] == [0, 3]
+    assert doc["events"][0]["event"] == "resumed" and doc["decisions"][0]["target"] == "d1"
+    assert doc["predictor_live"]["points"] == 0 and doc["row"]["live_mae"] is None
+    assert [r["migrations"] for r in rows] == [1, 0]  # r0 resumed once on another instance
+    json.dumps(doc)  # JSON as written
