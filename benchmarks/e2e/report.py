@@ -155,10 +155,11 @@ def table(aggs: Sequence[dict[str, Any]]) -> str:
     lines = [head, "|" + "---|" * 14]
     for a in aggs:
         label = a["regime"] + (" (emulated device timing)" if a.get("timing") == "emulated device timing" else "")
+        base = "—" if a["mode"] == "no-migration" else ""  # the baseline itself
         lines.append(
             f"| {label} | {a['rate']:g} | {a['mode']} | {a['seeds']} "
-            f"| {_ci(a, 'p99_tpot_ms', '.1f')} | {_pct(a.get('tpot_reduction'))} "
-            f"| {_ci(a, 'goodput', '.2f')} | {_fmt(a.get('goodput_ratio'), '.2f')}× "
+            f"| {_ci(a, 'p99_tpot_ms', '.1f')} | {base or _pct(a.get('tpot_reduction'))} "
+            f"| {_ci(a, 'goodput', '.2f')} | {base or _fmt(a.get('goodput_ratio'), '.2f') + '×'} "
             f"| {_fmt(a['slo_met'] * 100, '.0f')} % | {_ci(a, 'preemptions', '.1f')} "
             f"| {_ci(a, 'migrations', '.1f')} | {_fmt(a['exec_time_variance'], '.2f')} "
             f"| {_fmt(a['max_kv_use'] * 100, '.0f')} % | {_fmt(a['pad_share'] * 100, '.0f')} % |"
