@@ -62,22 +62,41 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add("--rates", default="2,2.5,3", help="request rates, req/s (default %(default)s)")
     add("--seeds", default="1,2,3", help="workload seeds (default %(default)s)")
     add("--num-prompts", type=int, default=100, help="requests per cell (default %(default)s)")
-    add("--workload", default="replay",
+    add(
+        "--workload",
+        default="replay",
         help="replay (ignore_eos, Table-3-shaped lengths), task (natural lengths; no oracle) "
-             "or a ShareGPT JSON file (default %(default)s)")
-    add("--cap", type=int, default=1024,
-        help="longest answer in tokens: replay's length cap, task/ShareGPT max_tokens (default %(default)s)")
+        "or a ShareGPT JSON file (default %(default)s)",
+    )
+    add(
+        "--cap",
+        type=int,
+        default=1024,
+        help="longest answer in tokens: replay's length cap, task/ShareGPT max_tokens (default %(default)s)",
+    )
     add("--sizes", default="tiny,short,medium,long,huge", help="task sizes (workload task)")
-    add("--kv-requests", type=float, default=2.0,
-        help="KV capacity per decode instance, in largest requests (default %(default)s)")
-    add("--max-model-len", type=int, default=2048, help="engines' max_model_len (default %(default)s)")
+    add(
+        "--kv-requests",
+        type=float,
+        default=2.0,
+        help="KV capacity per decode instance, in largest requests (default %(default)s)",
+    )
+    add(
+        "--max-model-len",
+        type=int,
+        default=2048,
+        help="engines' max_model_len (default %(default)s)",
+    )
     add("--prefill", type=int, default=1, help="prefill workers (default %(default)s)")
     add("--decode", type=int, default=3, help="decode workers (default %(default)s)")
     add("--out", default="build/e2e", help="results directory (default %(default)s)")
     add("--figures", default=None, help="write the figures (PNG) into this directory")
-    add("--quick", action="store_true",
+    add(
+        "--quick",
+        action="store_true",
         help=f"short pass: modes {QUICK['modes']}, rate {QUICK['rates']}, seed {QUICK['seeds']}, "
-             f"{QUICK['num_prompts']} requests (~10 min here)")
+        f"{QUICK['num_prompts']} requests (~10 min here)",
+    )
     add("--report-only", action="store_true", help="run nothing: table and figures from --out")
     add("--timeout", type=float, default=300.0, help="per-request read timeout, s")
     add("--no-progress", action="store_true", help="no progress bars")
@@ -95,11 +114,15 @@ def _cells(args: argparse.Namespace) -> list[Cell]:
     try:
         rates = [float(x) for x in _csv(args.rates)]
     except ValueError:
-        raise ValueError(f"--rates takes numbers (req/s) separated by commas, got {args.rates!r}") from None
+        raise ValueError(
+            f"--rates takes numbers (req/s) separated by commas, got {args.rates!r}"
+        ) from None
     try:
         seeds = [int(x) for x in _csv(args.seeds)]
     except ValueError:
-        raise ValueError(f"--seeds takes whole numbers separated by commas, got {args.seeds!r}") from None
+        raise ValueError(
+            f"--seeds takes whole numbers separated by commas, got {args.seeds!r}"
+        ) from None
     if not (regimes and modes and rates and seeds):
         raise ValueError("need at least one regime, mode, rate and seed")
     if any(not r > 0 for r in rates):
@@ -127,8 +150,14 @@ def run(args: argparse.Namespace) -> int:
             return 130
         if code:
             return code
-    docs = [d for d in load_all(out) if Cell(d["row"]["regime"], d["row"]["mode"],
-                                             float(d["row"]["rate"]), int(d["row"]["seed"])) in cells]
+    docs = [
+        d
+        for d in load_all(out)
+        if Cell(
+            d["row"]["regime"], d["row"]["mode"], float(d["row"]["rate"]), int(d["row"]["seed"])
+        )
+        in cells
+    ]
     if not docs:
         print(f"bench e2e: no finished cells under {out}", file=sys.stderr)
         return 1
@@ -165,13 +194,17 @@ def _run_cells(args: argparse.Namespace, cells: list[Cell], out: Path) -> int:
     todo = [c for c in cells if load_cell(out, c) is None]
     skipped = [c for c in todo if c.mode == "oracle" and not workload.known_lengths]
     for c in skipped:
-        print(f"bench e2e: skipping {c}: oracle needs known final lengths "
-              f"(workload {workload.name!r} has natural lengths; use replay or a ShareGPT file)",
-              file=sys.stderr)
+        print(
+            f"bench e2e: skipping {c}: oracle needs known final lengths "
+            f"(workload {workload.name!r} has natural lengths; use replay or a ShareGPT file)",
+            file=sys.stderr,
+        )
     todo = [c for c in todo if c not in skipped]
     if len(todo) < len(cells):
-        print(f"bench e2e: {len(cells) - len(todo)} of {len(cells)} cells already done in {out}",
-              file=sys.stderr)
+        print(
+            f"bench e2e: {len(cells) - len(todo)} of {len(cells)} cells already done in {out}",
+            file=sys.stderr,
+        )
     count = _token_counter(model) if workload.name not in ("task", "replay") else None
     bar = tqdm(todo, unit="cell", disable=args.no_progress or not todo, file=sys.stderr)
     failed = 0
@@ -182,27 +215,54 @@ def _run_cells(args: argparse.Namespace, cells: list[Cell], out: Path) -> int:
         logs = Path(tempfile.mkdtemp(prefix="star-e2e-"))
         started = time.monotonic()
         try:
-            res = run_cell(reg, cell.mode, requests, times, workload.extra, prefill=args.prefill,
-                           decode=args.decode, run_dir=logs, bytes_per_token=bpt,
-                           timeout_s=args.timeout, progress=not args.no_progress)
+            res = run_cell(
+                reg,
+                cell.mode,
+                requests,
+                times,
+                workload.extra,
+                prefill=args.prefill,
+                decode=args.decode,
+                run_dir=logs,
+                bytes_per_token=bpt,
+                timeout_s=args.timeout,
+                progress=not args.no_progress,
+            )
         except Exception as exc:
             # The other cells still run; a later run retries this one.
-            bar.write(f"bench e2e: {cell} failed: {exc}; fleet logs kept in {logs}", file=sys.stderr)
+            bar.write(
+                f"bench e2e: {cell} failed: {exc}; fleet logs kept in {logs}", file=sys.stderr
+            )
             failed += 1
             continue
-        doc, rows = document(cell, workload.name, reg, res, {
-            "num_prompts": args.num_prompts, "cap": workload.cap, "prefill": args.prefill,
-            "decode": args.decode, "bytes_per_token": bpt, "wall_s": time.monotonic() - started,
-        })
+        doc, rows = document(
+            cell,
+            workload.name,
+            reg,
+            res,
+            {
+                "num_prompts": args.num_prompts,
+                "cap": workload.cap,
+                "prefill": args.prefill,
+                "decode": args.decode,
+                "bytes_per_token": bpt,
+                "wall_s": time.monotonic() - started,
+            },
+        )
         doc["sim"] = simulate_cell(doc, rows)
         write_cell(out, cell, doc, rows)
         shutil.rmtree(logs, ignore_errors=True)
-        bar.write(f"{cell.regime} {cell.mode} rate {cell.rate:g} seed {cell.seed}: "
-                  f"P99 TPOT {doc['row']['p99_tpot_ms']:.1f} ms, goodput {doc['row']['goodput']:.2f} req/s, "
-                  f"preemptions {doc['row']['preemptions']}, migrations {doc['row']['migrations']}",
-                  file=sys.stderr)
+        bar.write(
+            f"{cell.regime} {cell.mode} rate {cell.rate:g} seed {cell.seed}: "
+            f"P99 TPOT {doc['row']['p99_tpot_ms']:.1f} ms, goodput {doc['row']['goodput']:.2f} req/s, "
+            f"preemptions {doc['row']['preemptions']}, migrations {doc['row']['migrations']}",
+            file=sys.stderr,
+        )
     if failed:
-        print(f"bench e2e: {failed} of {len(todo)} cells failed; run again to retry them", file=sys.stderr)
+        print(
+            f"bench e2e: {failed} of {len(todo)} cells failed; run again to retry them",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

@@ -37,12 +37,26 @@ def document(
     series = instance_series(res.reports, res.t0)
     migrated = migrations_per_request(res.events)
     records = [replace(r, migrations=migrated.get(r.request_id, 0)) for r in res.records]
-    summary = summarize(records, series, res.decisions, res.events, res.duration_s,
-                        Slo(reg.slo_ttft_ms, reg.slo_tpot_ms))
+    summary = summarize(
+        records,
+        series,
+        res.decisions,
+        res.events,
+        res.duration_s,
+        Slo(reg.slo_ttft_ms, reg.slo_tpot_ms),
+    )
     # The live predictor's accuracy over the run, as the scheduler's /metrics has it.
     live = live_accuracy(res.reports, res.events)
-    row = {"regime": cell.regime, "workload": workload, "mode": cell.mode, "rate": cell.rate,
-           "seed": cell.seed, "timing": reg.label, **summary, "live_mae": live["mae"]}
+    row = {
+        "regime": cell.regime,
+        "workload": workload,
+        "mode": cell.mode,
+        "rate": cell.rate,
+        "seed": cell.seed,
+        "timing": reg.label,
+        **summary,
+        "live_mae": live["mae"],
+    }
     doc: dict[str, Any] = {
         "row": row,
         "config": {"regime": asdict(reg), "workload": workload, **config, "ready_s": res.ready_s},
@@ -54,13 +68,29 @@ def document(
             "migrations_t": sorted(d.ts - res.t0 for d in res.decisions),
             "instances": {name: asdict(s) for name, s in series.items()},
         },
-        "decisions": [{"t": d.ts - res.t0, "request": d.request, "source": d.source,
-                       "target": d.target, "delta_v": d.delta_v, "reason": d.reason}
-                      for d in res.decisions],
-        "events": [{"t": e.ts - res.t0, "event": e.event.value, "request": e.request,
-                    "instance": e.instance, "migration": e.migration, "detail": e.detail,
-                    "data": e.data}
-                   for e in res.events],
+        "decisions": [
+            {
+                "t": d.ts - res.t0,
+                "request": d.request,
+                "source": d.source,
+                "target": d.target,
+                "delta_v": d.delta_v,
+                "reason": d.reason,
+            }
+            for d in res.decisions
+        ],
+        "events": [
+            {
+                "t": e.ts - res.t0,
+                "event": e.event.value,
+                "request": e.request,
+                "instance": e.instance,
+                "migration": e.migration,
+                "detail": e.detail,
+                "data": e.data,
+            }
+            for e in res.events
+        ],
         "predictor_live": live,
     }
     return doc, records_as_rows(records)

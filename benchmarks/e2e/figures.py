@@ -19,7 +19,12 @@ from typing import Any
 
 from benchmarks.e2e.report import MODES, aggregate, row
 
-COLORS = {"no-migration": "#7f7f7f", "current": "#1f77b4", "predicted": "#d62728", "oracle": "#2ca02c"}
+COLORS = {
+    "no-migration": "#7f7f7f",
+    "current": "#1f77b4",
+    "predicted": "#d62728",
+    "oracle": "#2ca02c",
+}
 
 
 def _title(regime: str, docs: Sequence[dict[str, Any]]) -> str:
@@ -35,21 +40,28 @@ def fig9(docs: Sequence[dict[str, Any]], path: Path) -> Path:
 
     aggs = aggregate([row(d) for d in docs])
     regimes = sorted({a["regime"] for a in aggs})
-    metrics = (("goodput", "goodput (req/s)"), ("throughput", "throughput (req/s)"),
-               ("p99_tpot_ms", "P99 TPOT (ms)"))
+    metrics = (
+        ("goodput", "goodput (req/s)"),
+        ("throughput", "throughput (req/s)"),
+        ("p99_tpot_ms", "P99 TPOT (ms)"),
+    )
     fig, axes = plt.subplots(len(regimes), 3, figsize=(13, 3.6 * len(regimes)), squeeze=False)
     for i, reg in enumerate(regimes):
         for j, (key, label) in enumerate(metrics):
             ax = axes[i][j]
             for mode in MODES:
-                pts = sorted((a for a in aggs if a["regime"] == reg and a["mode"] == mode),
-                             key=lambda a: a["rate"])
+                pts = sorted(
+                    (a for a in aggs if a["regime"] == reg and a["mode"] == mode),
+                    key=lambda a: a["rate"],
+                )
                 if not pts:
                     continue
                 xs = [a["rate"] for a in pts]
                 ys = [a[key] for a in pts]
-                err = [[max(y - a[key + "_ci"][0], 0) for y, a in zip(ys, pts, strict=True)],
-                       [max(a[key + "_ci"][1] - y, 0) for y, a in zip(ys, pts, strict=True)]]
+                err = [
+                    [max(y - a[key + "_ci"][0], 0) for y, a in zip(ys, pts, strict=True)],
+                    [max(a[key + "_ci"][1] - y, 0) for y, a in zip(ys, pts, strict=True)],
+                ]
                 ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=mode, color=COLORS[mode])
             ax.set_xlabel("request rate (req/s)")
             ax.set_ylabel(label)
@@ -73,8 +85,10 @@ def _showcase(docs: Sequence[dict[str, Any]], regime: str) -> list[dict[str, Any
     rate = rates[len(rates) // 2]
     out = []
     for mode in MODES:
-        cells = sorted((d for d in mine if d["row"]["mode"] == mode and float(d["row"]["rate"]) == rate),
-                       key=lambda d: d["row"]["seed"])
+        cells = sorted(
+            (d for d in mine if d["row"]["mode"] == mode and float(d["row"]["rate"]) == rate),
+            key=lambda d: d["row"]["seed"],
+        )
         if cells:
             out.append(cells[0])
     return out
@@ -87,13 +101,20 @@ def fig10(docs: Sequence[dict[str, Any]], path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     regimes = sorted({d["row"]["regime"] for d in docs})
-    fig, axes = plt.subplots(1, len(regimes), figsize=(max(6.5 * len(regimes), 9.0), 3.8), squeeze=False)
+    fig, axes = plt.subplots(
+        1, len(regimes), figsize=(max(6.5 * len(regimes), 9.0), 3.8), squeeze=False
+    )
     for ax, reg in zip(axes[0], regimes, strict=True):
         for d in _showcase(docs, reg):
             ys = d["series"]["variance_ms2"]
             mode = d["row"]["mode"]
-            ax.plot(range(len(ys)), ys, label=f"{mode} (mean {d['row']['exec_time_variance']:.2f})",
-                    color=COLORS[mode], lw=1.2)
+            ax.plot(
+                range(len(ys)),
+                ys,
+                label=f"{mode} (mean {d['row']['exec_time_variance']:.2f})",
+                color=COLORS[mode],
+                lw=1.2,
+            )
         ax.set_xlabel("time (s)")
         ax.set_ylabel("exec-time variance across decode instances (ms²)")
         ax.set_yscale("symlog", linthresh=1.0)
@@ -102,7 +123,9 @@ def fig10(docs: Sequence[dict[str, Any]], path: Path) -> Path:
         rate = cells[0]["row"]["rate"] if cells else "?"
         ax.set_title(f"{_title(reg, docs)}, {rate} req/s", loc="left", fontsize=10)
         ax.legend(fontsize=8)
-    fig.suptitle("Execution-time variance across decode instances over time (paper Fig. 10, small scale)")
+    fig.suptitle(
+        "Execution-time variance across decode instances over time (paper Fig. 10, small scale)"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -119,7 +142,9 @@ def fig11(docs: Sequence[dict[str, Any]], path: Path) -> Path:
     panels = [(reg, d) for reg in regimes for d in _showcase(docs, reg)]
     cols = max(len(MODES), 1)
     rows = max(len(regimes), 1)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False, sharey=True
+    )
     for ax in axes.flat:
         ax.set_visible(False)
     for reg_i, reg in enumerate(regimes):
@@ -128,10 +153,14 @@ def fig11(docs: Sequence[dict[str, Any]], path: Path) -> Path:
             ax.set_visible(True)
             s = d["series"]
             kv = [v * 100 for v in s["max_kv"]]
-            ax.plot(range(len(kv)), kv, color=COLORS[d["row"]["mode"]], lw=1.2, label="fullest instance")
+            ax.plot(
+                range(len(kv)), kv, color=COLORS[d["row"]["mode"]], lw=1.2, label="fullest instance"
+            )
             fleet = [v * 100 for v in s.get("fleet_kv", [])]
             if fleet:
-                ax.plot(range(len(fleet)), fleet, color="k", lw=0.8, ls=":", label="fleet as a whole")
+                ax.plot(
+                    range(len(fleet)), fleet, color="k", lw=0.8, ls=":", label="fleet as a whole"
+                )
                 ax.legend(fontsize=7, loc="lower center")
             ax.axhline(99, color="k", ls="--", lw=0.8)
             for t, n in enumerate(s["preemptions"]):
@@ -140,13 +169,19 @@ def fig11(docs: Sequence[dict[str, Any]], path: Path) -> Path:
             for t in s["migrations_t"]:
                 ax.axvline(t, ymin=0, ymax=0.06, color="k", lw=0.8)
             ax.set_ylim(0, 105)
-            ax.set_title(f"{reg}: {d['row']['mode']} ({d['row']['preemptions']} preemptions, "
-                         f"{d['row']['migrations']} migrations)", fontsize=8, loc="left")
+            ax.set_title(
+                f"{reg}: {d['row']['mode']} ({d['row']['preemptions']} preemptions, "
+                f"{d['row']['migrations']} migrations)",
+                fontsize=8,
+                loc="left",
+            )
             ax.set_xlabel("time (s)")
             if col == 0:
                 ax.set_ylabel("max decode KV use (%)")
-    fig.suptitle("Maximum decode KV use; shaded: preemptions, ticks: migrations (paper Fig. 11)"
-                 + ("; device regime: emulated device timing" if "device" in regimes else ""))
+    fig.suptitle(
+        "Maximum decode KV use; shaded: preemptions, ticks: migrations (paper Fig. 11)"
+        + ("; device regime: emulated device timing" if "device" in regimes else "")
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -138,12 +138,23 @@ def run_cell(
     env |= regime.env(bytes_per_token)
     env |= {"STAR_SCHEDULER_MODE": mode, "STAR_BUS_PREFIX": prefix}
     run_dir.mkdir(parents=True, exist_ok=True)
-    with LocalCluster(None, port=0, prefill=prefill, decode=decode, env=env, run_dir=run_dir) as fleet:
+    with LocalCluster(
+        None, port=0, prefill=prefill, decode=decode, env=env, run_dir=run_dir
+    ) as fleet:
         ready_s = fleet.wait_ready(ready_timeout_s)
         warm = [BenchRequest([{"role": "user", "content": "give me a tiny list of animals."}], 4)]
         _run(
-            drive(fleet.url, "chat", "star-tiny", warm * WARMUP_REQUESTS, [0.0] * WARMUP_REQUESTS,
-                  {}, {}, timeout_s, False)
+            drive(
+                fleet.url,
+                "chat",
+                "star-tiny",
+                warm * WARMUP_REQUESTS,
+                [0.0] * WARMUP_REQUESTS,
+                {},
+                {},
+                timeout_s,
+                False,
+            )
         )
         time.sleep(1.0)
         t0 = time.time()

@@ -53,7 +53,11 @@ class RequestRecord:
 
 def met(slo: Slo, r: RequestRecord) -> bool:
     """Whether a request counts toward goodput: completed, TTFT and TPOT within ``slo``."""
-    return r.ok and r.ttft_s * 1e3 <= slo.ttft_ms and (r.tpot_s is None or r.tpot_s * 1e3 <= slo.tpot_ms)
+    return (
+        r.ok
+        and r.ttft_s * 1e3 <= slo.ttft_ms
+        and (r.tpot_s is None or r.tpot_s * 1e3 <= slo.tpot_ms)
+    )
 
 
 @dataclass(slots=True)

@@ -51,7 +51,9 @@ class Cell:
         return out / self.regime / self.mode / f"rate-{self.rate:g}" / f"seed-{self.seed}"
 
 
-def write_cell(out: Path, cell: Cell, doc: dict[str, Any], requests: Sequence[dict[str, Any]]) -> Path:
+def write_cell(
+    out: Path, cell: Cell, doc: dict[str, Any], requests: Sequence[dict[str, Any]]
+) -> Path:
     """Write a finished cell (``cell.json`` last: its presence marks the cell done)."""
     folder = cell.path(out)
     folder.mkdir(parents=True, exist_ok=True)
@@ -112,8 +114,18 @@ def aggregate(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
             "seeds": len(rs),
             "timing": rs[0].get("timing"),
         }
-        for key in ("goodput", "throughput", "p99_tpot_ms", "p99_ttft_ms", "preemptions",
-                    "migrations", "exec_time_variance", "max_kv_use", "slo_met", "pad_share"):
+        for key in (
+            "goodput",
+            "throughput",
+            "p99_tpot_ms",
+            "p99_ttft_ms",
+            "preemptions",
+            "migrations",
+            "exec_time_variance",
+            "max_kv_use",
+            "slo_met",
+            "pad_share",
+        ):
             mean, lo, hi = interval([_num(r.get(key)) for r in rs])
             agg[key] = mean
             agg[key + "_ci"] = (lo, hi)
@@ -123,7 +135,9 @@ def aggregate(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
         b = base.get((a["regime"], a["rate"]))
         if b is None:
             continue
-        a["tpot_reduction"] = 1.0 - a["p99_tpot_ms"] / b["p99_tpot_ms"] if b["p99_tpot_ms"] else math.nan
+        a["tpot_reduction"] = (
+            1.0 - a["p99_tpot_ms"] / b["p99_tpot_ms"] if b["p99_tpot_ms"] else math.nan
+        )
         a["goodput_ratio"] = a["goodput"] / b["goodput"] if b["goodput"] else math.inf
     return out
 
@@ -154,7 +168,9 @@ def table(aggs: Sequence[dict[str, Any]]) -> str:
     )
     lines = [head, "|" + "---|" * 14]
     for a in aggs:
-        label = a["regime"] + (" (emulated device timing)" if a.get("timing") == "emulated device timing" else "")
+        label = a["regime"] + (
+            " (emulated device timing)" if a.get("timing") == "emulated device timing" else ""
+        )
         base = "—" if a["mode"] == "no-migration" else ""  # the baseline itself
         lines.append(
             f"| {label} | {a['rate']:g} | {a['mode']} | {a['seeds']} "
@@ -185,7 +201,10 @@ def sim_table(docs: Sequence[dict[str, Any]]) -> str:
         "| exec-time var. real / sim ms² | migrations real / sim |",
         "|" + "---|" * 8,
     ]
-    for (reg, rate, mode), ds in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], _mode_order(kv[0][2]))):
+    for (reg, rate, mode), ds in sorted(
+        groups.items(), key=lambda kv: (kv[0][0], kv[0][1], _mode_order(kv[0][2]))
+    ):
+
         def mean(src: str, key: str, ds: list[dict[str, Any]] = ds) -> float:
             vals = [_num(d[src].get(key)) for d in ds]
             return sum(vals) / len(vals)
@@ -229,10 +248,14 @@ def live_table(docs: Sequence[dict[str, Any]]) -> str:
         "|" + "---|" * (4 + len(labels)),
     ]
     for (reg, mode), g in sorted(groups.items(), key=lambda kv: (kv[0][0], _mode_order(kv[0][1]))):
+
         def mae(key: str, g: dict[str, list[float]] = g) -> str:
             n, err = g.get(key, [0.0, 0.0])
             return f"{err / n:.0f}" if n else "-"
 
-        lines.append(f"| {reg} | {mode} | {g['all'][0]:.0f} | {mae('all')} | "
-                     + " | ".join(mae(x) for x in labels) + " |")
+        lines.append(
+            f"| {reg} | {mode} | {g['all'][0]:.0f} | {mae('all')} | "
+            + " | ".join(mae(x) for x in labels)
+            + " |"
+        )
     return "\n".join(lines)

@@ -83,7 +83,11 @@ def simulate_cell(doc: dict[str, Any], records: list[dict[str, Any]]) -> dict[st
     )
     result = simulate(config, workload)
     out = {k: result.row.get(k) for k in SIM_KEYS}
-    out["step_model"] = {"base_s": base_s, "per_token_s": per_token_s, "prefill_per_token_s": prefill_s}
+    out["step_model"] = {
+        "base_s": base_s,
+        "per_token_s": per_token_s,
+        "prefill_per_token_s": prefill_s,
+    }
     return out
 
 

@@ -72,7 +72,9 @@ class Workload:
             return [BenchRequest(prompt_for_length(int(x), rng), int(x)) for x in lengths]
         path = Path(self.name)
         if not path.exists():
-            raise ValueError(f"workload {self.name!r}: expected task, replay or a ShareGPT JSON file")
+            raise ValueError(
+                f"workload {self.name!r}: expected task, replay or a ShareGPT JSON file"
+            )
         if count_tokens is None:
             raise ValueError("a ShareGPT workload needs a tokenizer to count answer tokens")
         return sharegpt_requests(path, n, rng, count_tokens, self.cap)

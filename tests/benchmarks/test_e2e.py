@@ -36,7 +36,8 @@ def test_replay_lengths_are_shaped_like_table_3() -> None:
 
 
 @pytest.mark.parametrize(
-    ("tokens", "size"), [(1, "tiny"), (10, "tiny"), (30, "short"), (90, "medium"), (250, "long"), (1000, "huge")]
+    ("tokens", "size"),
+    [(1, "tiny"), (10, "tiny"), (30, "short"), (90, "medium"), (250, "long"), (1000, "huge")],
 )
 def test_replay_prompt_size_follows_the_length(tokens: int, size: str) -> None:
     assert size_for_length(tokens) == size
@@ -61,9 +62,21 @@ def test_which_workloads_know_their_lengths() -> None:
 
 def test_sharegpt_workload(tmp_path: Path) -> None:
     path = tmp_path / "sg.json"
-    path.write_text(json.dumps([{"conversations": [{"from": "human", "value": "hi there"},
-                                                   {"from": "gpt", "value": "a b c d"}]}]))
-    reqs = Workload(str(path), cap=3).requests(2, np.random.default_rng(0), lambda t: len(t.split()))
+    path.write_text(
+        json.dumps(
+            [
+                {
+                    "conversations": [
+                        {"from": "human", "value": "hi there"},
+                        {"from": "gpt", "value": "a b c d"},
+                    ]
+                }
+            ]
+        )
+    )
+    reqs = Workload(str(path), cap=3).requests(
+        2, np.random.default_rng(0), lambda t: len(t.split())
+    )
     assert [r.max_tokens for r in reqs] == [3, 3]  # 4 answer tokens, capped at 3
 
 
@@ -138,13 +151,33 @@ def test_step_times_since() -> None:
 # -- metrics -------------------------------------------------------------------------------
 
 
-def _report(inst: str, seq: int, ts: float, *, used: int, running: int, step_s: float,
-            preempt: int = 0, cap: int = 1000, pad: float = 0.0) -> Report:
+def _report(
+    inst: str,
+    seq: int,
+    ts: float,
+    *,
+    used: int,
+    running: int,
+    step_s: float,
+    preempt: int = 0,
+    cap: int = 1000,
+    pad: float = 0.0,
+) -> Report:
     return Report(
-        instance=inst, role="decode", seq=seq, ts=ts, address="x", capacity_tokens=cap,
-        used_tokens=used, bytes_per_token=1, step_time_s=step_s, delta=32, trace=[float(used)],
+        instance=inst,
+        role="decode",
+        seq=seq,
+        ts=ts,
+        address="x",
+        capacity_tokens=cap,
+        used_tokens=used,
+        bytes_per_token=1,
+        step_time_s=step_s,
+        delta=32,
+        trace=[float(used)],
         requests=[RequestLoad(f"{inst}-{i}", 10, 1) for i in range(running)],
-        preemptions=preempt, pad_share=pad,
+        preemptions=preempt,
+        pad_share=pad,
     )
 
 
@@ -155,8 +188,20 @@ def _fleet() -> dict[str, metrics.InstanceSeries]:
         _report("d0", 2, t0 + 1.5, used=995, running=3, step_s=0.030, preempt=5, pad=0.5),
         _report("d1", 1, t0 + 0.5, used=100, running=1, step_s=0.010, pad=0.7),
         _report("d1", 2, t0 + 1.5, used=0, running=0, step_s=0.010, pad=0.0),
-        Report(instance="p0", role="prefill", seq=1, ts=t0 + 0.5, address="x", capacity_tokens=1,
-               used_tokens=0, bytes_per_token=1, step_time_s=0.5, delta=32, trace=[0.0], requests=[]),
+        Report(
+            instance="p0",
+            role="prefill",
+            seq=1,
+            ts=t0 + 0.5,
+            address="x",
+            capacity_tokens=1,
+            used_tokens=0,
+            bytes_per_token=1,
+            step_time_s=0.5,
+            delta=32,
+            trace=[0.0],
+            requests=[],
+        ),
     ]
     return instance_series(reports, t0)
 
@@ -174,16 +219,33 @@ def test_time_series_from_reports() -> None:
 
 
 def _rec(i: int, ok: bool = True, ttft: float = 0.1, tpot: float | None = 0.02) -> RequestRecord:
-    return RequestRecord(index=i, request_id=f"r{i}", sent_s=0.0, ok=ok, max_tokens=10,
-                         output_tokens=10 if ok else 0, ttft_s=ttft, e2e_s=1.0, tpot_s=tpot,
-                         error="" if ok else "HTTP 500")
+    return RequestRecord(
+        index=i,
+        request_id=f"r{i}",
+        sent_s=0.0,
+        ok=ok,
+        max_tokens=10,
+        output_tokens=10 if ok else 0,
+        ttft_s=ttft,
+        e2e_s=1.0,
+        tpot_s=tpot,
+        error="" if ok else "HTTP 500",
+    )
 
 
 def test_summary_counts_goodput_by_the_slo() -> None:
-    records = [_rec(0), _rec(1, tpot=0.03), _rec(2, ttft=2.0), _rec(3, ok=False), _rec(4, tpot=None)]
+    records = [
+        _rec(0),
+        _rec(1, tpot=0.03),
+        _rec(2, ttft=2.0),
+        _rec(3, ok=False),
+        _rec(4, tpot=None),
+    ]
     decisions = [Decision("m1", "r0", "d0", "d1", 1, -5.0, "predicted", 100.2)]
-    events = [Event(EventKind.RESUMED, 100.3, "proxy", request="r0", migration="m1"),
-              Event(EventKind.REFUSED, 100.4, "proxy", request="r1", migration="m2")]
+    events = [
+        Event(EventKind.RESUMED, 100.3, "proxy", request="r0", migration="m1"),
+        Event(EventKind.REFUSED, 100.4, "proxy", request="r1", migration="m2"),
+    ]
     row = metrics.summarize(records, _fleet(), decisions, events, 2.0, Slo(1000.0, 25.0))
     assert row["completed"] == 4 and row["failed"] == 1
     assert row["goodput"] == 1.0  # r0 and r4 (single-token TPOT) met both SLOs, over 2 s
@@ -200,7 +262,11 @@ def test_summary_counts_goodput_by_the_slo() -> None:
 
 def test_interval_over_seeds() -> None:
     mean, lo, hi = metrics.interval([1.0, 2.0, 3.0])
-    assert mean == 2.0 and lo == pytest.approx(2 - 2.4841, abs=1e-3) and hi == pytest.approx(2 + 2.4841, abs=1e-3)
+    assert (
+        mean == 2.0
+        and lo == pytest.approx(2 - 2.4841, abs=1e-3)
+        and hi == pytest.approx(2 + 2.4841, abs=1e-3)
+    )
     assert metrics.interval([4.0]) == (4.0, 4.0, 4.0)
     assert all(math.isnan(v) for v in metrics.interval([]))
 
@@ -210,8 +276,17 @@ def test_interval_over_seeds() -> None:
 
 def _doc(mode: str, seed: int, p99: float, goodput: float, rate: float = 2.0) -> dict[str, object]:
     row = {k: 0.0 for k in report.ROW_KEYS}
-    row |= {"regime": "device", "workload": "replay", "mode": mode, "rate": rate, "seed": seed,
-            "p99_tpot_ms": p99, "goodput": goodput, "timing": "emulated device timing", "slo_met": 1.0}
+    row |= {
+        "regime": "device",
+        "workload": "replay",
+        "mode": mode,
+        "rate": rate,
+        "seed": seed,
+        "p99_tpot_ms": p99,
+        "goodput": goodput,
+        "timing": "emulated device timing",
+        "slo_met": 1.0,
+    }
     return {"row": row}
 
 
@@ -227,7 +302,9 @@ def test_cells_are_written_once_and_found_again(tmp_path: Path) -> None:
 
 def test_aggregate_and_table() -> None:
     docs = [_doc("no-migration", s, 100.0, 1.0) for s in (1, 2)] + [
-        _doc("predicted", 1, 20.0, 2.0), _doc("predicted", 2, 30.0, 3.0)]
+        _doc("predicted", 1, 20.0, 2.0),
+        _doc("predicted", 2, 30.0, 3.0),
+    ]
     aggs = report.aggregate([report.row(d) for d in docs])
     assert [a["mode"] for a in aggs] == ["no-migration", "predicted"]
     pred = aggs[1]
@@ -248,12 +325,27 @@ def test_cell_paths_separate_everything() -> None:
 def test_live_accuracy_and_sim_tables() -> None:
     def doc(mode: str, points: int, mae: float, sim_p99: float) -> dict[str, object]:
         d = _doc(mode, 1, 20.0, 1.0)
-        d["predictor_live"] = {"points": points, "mae": mae, "buckets": [
-            {"bucket": "0", "points": points, "mae": mae}, {"bucket": "400+", "points": 0, "mae": None}]}
-        d["sim"] = {"p99_tpot_ms": sim_p99, "preemptions": 0, "exec_time_variance": 1.0, "migrations": 2}
+        d["predictor_live"] = {
+            "points": points,
+            "mae": mae,
+            "buckets": [
+                {"bucket": "0", "points": points, "mae": mae},
+                {"bucket": "400+", "points": 0, "mae": None},
+            ],
+        }
+        d["sim"] = {
+            "p99_tpot_ms": sim_p99,
+            "preemptions": 0,
+            "exec_time_variance": 1.0,
+            "migrations": 2,
+        }
         return d
 
-    docs = [doc("predicted", 10, 30.0, 22.0), doc("predicted", 30, 10.0, 22.0), doc("no-migration", 0, 0.0, 30.0)]
+    docs = [
+        doc("predicted", 10, 30.0, 22.0),
+        doc("predicted", 30, 10.0, 22.0),
+        doc("no-migration", 0, 0.0, 30.0),
+    ]
     live = report.live_table(docs)
     # Points are pooled across cells: (10 x 30 + 30 x 10) / 40 = 15 tokens; no points, no row.
     assert "| device | predicted | 40 | 15 | 15 | - |" in live
@@ -277,12 +369,20 @@ def test_a_cell_document_from_what_a_run_recorded() -> None:
         reports=series_reports,
         decisions=[Decision("m1", "r0", "d0", "d1", 1, -5.0, "predicted", t0 + 0.2)],
         events=[Event(EventKind.RESUMED, t0 + 0.3, "proxy", request="r0", migration="m1")],
-        t0=t0, duration_s=2.0, ready_s=30.0,
+        t0=t0,
+        duration_s=2.0,
+        ready_s=30.0,
     )
     reg = regime("device", 1024)
-    doc, rows = document(report.Cell("device", "predicted", 2.5, 1), "replay", reg, res, {"cap": 1024})
+    doc, rows = document(
+        report.Cell("device", "predicted", 2.5, 1), "replay", reg, res, {"cap": 1024}
+    )
     assert doc["row"]["timing"] == "emulated device timing"
-    assert (doc["row"]["mode"], doc["row"]["rate"], doc["row"]["workload"]) == ("predicted", 2.5, "replay")
+    assert (doc["row"]["mode"], doc["row"]["rate"], doc["row"]["workload"]) == (
+        "predicted",
+        2.5,
+        "replay",
+    )
     assert doc["row"]["preemptions"] == 3 and doc["row"]["migrations"] == 1
     assert doc["config"]["regime"]["kv_tokens"] == 2176 and doc["config"]["cap"] == 1024
     assert doc["series"]["migrations_t"] == [pytest.approx(0.2)]

@@ -21,10 +21,34 @@ BASE_STEP_MS = 8.0  # the device regime's base step (benchmarks/e2e/regimes.py)
 
 def _bench(out: Path, env: dict[str, str], *extra: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "star.cli.main", "bench", "e2e", "--regimes", "device",
-         "--modes", "no-migration,predicted", "--rates", "4", "--seeds", "1",
-         "--num-prompts", "6", "--cap", "256", "--out", str(out), "--no-progress", *extra],
-        env=env, capture_output=True, text=True, timeout=900, check=False,
+        [
+            sys.executable,
+            "-m",
+            "star.cli.main",
+            "bench",
+            "e2e",
+            "--regimes",
+            "device",
+            "--modes",
+            "no-migration,predicted",
+            "--rates",
+            "4",
+            "--seeds",
+            "1",
+            "--num-prompts",
+            "6",
+            "--cap",
+            "256",
+            "--out",
+            str(out),
+            "--no-progress",
+            *extra,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
     )
 
 
