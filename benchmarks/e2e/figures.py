@@ -170,7 +170,8 @@ def fig11(docs: Sequence[dict[str, Any]], path: Path) -> Path:
                 ax.axvline(t, ymin=0, ymax=0.06, color="k", lw=0.8)
             ax.set_ylim(0, 105)
             ax.set_title(
-                f"{reg}: {d['row']['mode']} ({d['row']['preemptions']} preemptions, "
+                f"{reg}, {d['row']['rate']:g} req/s: {d['row']['mode']} "
+                f"({d['row']['preemptions']} preemptions, "
                 f"{d['row']['migrations']} migrations)",
                 fontsize=8,
                 loc="left",
