@@ -38,6 +38,7 @@ ROW_KEYS = (
     "pad_share",
     "live_mae",
 )
+MEASURED = ROW_KEYS[ROW_KEYS.index("goodput") :]  # what aggregate() averages over seeds
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,18 +115,7 @@ def aggregate(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
             "seeds": len(rs),
             "timing": rs[0].get("timing"),
         }
-        for key in (
-            "goodput",
-            "throughput",
-            "p99_tpot_ms",
-            "p99_ttft_ms",
-            "preemptions",
-            "migrations",
-            "exec_time_variance",
-            "max_kv_use",
-            "slo_met",
-            "pad_share",
-        ):
+        for key in MEASURED:
             mean, lo, hi = interval([_num(r.get(key)) for r in rs])
             agg[key] = mean
             agg[key + "_ci"] = (lo, hi)
