@@ -95,7 +95,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--quick",
         action="store_true",
         help=f"short pass: modes {QUICK['modes']}, rate {QUICK['rates']}, seed {QUICK['seeds']}, "
-        f"{QUICK['num_prompts']} requests (~10 min here)",
+        f"{QUICK['num_prompts']} requests (6.5 min here)",
     )
     add("--report-only", action="store_true", help="run nothing: table and figures from --out")
     add("--timeout", type=float, default=300.0, help="per-request read timeout, s")
