@@ -105,12 +105,13 @@ class DevicePacer:
 
         def execute_model(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
             started = clock()
-            kv, prefill = batch_tokens(scheduler_output)
             out = execute(scheduler_output, *args, **kwargs)
-            if kv == 0:
+            if not scheduler_output.total_num_scheduled_tokens:
                 return out  # an empty step (nothing scheduled): no device time
-            clock_ = self._star_clock
-            self._star_step = (started, clock_.step_s(kv, prefill) if clock_.base_s > 0 else 0.0)
+            # The batch's tokens only under emulated timing: timing alone is two clock reads.
+            device = self._star_clock
+            target = device.step_s(*batch_tokens(scheduler_output)) if device.base_s > 0 else 0.0
+            self._star_step = (started, target)
             if out is not None or sample is None:
                 self._star_finish_step()
             return out
