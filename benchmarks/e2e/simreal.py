@@ -12,7 +12,6 @@ the cell's own reports (least squares of step time on KV tokens). Its
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
@@ -93,16 +92,3 @@ def simulate_cell(doc: dict[str, Any], records: list[dict[str, Any]]) -> dict[st
 
 def _truthy(value: Any) -> bool:
     return value is True or str(value) == "True"
-
-
-def compare(real: dict[str, Any], sim: dict[str, Any]) -> dict[str, Any]:
-    """Sim against real: P99 TPOT's relative gap, and the other numbers side by side."""
-    r, s = real.get("p99_tpot_ms"), sim.get("p99_tpot_ms")
-    gap = (s / r - 1.0) if r and s is not None and not math.isnan(r) else math.nan
-    return {
-        "p99_tpot_ms": (r, s),
-        "p99_tpot_gap": gap,
-        "preemptions": (real.get("preemptions"), sim.get("preemptions")),
-        "exec_time_variance": (real.get("exec_time_variance"), sim.get("exec_time_variance")),
-        "migrations": (real.get("migrations"), sim.get("migrations")),
-    }
