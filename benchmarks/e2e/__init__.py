@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.e2e.regimes import REGIMES
+from benchmarks.e2e.regimes import DEFAULT_RATES, QUICK_RATES, REGIMES
 from benchmarks.e2e.report import (
     MODES,
     Cell,
@@ -40,7 +40,7 @@ from benchmarks.e2e.report import (
     write_cell,
 )
 
-QUICK = {"modes": "no-migration,predicted", "rates": "2.5", "seeds": "1", "num_prompts": 40}
+QUICK = {"modes": "no-migration,predicted", "seeds": "1", "num_prompts": 40}
 
 
 def _csv(text: str) -> list[str]:
@@ -59,7 +59,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--regimes", default="memory,device", help="memory and/or device (default %(default)s)")
     add("--modes", default=",".join(MODES), help="scheduler modes (default %(default)s)")
-    add("--rates", default="2,2.5,3", help="request rates, req/s (default %(default)s)")
+    add(
+        "--rates",
+        default=None,
+        help="request rates, req/s, for every regime (default: each regime's own sweep, "
+        + "; ".join(f"{g} {','.join(f'{r:g}' for r in DEFAULT_RATES[g])}" for g in REGIMES)
+        + "; --quick: "
+        + ", ".join(f"{g} {QUICK_RATES[g]:g}" for g in REGIMES)
+        + ")",
+    )
     add("--seeds", default="1,2,3", help="workload seeds (default %(default)s)")
     add("--num-prompts", type=int, default=100, help="requests per cell (default %(default)s)")
     add(
@@ -94,8 +102,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add(
         "--quick",
         action="store_true",
-        help=f"short pass: modes {QUICK['modes']}, rate {QUICK['rates']}, seed {QUICK['seeds']}, "
-        f"{QUICK['num_prompts']} requests (6.5 min here)",
+        help=f"short pass: modes {QUICK['modes']}, one rate per regime (the knee of its sweep), "
+        f"seed {QUICK['seeds']}, {QUICK['num_prompts']} requests",
     )
     add("--report-only", action="store_true", help="run nothing: table and figures from --out")
     add("--timeout", type=float, default=300.0, help="per-request read timeout, s")
@@ -111,12 +119,18 @@ def _cells(args: argparse.Namespace) -> list[Cell]:
     for m in modes:
         if m not in MODES:
             raise ValueError(f"unknown mode {m!r}; expected {', '.join(MODES)}")
-    try:
-        rates = [float(x) for x in _csv(args.rates)]
-    except ValueError:
-        raise ValueError(
-            f"--rates takes numbers (req/s) separated by commas, got {args.rates!r}"
-        ) from None
+    if args.rates is None:
+        quick = bool(getattr(args, "quick", False))
+        per = {g: (QUICK_RATES[g],) if quick else DEFAULT_RATES[g] for g in regimes}
+    else:
+        try:
+            given = tuple(float(x) for x in _csv(args.rates))
+        except ValueError:
+            raise ValueError(
+                f"--rates takes numbers (req/s) separated by commas, got {args.rates!r}"
+            ) from None
+        per = {g: given for g in regimes}
+    rates = [r for g in regimes for r in per[g]]
     try:
         seeds = [int(x) for x in _csv(args.seeds)]
     except ValueError:
@@ -127,7 +141,7 @@ def _cells(args: argparse.Namespace) -> list[Cell]:
         raise ValueError("need at least one regime, mode, rate and seed")
     if any(not r > 0 for r in rates):
         raise ValueError(f"rates must be > 0, got {rates}")
-    return [Cell(g, m, r, s) for g in regimes for r in rates for s in seeds for m in modes]
+    return [Cell(g, m, r, s) for g in regimes for r in per[g] for s in seeds for m in modes]
 
 
 def run(args: argparse.Namespace) -> int:

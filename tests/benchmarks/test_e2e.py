@@ -391,3 +391,31 @@ def test_a_cell_document_from_what_a_run_recorded() -> None:
     assert doc["predictor_live"]["points"] == 0 and doc["row"]["live_mae"] is None
     assert [r["migrations"] for r in rows] == [1, 0]  # r0 resumed once on another instance
     json.dumps(doc)  # JSON as written
+
+
+# -- the sweep's cells -----------------------------------------------------------------
+
+
+def _sweep(**kw: object) -> SimpleNamespace:
+    base = {"regimes": "memory,device", "modes": "no-migration,predicted", "seeds": "1"}
+    return SimpleNamespace(**(base | {"rates": None, "quick": False} | kw))
+
+
+def test_each_regime_sweeps_its_own_rates_unless_rates_are_given() -> None:
+    from benchmarks.e2e import _cells
+    from benchmarks.e2e.regimes import DEFAULT_RATES, QUICK_RATES
+
+    cells = _cells(_sweep())
+    for g in ("memory", "device"):
+        assert sorted({c.rate for c in cells if c.regime == g}) == sorted(DEFAULT_RATES[g])
+    assert len(cells) == 2 * 2 * 3
+    quick = _cells(_sweep(quick=True))
+    assert {(c.regime, c.rate) for c in quick} == {(g, QUICK_RATES[g]) for g in QUICK_RATES}
+    # Memory pressure needs a higher rate than the padded device regime on this box.
+    assert QUICK_RATES["memory"] > QUICK_RATES["device"]
+    given = _cells(_sweep(rates="3,4"))
+    assert {(c.regime, c.rate) for c in given} == {
+        (g, r) for g in ("memory", "device") for r in (3.0, 4.0)
+    }
+    with pytest.raises(ValueError, match="--rates takes numbers"):
+        _cells(_sweep(rates="fast"))
