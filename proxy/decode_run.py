@@ -46,6 +46,7 @@ from proxy.migration import (
     refusal,
 )
 from proxy.upstream import ConnectionLost
+from star.aio import deadline
 from star.bus import Bus, Subscriber
 from star.wire import Abort, Decision, Error, Event, EventKind, Handoff, Message, Release, Tokens
 
@@ -178,15 +179,14 @@ class DecodeRun:
                 return self.decisions.get_nowait()
             leg = self.leg
             assert leg is not None
-            deadline = self.machine.deadline()
-            delay = None if deadline is None else deadline - time.monotonic()
+            due = self.machine.deadline()
+            delay = None if due is None else due - time.monotonic()
             if delay is not None and delay <= 0:
                 return TimedOut()  # without reading, even if a frame is in
             try:
                 # The wait for a frame ends at the release deadline, or at once
-                # when a decision comes in (migrate() moves it to now). Not
-                # wait_for: on 3.11 it can swallow a cancel (gh-86296).
-                async with asyncio.timeout(delay) as self._waiting:
+                # when a decision comes in (migrate() moves it to now).
+                async with deadline(delay) as self._waiting:
                     msg = await leg.next()
             except TimeoutError:
                 continue  # the loop's top says which

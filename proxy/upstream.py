@@ -15,6 +15,7 @@ import itertools
 
 import structlog
 
+from star.aio import deadline
 from star.wire import Error, FrameDecoder, Hello, Message, WireError, frame
 
 log = structlog.get_logger(__name__)
@@ -71,16 +72,14 @@ class WorkerClient:
         first). On any failure, cancellation included, the socket is closed.
         """
         host, _, port = self.address.rpartition(":")
-        # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a
-        # cancel that lands just as the inner await finishes (gh-86296).
-        async with asyncio.timeout(timeout_s):
+        async with deadline(timeout_s):
             reader, self._writer = await asyncio.open_connection(host, int(port))
         self._reader = reader
         decoder = FrameDecoder()
         try:
             # One deadline for the whole Hello: a worker that trickles bytes
             # cannot hold the connect open for longer.
-            async with asyncio.timeout(timeout_s):
+            async with deadline(timeout_s):
                 while True:
                     data = await reader.read(65536)
                     if not data:

@@ -38,6 +38,7 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
+from star.aio import raise_swallowed_cancel
 from star.settings import BusSettings, RedisSettings
 from star.wire import Event, LoadEntry, Message, Report, WireError, decode, decode_as, encode
 
@@ -57,24 +58,6 @@ class BusError(Exception):
 
 class BusUnavailable(BusError):
     """Redis stayed unreachable for longer than ``reconnect_timeout_s``."""
-
-
-def raise_swallowed_cancel(task: asyncio.Task[Any] | None, cancels: int) -> None:
-    """Re-raise a cancellation of ``task`` that a Redis command swallowed.
-
-    redis-py sends every command through ``asyncio.wait_for(send,
-    socket_timeout)``. On Python 3.11, ``wait_for`` returns the inner result
-    when the cancel lands after the send finished but before ``wait_for``
-    resumed (CPython gh-86296, fixed in 3.12): the command goes on and the
-    caller's loop never sees the ``CancelledError``, so a reader task ignores
-    ``cancel()`` and whoever awaits it hangs. The task still counts the request
-    (``Task.cancelling()``), so a count above ``cancels`` (the count when the
-    command started) is a cancel that was lost on the way.
-    """
-    if task is not None and task.cancelling() > cancels:
-        raise asyncio.CancelledError(
-            "cancelled during a Redis command (swallowed by asyncio.wait_for)"
-        )
 
 
 def connect_redis(settings: RedisSettings) -> aioredis.Redis:

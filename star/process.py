@@ -27,6 +27,8 @@ from typing import Any
 
 import structlog
 
+from star.aio import deadline
+
 log = structlog.get_logger(__name__)
 
 
@@ -112,13 +114,8 @@ class Service:
     # -- plumbing -------------------------------------------------------------------
 
     async def _drain_within(self) -> None:
-        """:meth:`drain`, ended by ``TimeoutError`` after ``drain_timeout_s``.
-
-        ``asyncio.timeout``, not ``wait_for``: on Python 3.11 ``wait_for``
-        returns when a cancel (the forced exit) lands just as the drain
-        finishes, and the cancel is lost (CPython gh-86296).
-        """
-        async with asyncio.timeout(self.drain_timeout_s):
+        """:meth:`drain`, ended by ``TimeoutError`` after ``drain_timeout_s``."""
+        async with deadline(self.drain_timeout_s):
             await self.drain()
 
     @property
@@ -147,14 +144,23 @@ class Service:
             return
         exc = task.exception()
         if exc is not None:
-            log.error("background task failed; stopping", task=task.get_name(), error=repr(exc), exc_info=exc)
+            log.error(
+                "background task failed; stopping",
+                task=task.get_name(),
+                error=repr(exc),
+                exc_info=exc,
+            )
             self.failed = exc
             self.request_exit()
 
     def _on_signal(self, signum: int) -> None:
         self._signals += 1
         if self._signals == 1:
-            log.info("stop requested; draining", signal=signal.Signals(signum).name, timeout_s=self.drain_timeout_s)
+            log.info(
+                "stop requested; draining",
+                signal=signal.Signals(signum).name,
+                timeout_s=self.drain_timeout_s,
+            )
             self.request_exit()
         else:
             log.warning("second signal; forcing exit", signal=signal.Signals(signum).name)
@@ -220,7 +226,9 @@ class Service:
                 try:
                     await self._phase
                 except TimeoutError:
-                    log.warning("drain timed out; cancelling the rest", timeout_s=self.drain_timeout_s)
+                    log.warning(
+                        "drain timed out; cancelling the rest", timeout_s=self.drain_timeout_s
+                    )
                 except asyncio.CancelledError:
                     if not self.force_exit:
                         raise
@@ -228,7 +236,12 @@ class Service:
                 task.cancel(f"{self.name} shutting down")
             if self._tasks:
                 await asyncio.gather(*self._tasks, return_exceptions=True)
-            log.info("stopped", service=self.name, drain_s=round(time.monotonic() - started, 3), status=status)
+            log.info(
+                "stopped",
+                service=self.name,
+                drain_s=round(time.monotonic() - started, 3),
+                status=status,
+            )
             return status
         finally:
             with contextlib.suppress(Exception):

@@ -45,6 +45,7 @@ from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 from vllm.v1.metrics.loggers import StatLoggerBase
 from vllm.v1.metrics.stats import IterationStats, MultiModalCacheStats, SchedulerStats
 
+from star.aio import deadline
 from star.ports import free_port
 from star.sampling import migration_blocker
 from star.settings import WorkerSettings
@@ -418,11 +419,8 @@ class StatsCollector(StatLoggerBase):
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append((start + n, fut))
         try:
-            # asyncio.timeout, not wait_for: on Python 3.11 wait_for returns when
-            # the cancel lands after ``fut`` resolved (gh-86296), and the report
-            # loop awaiting this would ignore its cancel and outlive shutdown.
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(max_wait_s):
+                async with deadline(max_wait_s):
                     await fut
         finally:
             fut.cancel()
@@ -557,7 +555,9 @@ class EngineHandle:
                     disable_log_stats=True,
                 )
             except Exception as exc:
-                setup = Setup(spec.kv_cache_space_gib, spec.max_model_len, spec.gpu_memory_utilization, cpu)
+                setup = Setup(
+                    spec.kv_cache_space_gib, spec.max_model_len, spec.gpu_memory_utilization, cpu
+                )
                 raise EngineStartError(explain(failure.cause() or root_cause(exc), setup)) from exc
         log.info(
             "engine started",

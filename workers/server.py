@@ -6,6 +6,10 @@ Generate as its own task (owned by the connection, so none is orphaned).
 The protocol's rules live in :mod:`workers.protocol`; this module only moves
 bytes and tasks around them:
 
+* with a cluster secret, a connection first runs the handshake of
+  :mod:`star.handshake`; a peer that fails it is logged (``peer_refused``),
+  counted (:attr:`TokenServer.refused`) and closed having received only the
+  Challenge: no Hello, no error, no detail;
 * a frame that fails to decode is answered with an Error and the connection
   goes on; an oversized frame is answered and the connection closed (the
   stream position is lost);
@@ -25,6 +29,9 @@ from dataclasses import dataclass
 
 import structlog
 
+from star import handshake
+from star.aio import deadline
+from star.handshake import HandshakeFailed, WorkerHandshake
 from star.wire import (
     MAX_FRAME_BYTES,
     Abort,
@@ -104,6 +111,8 @@ class _Connection:
         """Serve the connection until the peer closes it (or the server shuts down)."""
         decoder = FrameDecoder(self.server.max_frame)
         try:
+            if self.server.key is not None and not await self._authenticate():
+                return
             await self.send(self.server.hello)
             while True:
                 data = await self.reader.read(_READ_CHUNK)
@@ -116,6 +125,44 @@ class _Connection:
             self.log.info("connection lost", error=str(exc))
         finally:
             await self.close()
+
+    async def _authenticate(self) -> bool:
+        """Run the worker's side of the handshake; False (logged, counted) if the peer fails."""
+        assert self.server.key is not None
+        shake = WorkerHandshake(self.server.key)
+        decoder = FrameDecoder(handshake.MAX_FRAME_BYTES)
+        try:
+            await self.send(shake.challenge())
+            async with deadline(self.server.handshake_timeout_s):
+                msg = await self._first_frame(decoder)
+            accept = shake.answer(msg)
+            if decoder.buffered:
+                # A proxy waits for Hello before it sends anything else.
+                raise HandshakeFailed("early_frame", "bytes after the answer")
+        except HandshakeFailed as exc:
+            reason = exc.reason
+        except TimeoutError:
+            reason = "timeout"
+        except FrameTooLarge:
+            reason = "frame_too_large"
+        except WireError:
+            reason = "bad_frame"
+        except (ConnectionError, asyncio.IncompleteReadError):
+            reason = "closed"
+        else:
+            await self.send(accept)
+            return True
+        self.server.note_refused(self.peer, reason)
+        return False
+
+    async def _first_frame(self, decoder: FrameDecoder) -> Message:
+        while True:
+            data = await self.reader.read(handshake.MAX_FRAME_BYTES)
+            if not data:
+                raise ConnectionError("closed before answering")
+            decoder.feed(data)
+            for msg in decoder:
+                return msg
 
     def _drain_frames(self, decoder: FrameDecoder) -> bool:
         """Handle every complete frame; False when the connection must close."""
@@ -277,10 +324,27 @@ class _Connection:
         self.log.info("connection closed")
 
 
+class InsecureBind(ValueError):
+    """A token server without a cluster secret asked to listen beyond loopback."""
+
+
+def check_bind(host: str, secret: str) -> None:
+    """Refuse an unauthenticated token protocol on an address other hosts can reach."""
+    if not secret and not handshake.is_loopback(host):
+        raise InsecureBind(
+            f"worker.host={host} opens the token protocol beyond loopback without "
+            "authentication: set cluster.secret (STAR_CLUSTER_SECRET), the same on "
+            "every worker and proxy of the cluster"
+        )
+
+
 class TokenServer:
     """Serve the internal token protocol for one engine.
 
-    ``hello`` is sent first on every connection. ``port=0`` picks a free port;
+    ``hello`` is sent first on every connection; with ``secret`` (the
+    ``cluster.secret`` setting) only after the peer has passed the handshake
+    of :mod:`star.handshake`. Without one, ``host`` must be a loopback
+    address (:func:`check_bind`). ``port=0`` picks a free port;
     :attr:`address` says which after :meth:`start`. ``sock``, a socket already
     listening (:func:`star.ports.listen`), is served instead of binding one. :meth:`serve` runs until
     :meth:`shutdown`, which stops intake, lets open streams finish for up to
@@ -296,13 +360,19 @@ class TokenServer:
         *,
         max_frame: int = MAX_FRAME_BYTES,
         sock: socket.socket | None = None,
+        secret: str = "",
+        handshake_timeout_s: float = handshake.TIMEOUT_S,
     ) -> None:
+        check_bind(host, secret)
         self.engine = engine
         self.hello = hello
         self.host = host
         self.port = port
         self.sock = sock  # already bound and listening (the port kept since startup)
         self.max_frame = max_frame
+        self.key = handshake.secret_key(secret) if secret else None
+        self.handshake_timeout_s = handshake_timeout_s
+        self.refused = 0  # peers that failed the handshake
         self.draining = False
         self.stream_count = 0
         self._idle = asyncio.Event()
@@ -320,6 +390,11 @@ class TokenServer:
     @property
     def connections(self) -> int:
         return len(self._connections)
+
+    def note_refused(self, peer: str, reason: str) -> None:
+        """Log and count a peer that failed the handshake."""
+        self.refused += 1
+        log.warning("peer_refused", peer=peer, reason=reason, refused=self.refused)
 
     def stream_opened(self) -> None:
         self.stream_count += 1
@@ -358,6 +433,9 @@ class TokenServer:
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = _Connection(self, reader, writer)
         if self.draining:
+            if self.key is not None:  # an unproven peer is told nothing
+                await conn.close()
+                return
             conn.write(error_frame(CONNECTION_STREAM, ShuttingDown("the worker is shutting down")))
             await conn.close()
             return
@@ -374,7 +452,7 @@ class TokenServer:
         if self._server is not None:
             self._server.close()
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(drain_timeout):  # not wait_for: it can lose a cancel on 3.11
+            async with deadline(drain_timeout):
                 await self._idle.wait()
         if self.stream_count:
             log.warning("drain timeout, aborting open streams", streams=self.stream_count)

@@ -22,6 +22,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from star.aio import deadline
 from star.bus import Bus, BusUnavailable, Subscriber, as_str
 from star.cli.common import CliError, add_settings_args, guarded, settings_from_args
 from star.logs import configure_logging
@@ -213,7 +214,8 @@ async def _live(feed: Feed, args: argparse.Namespace, colour: bool, title: str) 
                 if next_at < now:  # a slow refresh: skip the missed frames
                     next_at = now
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(stopping), next_at - now)
+                    async with deadline(next_at - now):
+                        await asyncio.shield(stopping)
         finally:
             stopping.cancel()
             for sig in (signal.SIGINT, signal.SIGTERM):
