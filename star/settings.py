@@ -25,7 +25,9 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import urlsplit
+from urllib.parse import quote, unquote, urlsplit
+
+from star.redact import MASK, redact_url
 
 ENV_PREFIX = "STAR_"
 CONFIG_ENV = "STAR_CONFIG"
@@ -86,8 +88,15 @@ def migrations(value: Any) -> str | None:
     return 'must be "auto" or an integer >= 1'
 
 
+def cluster_secret(value: Any) -> str | None:
+    if value and len(value) < 16:
+        return "must be empty or at least 16 characters (e.g. the output of `openssl rand -hex 32`)"
+    return None
+
+
 def _opt(default: Any, help: str, check: Check | None = None, secret: bool = False) -> Any:
-    return field(default=default, metadata={"help": help, "check": check, "secret": secret})
+    # A secret stays out of the dataclass repr, so a logged settings object cannot show it.
+    return field(default=default, repr=not secret, metadata={"help": help, "check": check, "secret": secret})
 
 
 DISPATCH_POLICIES = ("round-robin", "current-load", "predicted")
@@ -100,6 +109,11 @@ DISPATCH_POLICIES = ("round-robin", "current-load", "predicted")
 class RedisSettings:
     """Connection to the Redis server that carries the event bus."""
 
+    def __repr__(self) -> str:
+        # The URL may carry a password (the password field itself is repr=False).
+        shown = (f"{f.name}={redact_url(repr(getattr(self, f.name)))}" for f in dataclasses.fields(self) if f.repr)
+        return f"RedisSettings({', '.join(shown)})"
+
     url: str = _opt(
         "redis://127.0.0.1:6379/0",
         "redis://, rediss:// (TLS) or unix:// URL; may carry user:password",
@@ -107,6 +121,9 @@ class RedisSettings:
     )
     username: str = _opt("", "ACL user (overrides the URL's)")
     password: str = _opt("", "password (overrides the URL's)", secret=True)
+    tls_ca_file: str = _opt("", "rediss:// only: PEM file of the CA that signed the server's certificate (empty = the system's trust store)")
+    tls_cert_file: str = _opt("", "rediss:// only: PEM client certificate, for a server that checks clients (tls-auth-clients)")
+    tls_key_file: str = _opt("", "rediss:// only: PEM private key of tls_cert_file (empty = in tls_cert_file)")
     connect_timeout_s: float = _opt(2.0, "TCP connect timeout", positive)
     socket_timeout_s: float = _opt(5.0, "timeout of one command; also bounds a blocking read (its block is capped at half of this)", positive)
     backoff_base_s: float = _opt(0.05, "first reconnect delay; doubles per attempt", positive)
@@ -189,11 +206,19 @@ class ProxySettings:
     host: str = _opt("127.0.0.1", "listen address")
     port: int = _opt(8000, "listen port", port)
     api_key: str = _opt("", "bearer token clients must send (empty = no auth)", secret=True)
+    protect_metrics: bool = _opt(False, "/metrics and /health need the api_key too (no effect while api_key is empty)")
     max_header_bytes: int = _opt(16_384, "larger request heads get 431", positive)
     max_body_bytes: int = _opt(4 * 1024 * 1024, "larger bodies get 413", positive)
     max_streams: int = _opt(2048, "concurrent requests; more get 429", positive)
     dispatch: str = _opt("current-load", "P->D policy while no scheduler publishes one (a leader's scheduler.dispatch wins)", one_of(*DISPATCH_POLICIES))
     drain_timeout_s: float = _opt(30.0, "on SIGTERM, wait this long for open streams", positive)
+
+
+@dataclass(frozen=True)
+class ClusterSettings:
+    """What every process of one cluster shares."""
+
+    secret: str = _opt("", "shared secret of the internal token protocol: proxy and workers prove it to each other (HMAC challenge) before a worker says Hello or takes a request; required for a worker bound beyond loopback (empty = no authentication)", cluster_secret, secret=True)
 
 
 @dataclass(frozen=True)
@@ -236,6 +261,7 @@ class Settings:
     scheduler: SchedulerSettings = field(default_factory=SchedulerSettings)
     worker: WorkerSettings = field(default_factory=WorkerSettings)
     proxy: ProxySettings = field(default_factory=ProxySettings)
+    cluster: ClusterSettings = field(default_factory=ClusterSettings)
     predictor: PredictorSettings = field(default_factory=PredictorSettings)
     simulator: SimulatorSettings = field(default_factory=SimulatorSettings)
     log: LogSettings = field(default_factory=LogSettings)
@@ -332,6 +358,27 @@ def _coerce(tp: Any, value: Any, from_text: bool) -> Any:
     raise TypeError(f"unsupported settings type {tp}")
 
 
+def _quoted(value: Any, f: dataclasses.Field[Any]) -> str:
+    """A value as an error message quotes it: a secret masked, a URL without its password."""
+    if f.metadata.get("secret") and value:
+        return repr(MASK)
+    return redact_url(repr(value))
+
+
+def secret_values(settings: Settings) -> list[str]:
+    """Every secret the settings hold, in the forms a log line or an error could show it."""
+    out: set[str] = set()
+    for _key, value, _source, f in settings.items():
+        if not isinstance(value, str) or not value:
+            continue
+        if f.metadata.get("secret"):
+            out.add(value)
+        password = urlsplit(value).password if "://" in value else None
+        if password:
+            out.update({password, unquote(password), quote(unquote(password), safe="")})
+    return sorted(out)
+
+
 def _describe(source: str) -> str:
     return f" (from {source})" if source != "default" else ""
 
@@ -355,7 +402,8 @@ def _from_env(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
             continue  # not ours (STAR_ is a short prefix); see `star config show`
         if key not in _field_types(area):
             known = ", ".join(env_key(f"{area}.{k}") for k in _field_types(area))
-            raise SettingsError(f"unknown environment variable {name}={raw!r}; {area} takes {known}")
+            # The value is not quoted: a misspelt secret's variable would show the secret.
+            raise SettingsError(f"unknown environment variable {name}; {area} takes {known}")
         out[f"{area}.{key}"] = (raw, f"env {name}")
     return out
 
@@ -386,7 +434,7 @@ def parse_assignment(text: str) -> tuple[str, str]:
     """Split a ``--set area.key=value`` flag."""
     key, sep, value = text.partition("=")
     if not sep or "." not in key:
-        raise SettingsError(f"--set expects AREA.KEY=VALUE, got {text!r}")
+        raise SettingsError(f"--set expects AREA.KEY=VALUE, got {key.strip()!r}{'=...' if sep else ''}")
     return key.strip(), value
 
 
@@ -427,7 +475,9 @@ def load_settings(
                 try:
                     value = _coerce(hints[f.name], raw, from_text=not source.startswith("file"))
                 except (ValueError, json.JSONDecodeError) as exc:
-                    raise SettingsError(f"{key}: invalid value {raw!r}{_describe(source)}: {exc}") from None
+                    raise SettingsError(
+                        f"{key}: invalid value {_quoted(raw, f)}{_describe(source)}: {redact_url(str(exc))}"
+                    ) from None
                 kwargs[f.name] = value
                 sources[key] = source
             check: Check | None = f.metadata.get("check")
@@ -436,19 +486,19 @@ def load_settings(
                 problem = check(current)
                 if problem:
                     src = sources.get(key, "default")
-                    raise SettingsError(f"{key}: {problem}, got {current!r}{_describe(src)}")
+                    raise SettingsError(f"{key}: {problem}, got {_quoted(current, f)}{_describe(src)}")
         sections[area] = cls(**kwargs)
     return Settings(**sections, sources=sources)
 
 
 def render(value: Any, secret: bool) -> str:
-    """A value as `star config show` prints it (secrets masked)."""
+    """A value as `star config show` prints it (secrets masked, URL passwords too)."""
     if secret and value:
-        return '"***"'
+        return json.dumps(MASK)
     if isinstance(value, tuple):
-        return json.dumps(list(value))
+        return json.dumps([redact_url(v) if isinstance(v, str) else v for v in value])
     if isinstance(value, str):
-        return json.dumps(value)
+        return json.dumps(redact_url(value))
     if isinstance(value, bool):
         return "true" if value else "false"
     return repr(value)
@@ -460,6 +510,10 @@ def as_dict(settings: Settings, mask_secrets: bool = True) -> dict[str, dict[str
     for key, value, _source, f in settings.items():
         area, name = key.split(".", 1)
         if mask_secrets and f.metadata.get("secret") and value:
-            value = "***"
+            value = MASK
+        elif mask_secrets and isinstance(value, str):
+            value = redact_url(value)
+        elif mask_secrets and isinstance(value, tuple):
+            value = tuple(redact_url(v) if isinstance(v, str) else v for v in value)
         out[area][name] = list(value) if isinstance(value, tuple) else value
     return out
