@@ -32,7 +32,7 @@ import structlog
 from scheduler.leader import Leadership
 from scheduler.metrics import SchedulerMetrics
 from scheduler.view import ClusterView, decision_for
-from star.bus import TRANSIENT, Bus, BusUnavailable, GroupReader, Subscriber
+from star.bus import TRANSIENT, Bus, BusUnavailable, GroupReader, Outage, Subscriber
 from star.planner import plan
 from star.planner.types import Instance, ModeKind, PlannerParams
 from star.predictor.live import AccuracyTracker
@@ -191,7 +191,7 @@ class SchedulerService(Service):
         interval = self.settings.scheduler.interval_s
         loop = asyncio.get_running_loop()
         next_at = loop.time()
-        down_since: float | None = None
+        outage = Outage("tick_cut_short_redis_unreachable", "ticks_reach_redis_again")
         while True:
             started = time.perf_counter()
             try:
@@ -199,17 +199,9 @@ class SchedulerService(Service):
             except REDIS_DOWN as exc:
                 # Redis is gone: this tick's publishing is lost (the leader task
                 # steps down meanwhile); the next tick plans again.
-                if down_since is None:
-                    down_since = time.monotonic()
-                    log.error(
-                        "tick cut short: Redis unreachable; going on", error=str(exc) or repr(exc)
-                    )
+                outage.down(exc)
             else:
-                if down_since is not None:
-                    log.info(
-                        "ticks reach Redis again", down_s=round(time.monotonic() - down_since, 3)
-                    )
-                    down_since = None
+                outage.up()
             self.metrics.tick_seconds.observe(time.perf_counter() - started)
             next_at += interval
             now = loop.time()

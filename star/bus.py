@@ -39,6 +39,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from star.aio import raise_swallowed_cancel
+from star.redact import redact_url
+from star.redis_tls import tls_kwargs
 from star.settings import BusSettings, RedisSettings
 from star.wire import Event, LoadEntry, Message, Report, WireError, decode, decode_as, encode
 
@@ -58,6 +60,33 @@ class BusError(Exception):
 
 class BusUnavailable(BusError):
     """Redis stayed unreachable for longer than ``reconnect_timeout_s``."""
+
+
+class Outage:
+    """A loop's Redis outage, logged once when it starts and once when it ends.
+
+    A loop that outlives outages calls :meth:`down` on each failure (every
+    ``reconnect_timeout_s`` or every tick) and :meth:`up` on each success;
+    only the first failure and the first success after it are logged,
+    as ``down_event`` (error) and ``up_event`` (info, with ``down_s``).
+    """
+
+    def __init__(self, down_event: str, up_event: str, **context: Any) -> None:
+        self.down_event = down_event
+        self.up_event = up_event
+        self.context = context
+        self.since: float | None = None
+
+    def down(self, exc: BaseException) -> None:
+        if self.since is None:
+            self.since = time.monotonic()
+            log.error(self.down_event, **self.context, error=str(exc) or repr(exc))
+
+    def up(self) -> None:
+        if self.since is not None:
+            down_s = round(time.monotonic() - self.since, 3)
+            log.info(self.up_event, **self.context, down_s=down_s)
+            self.since = None
 
 
 def connect_redis(settings: RedisSettings) -> aioredis.Redis:
@@ -80,6 +109,7 @@ def connect_redis(settings: RedisSettings) -> aioredis.Redis:
         kwargs["username"] = settings.username
     if settings.password:
         kwargs["password"] = settings.password
+    kwargs.update(tls_kwargs(settings))
     return aioredis.Redis.from_url(settings.url, **kwargs)
 
 
@@ -220,7 +250,7 @@ class Bus:
                 waited = time.monotonic() - started
                 if waited >= cfg.reconnect_timeout_s:
                     raise BusUnavailable(
-                        f"Redis at {cfg.url} unreachable for {waited:.1f}s during {what}: {exc}"
+                        f"Redis at {redact_url(cfg.url)} unreachable for {waited:.1f}s during {what}: {exc}"
                     ) from exc
                 log.warning(
                     "redis unreachable, retrying",
@@ -588,15 +618,17 @@ class GroupReader:
         gives up after ``reconnect_timeout_s``): every attempt is logged by
         :meth:`Bus.retrying` (``redis unreachable, retrying``, at most once
         per ``backoff_max_s`` once the backoff has grown), the first
-        :class:`BusUnavailable` of an outage once more (``<key> unreadable;
-        retrying``), and reading goes on. Once Redis is back, an
+        :class:`BusUnavailable` of an outage once more (``stream_unreadable``),
+        and reading goes on. Once Redis is back, an
         acknowledgement that could not be sent is sent first, then this
         consumer's pending entries are read before new ones: nothing
         delivered is lost and nothing acknowledged comes twice. A batch the
         caller breaks out of stays pending and is reclaimed after
         ``claim_idle_ms``. Cancelling the iterating task ends it.
         """
-        down_since: float | None = None
+        outage = Outage(
+            "stream_unreadable", "stream_readable_again", stream=self.key, group=self.group
+        )
         unacked: list[str] = []
         while True:
             try:
@@ -605,23 +637,9 @@ class GroupReader:
                     unacked = []
                 batch = await self.read()
             except BusUnavailable as exc:
-                if down_since is None:
-                    down_since = time.monotonic()
-                    log.error(
-                        f"{self.key} unreadable; retrying",
-                        stream=self.key,
-                        group=self.group,
-                        error=str(exc),
-                    )
+                outage.down(exc)
                 continue
-            if down_since is not None:
-                log.info(
-                    f"{self.key} readable again",
-                    stream=self.key,
-                    group=self.group,
-                    down_s=round(time.monotonic() - down_since, 3),
-                )
-                down_since = None
+            outage.up()
             if batch:
                 unacked = [e.id for e in batch]
                 yield batch
@@ -708,30 +726,22 @@ class Subscriber:
 
         A Redis outage never ends the iteration: each ``reconnect_timeout_s``
         without Redis ends one :meth:`read` with :class:`BusUnavailable`, the
-        first of an outage is logged (``<key> unreadable; retrying``) and
+        first of an outage is logged (``stream_unreadable``) and
         reading goes on; once Redis is back it resumes after the last entry
         read (from the stream's start if Redis lost the stream). Entries read
         but not yet handed out survive a ``break``: iterating again yields
         them first. Cancelling the iterating task ends it.
         """
-        down_since: float | None = None
+        outage = Outage("stream_unreadable", "stream_readable_again", stream=self.key)
         while True:
             while self._buffer:
                 yield self._buffer.popleft()
             try:
                 batch = await self.read()
             except BusUnavailable as exc:
-                if down_since is None:
-                    down_since = time.monotonic()
-                    log.error(f"{self.key} unreadable; retrying", stream=self.key, error=str(exc))
+                outage.down(exc)
                 continue
-            if down_since is not None:
-                log.info(
-                    f"{self.key} readable again",
-                    stream=self.key,
-                    down_s=round(time.monotonic() - down_since, 3),
-                )
-                down_since = None
+            outage.up()
             self._buffer.extend(batch)
 
 

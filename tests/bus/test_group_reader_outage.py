@@ -82,10 +82,15 @@ async def test_iteration_outlives_an_outage_longer_than_reconnect_timeout(
             await producer.close()
             await reader_bus.close()
     assert seen == published  # every entry once, in order
-    unreadable = [e for e in logs if e["event"] == f"{reader.key} unreadable; retrying"]
+    unreadable = [
+        e for e in logs if e["event"] == "stream_unreadable" and e["stream"] == reader.key
+    ]
     assert len(unreadable) == 1  # one line per outage, however many reconnect timeouts it lasted
     assert unreadable[0]["log_level"] == "error"
-    assert sum(1 for e in logs if e["event"] == f"{reader.key} readable again") == 1
+    assert (
+        sum(1 for e in logs if e["event"] == "stream_readable_again" and e["stream"] == reader.key)
+        == 1
+    )
 
 
 async def test_cancelling_during_an_outage_returns_promptly(own_redis: RedisServer) -> None:
