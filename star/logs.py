@@ -4,6 +4,10 @@ JSON lines when stderr is not a TTY (systemd/journald, CI), a readable
 console renderer on a TTY. Context is bound per unit of work with
 ``structlog.contextvars.bound_contextvars(instance=..., request_id=...,
 migration_id=...)`` so every line of that unit carries it.
+
+No line shows a secret: every URL password, and every secret value the
+process was configured with (``secret_values(settings)``), is masked as
+``***`` in each value, in tracebacks and in the stdlib loggers' lines.
 """
 
 from __future__ import annotations
@@ -13,11 +17,12 @@ import importlib.util
 import logging
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, MutableMapping
 from typing import Any, TextIO
 
 import structlog
 
+from star.redact import redact_text
 from star.settings import LogSettings
 
 _LEVELS = {
@@ -50,13 +55,19 @@ def stdout_to_stderr() -> Iterator[None]:
 
 
 def configure_logging(
-    settings: LogSettings | None = None, stream: TextIO | None = None, **context: Any
+    settings: LogSettings | None = None,
+    stream: TextIO | None = None,
+    secrets: Iterable[str] = (),
+    **context: Any,
 ) -> None:
     """Configure structlog (and route stdlib logging through it).
 
-    ``context`` is bound for the life of the process, e.g. ``role="scheduler"``.
-    Calling it again reconfigures (tests do that); processes call it once.
+    ``secrets`` (``star.settings.secret_values(settings)``) are masked in every
+    line, as URL passwords always are. ``context`` is bound for the life of the
+    process, e.g. ``role="scheduler"``. Calling it again reconfigures (tests do
+    that); processes call it once.
     """
+    hidden = tuple(secrets)
     settings = settings or LogSettings()
     stream = stream or sys.stderr
     level = _LEVELS[settings.level]
@@ -85,7 +96,7 @@ def configure_logging(
         )
 
     structlog.configure(
-        processors=[*shared, renderer],
+        processors=[*shared, _Redact(hidden), _RedactRendered(renderer, hidden)],
         wrapper_class=structlog.make_filtering_bound_logger(level),
         logger_factory=structlog.PrintLoggerFactory(stream),
         cache_logger_on_first_use=False,
@@ -96,7 +107,7 @@ def configure_logging(
 
     # Libraries (redis, vllm) log through the stdlib; keep their warnings visible.
     handler = logging.StreamHandler(stream)
-    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(_RedactingFormatter("%(levelname)s %(name)s: %(message)s", hidden))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(max(level, logging.WARNING))
@@ -107,3 +118,53 @@ def _console_traceback() -> structlog.typing.ExceptionRenderer:
     if importlib.util.find_spec("rich") is None:
         return structlog.dev.plain_traceback
     return structlog.dev.RichTracebackFormatter(show_locals=False)
+
+
+class _Redact:
+    """Mask secrets in every value of the event (nested ones, the rendered traceback)."""
+
+    def __init__(self, secrets: tuple[str, ...]) -> None:
+        self.secrets = secrets
+
+    def __call__(
+        self, _logger: Any, _name: str, event: MutableMapping[str, Any]
+    ) -> MutableMapping[str, Any]:
+        for key, value in event.items():
+            if key != "exc_info":  # the console renderer formats it; _RedactRendered masks that
+                event[key] = self._walk(value)
+        return event
+
+    def _walk(self, value: Any) -> Any:
+        if isinstance(value, str):
+            return redact_text(value, self.secrets)
+        if isinstance(value, dict):
+            return {k: self._walk(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [self._walk(v) for v in value]
+        if isinstance(value, int | float | bool) or value is None:
+            return value
+        # An object (an exception, a settings area): its repr, as JSONRenderer would show it.
+        return redact_text(repr(value), self.secrets)
+
+
+class _RedactRendered:
+    """The renderer, then a last mask over the line (what the console renderer formatted itself)."""
+
+    def __init__(self, renderer: structlog.typing.Processor, secrets: tuple[str, ...]) -> None:
+        self.renderer = renderer
+        self.secrets = secrets
+
+    def __call__(self, logger: Any, name: str, event: MutableMapping[str, Any]) -> Any:
+        line = self.renderer(logger, name, event)
+        return redact_text(line, self.secrets) if isinstance(line, str) else line
+
+
+class _RedactingFormatter(logging.Formatter):
+    """The stdlib lines (redis-py, vLLM) masked like structlog's."""
+
+    def __init__(self, fmt: str, secrets: tuple[str, ...]) -> None:
+        super().__init__(fmt)
+        self.secrets = secrets
+
+    def format(self, record: logging.LogRecord) -> str:
+        return redact_text(super().format(record), self.secrets)

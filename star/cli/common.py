@@ -7,6 +7,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+from star.redact import redact_url
 from star.settings import Settings, SettingsError, load_settings, parse_assignment
 
 
@@ -39,8 +40,8 @@ def settings_from_args(args: argparse.Namespace, flags: Mapping[str, Any] | None
 
 
 def fail(message: str, status: int = 2) -> int:
-    """Print a one-line error for the operator and return the exit status."""
-    print(f"star: error: {message}", file=sys.stderr)
+    """Print a one-line error for the operator (URL passwords masked) and return the exit status."""
+    print(f"star: error: {redact_url(message)}", file=sys.stderr)
     return status
 
 

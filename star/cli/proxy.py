@@ -7,6 +7,7 @@ import socket
 
 from star.cli.common import CliError, add_settings_args, guarded, settings_from_args
 from star.logs import configure_logging
+from star.settings import secret_values
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -47,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
 
     model = args.model or settings.worker.model or str(tiny_model_path())
     name = args.served_model_name or (None if (args.model or settings.worker.model) else "star-tiny")
-    configure_logging(settings.log, role="proxy")
+    configure_logging(settings.log, secrets=secret_values(settings), role="proxy")
     sock = None
     if args.fd is not None:
         try:

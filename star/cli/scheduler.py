@@ -6,6 +6,7 @@ import argparse
 
 from star.cli.common import add_settings_args, guarded, settings_from_args
 from star.logs import configure_logging
+from star.settings import secret_values
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -41,5 +42,5 @@ def run(args: argparse.Namespace) -> int:
     from scheduler.service import SchedulerService
 
     service = SchedulerService(settings, node=args.node)
-    configure_logging(settings.log, role="scheduler", node=service.node)
+    configure_logging(settings.log, secrets=secret_values(settings), role="scheduler", node=service.node)
     return service.run()

@@ -10,6 +10,7 @@ from typing import Any
 
 from star.bus import Bus, BusUnavailable, as_str
 from star.cli.common import CliError, add_settings_args, guarded, settings_from_args
+from star.redact import redact_url
 from star.settings import Settings
 from star.wire import Decision, Event, EventKind, WireError, decode
 
@@ -36,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         doc = asyncio.run(collect(settings))
     except BusUnavailable as exc:
-        raise CliError(str(exc)) from None
+        raise CliError(redact_url(str(exc))) from None
     if args.json:
         print(json.dumps(doc, indent=2))
     else:

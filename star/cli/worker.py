@@ -7,6 +7,7 @@ import json
 
 from star.cli.common import add_settings_args, guarded, settings_from_args
 from star.logs import configure_logging
+from star.settings import secret_values
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -49,5 +50,7 @@ def run(args: argparse.Namespace) -> int:
     from workers.service import WorkerService
 
     service = WorkerService(settings)
-    configure_logging(settings.log, role=settings.worker.role, instance=service.instance)
+    configure_logging(
+        settings.log, secrets=secret_values(settings), role=settings.worker.role, instance=service.instance
+    )
     return service.run()
