@@ -39,7 +39,7 @@ class ProxyService(Service):
         self.sock = sock
         self.node = f"{socket.gethostname()}-{os.getpid()}"
         self.bus: Bus | None = None
-        self.pool = WorkerPool()
+        self.pool = WorkerPool(settings.cluster.secret)
         self.server: HttpServer | None = None
         self.directory: Directory | None = None
         self.backend: ClusterBackend | None = None

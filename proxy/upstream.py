@@ -1,7 +1,9 @@
 """The proxy's side of the internal token protocol: one multiplexed connection per worker.
 
-A :class:`WorkerClient` owns one TCP connection to a worker, reads the
-worker's :class:`~star.wire.Hello`, then routes every incoming frame to the
+A :class:`WorkerClient` owns one TCP connection to a worker, proves the
+cluster secret and checks the worker's proof when it has one
+(:mod:`star.handshake`; no request goes to a worker that has not proved it),
+reads the worker's :class:`~star.wire.Hello`, then routes every incoming frame to the
 :class:`Stream` it belongs to. Many requests share the connection; each has
 its own stream id. When the connection breaks, every open stream gets a
 :class:`ConnectionLost` and the next :meth:`WorkerPool.get` reconnects.
@@ -12,17 +14,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+from collections.abc import Awaitable, Callable
 
 import structlog
 
 from star.aio import deadline
-from star.wire import Error, FrameDecoder, Hello, Message, WireError, frame
+from star.handshake import HandshakeFailed, ProxyHandshake, secret_key
+from star.wire import Challenge, Error, FrameDecoder, Hello, Message, WireError, frame
 
 log = structlog.get_logger(__name__)
 
 
 class ConnectionLost(Exception):
     """The worker connection closed while a stream was open."""
+
+
+class AuthFailed(ConnectionLost):
+    """The worker and this proxy do not share the cluster secret (or it is an impostor)."""
 
 
 class Stream:
@@ -54,8 +62,9 @@ class Stream:
 class WorkerClient:
     """One connection to a worker; frames are routed by ``stream``."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, secret: str = "") -> None:
         self.address = address
+        self._key = secret_key(secret) if secret else None
         self.hello: Hello | None = None
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
@@ -67,35 +76,49 @@ class WorkerClient:
     async def connect(self, timeout_s: float = 5.0) -> Hello:
         """Open the connection and read the worker's Hello, within ``timeout_s``.
 
-        Raises ``OSError`` (refused), ``TimeoutError`` (no connection or no
-        Hello in time) or :class:`ConnectionLost` (closed, or not a Hello
-        first). On any failure, cancellation included, the socket is closed.
+        With a secret, the handshake comes first and counts toward the same
+        deadline. Raises ``OSError`` (refused), ``TimeoutError`` (no
+        connection or no Hello in time), :class:`AuthFailed` (no shared
+        secret) or :class:`ConnectionLost` (closed, or not a Hello first).
+        On any failure, cancellation included, the socket is closed.
         """
         host, _, port = self.address.rpartition(":")
         async with deadline(timeout_s):
             reader, self._writer = await asyncio.open_connection(host, int(port))
         self._reader = reader
         decoder = FrameDecoder()
+        pending: list[Message] = []
+
+        async def next_frame(before: str) -> Message:
+            while not pending:
+                data = await reader.read(65536)
+                if not data:
+                    raise ConnectionLost(f"worker {self.address} closed before {before}")
+                decoder.feed(data)
+                try:
+                    pending.extend(decoder)
+                except WireError as exc:
+                    raise ConnectionLost(
+                        f"worker {self.address} sent a bad frame instead of {before}: {exc}"
+                    ) from exc
+            return pending.pop(0)
+
         try:
             # One deadline for the whole Hello: a worker that trickles bytes
             # cannot hold the connect open for longer.
             async with deadline(timeout_s):
-                while True:
-                    data = await reader.read(65536)
-                    if not data:
-                        raise ConnectionLost(f"worker {self.address} closed before Hello")
-                    decoder.feed(data)
-                    try:
-                        msgs = list(decoder)
-                    except WireError as exc:
-                        raise ConnectionLost(
-                            f"worker {self.address} sent a bad frame instead of Hello: {exc}"
-                        ) from exc
-                    if msgs:
-                        break
-            if not isinstance(msgs[0], Hello):
+                first = await next_frame("Hello")
+                if self._key is not None:
+                    await self._authenticate(first, next_frame)
+                    first = await next_frame("Hello")
+                elif isinstance(first, Challenge):
+                    raise AuthFailed(
+                        f"worker {self.address} requires authentication: set cluster.secret "
+                        "(STAR_CLUSTER_SECRET) to the cluster's secret"
+                    )
+            if not isinstance(first, Hello):
                 raise ConnectionLost(
-                    f"worker {self.address} did not start with Hello (got {msgs[0].KIND})"
+                    f"worker {self.address} did not start with Hello (got {first.KIND})"
                 )
         except TimeoutError as exc:
             await self._abandon()
@@ -103,11 +126,32 @@ class WorkerClient:
         except BaseException:
             await self._abandon()
             raise
-        self.hello = msgs[0]
+        self.hello = first
         self._task = asyncio.create_task(
-            self._read(decoder, msgs[1:]), name=f"upstream {self.address}"
+            self._read(decoder, pending), name=f"upstream {self.address}"
         )
         return self.hello
+
+    async def _authenticate(
+        self, first: Message, next_frame: Callable[[str], Awaitable[Message]]
+    ) -> None:
+        """The proxy's side of the handshake; raises :class:`AuthFailed`."""
+        assert self._key is not None and self._writer is not None
+        shake = ProxyHandshake(self._key)
+        try:
+            self._writer.write(frame(shake.on_challenge(first)))
+            await self._writer.drain()
+            try:
+                accept = await next_frame("accepting")
+            except ConnectionLost:
+                raise AuthFailed(
+                    f"worker {self.address} refused this proxy: is cluster.secret the same on both?"
+                ) from None
+            shake.on_accept(accept)
+        except HandshakeFailed as exc:
+            raise AuthFailed(
+                f"worker {self.address} failed authentication ({exc.reason}): {exc}"
+            ) from None
 
     async def _abandon(self) -> None:
         """Close a connection whose Hello never came (the caller sees why)."""
@@ -195,7 +239,8 @@ class WorkerClient:
 class WorkerPool:
     """Connections by address, (re)opened on demand."""
 
-    def __init__(self) -> None:
+    def __init__(self, secret: str = "") -> None:
+        self.secret = secret  # cluster.secret: every connection proves it
         self._clients: dict[str, WorkerClient] = {}
         self._locks: dict[str, asyncio.Lock] = {}
 
@@ -208,7 +253,7 @@ class WorkerPool:
             client = self._clients.get(address)
             if client is not None and not client.closed:
                 return client
-            client = WorkerClient(address)
+            client = WorkerClient(address, self.secret)
             await client.connect()
             self._clients[address] = client
             log.info(

@@ -9,7 +9,9 @@ kind, ...fields}``:
 * frames of the internal token protocol between proxy and workers (framed
   msgpack over TCP, multiplexed by ``stream``): :class:`Hello`,
   :class:`Generate`, :class:`Tokens`, :class:`Abort`, :class:`Release`,
-  :class:`Handoff`, :class:`Error`.
+  :class:`Handoff`, :class:`Error`, and the authentication handshake before
+  Hello (:mod:`star.handshake`): :class:`Challenge`, :class:`Answer`,
+  :class:`Accept`.
 
 Decoding is strict: a wrong version, an unknown kind, a missing field, an
 unknown field or a value of the wrong type raises a :class:`WireError`
@@ -23,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import struct
+import time
 import types
 import typing
 from collections.abc import Iterator
@@ -193,6 +196,11 @@ class Event(Message):
     detail: str = ""
     data: dict[str, Any] = field(default_factory=dict)
 
+    @classmethod
+    def now(cls, event: EventKind, origin: str, **fields: Any) -> Event:
+        """``event`` said by ``origin`` now (wall-clock ``ts``)."""
+        return cls(event, time.time(), origin, **fields)
+
     def summary(self) -> dict[str, str]:
         out = {"kind": self.event.value, "origin": self.origin}
         if self.request:
@@ -218,6 +226,31 @@ class LoadEntry(Message):
 
 
 # -- internal token protocol frames ----------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Challenge(Message):
+    """First frame of a worker that has a cluster secret: a fresh random nonce."""
+
+    KIND: ClassVar[str] = "challenge"
+    nonce: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Answer(Message):
+    """The proxy's reply to :class:`Challenge`: its proof, and its own nonce for the worker."""
+
+    KIND: ClassVar[str] = "answer"
+    proof: bytes
+    nonce: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Accept(Message):
+    """The worker's proof of the secret over the proxy's nonce; Hello follows."""
+
+    KIND: ClassVar[str] = "accept"
+    proof: bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -309,7 +342,18 @@ class Error(Message):
 
 
 BUS_MESSAGES: tuple[type[Message], ...] = (Report, Decision, Event, LoadEntry)
-FRAMES: tuple[type[Message], ...] = (Hello, Generate, Tokens, Abort, Release, Handoff, Error)
+FRAMES: tuple[type[Message], ...] = (
+    Hello,
+    Generate,
+    Tokens,
+    Abort,
+    Release,
+    Handoff,
+    Error,
+    Challenge,
+    Answer,
+    Accept,
+)
 _BY_KIND: dict[str, type[Message]] = {cls.KIND: cls for cls in (*BUS_MESSAGES, *FRAMES)}
 
 M = TypeVar("M", bound=Message)

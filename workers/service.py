@@ -22,12 +22,12 @@ import structlog
 from star.bus import Bus, BusUnavailable
 from star.ports import listen
 from star.process import Service
-from star.settings import Settings
+from star.settings import Settings, SettingsError
 from star.wire import Event, EventKind, Hello
 from workers.engine import EngineHandle, EngineSpec
 from workers.pacing import DeviceClock, StepTimes
 from workers.protocol import EngineDead
-from workers.server import TokenServer
+from workers.server import InsecureBind, TokenServer, check_bind
 from workers.state import EngineStats, build_report
 from workers.tap import start_tap
 
@@ -41,6 +41,10 @@ class WorkerService(Service):
         super().__init__(drain_timeout_s=settings.worker.drain_timeout_s + 15)
         self.settings = settings
         cfg = settings.worker
+        try:
+            check_bind(cfg.host, settings.cluster.secret)
+        except InsecureBind as exc:
+            raise SettingsError(str(exc)) from None
         # Bound now, not after the engine's start: a port merely picked could be
         # taken by then (star.ports).
         self.sock = listen(cfg.host, cfg.port)
@@ -72,13 +76,19 @@ class WorkerService(Service):
             if clock.base_s > 0:
                 log.warning("emulated device timing: every decode step is padded", clock=str(clock))
         hello = Hello(self.instance, cfg.role, self.spec.model)
-        self.server = TokenServer(self.engine, hello, cfg.host, self.port, sock=self.sock)
+        self.server = TokenServer(
+            self.engine,
+            hello,
+            cfg.host,
+            self.port,
+            sock=self.sock,
+            secret=self.settings.cluster.secret,
+        )
         await self.server.start()
         await self.bus.publish(
             "events",
-            Event(
+            Event.now(
                 EventKind.WORKER_UP,
-                time.time(),
                 self.instance,
                 instance=self.instance,
                 data={"role": cfg.role, "address": self.server.address, "model": self.spec.model},
@@ -173,9 +183,7 @@ class WorkerService(Service):
             try:
                 await self.bus.publish(
                     "events",
-                    Event(
-                        EventKind.WORKER_DOWN, time.time(), self.instance, instance=self.instance
-                    ),
+                    Event.now(EventKind.WORKER_DOWN, self.instance, instance=self.instance),
                     retry=False,
                 )
             except Exception as exc:  # Redis gone: the scheduler notices the silence instead

@@ -1,0 +1,129 @@
+"""Mutual authentication of the internal token protocol, without IO.
+
+With a cluster secret (``cluster.secret``) a connection starts with three
+frames before the worker's Hello::
+
+    worker -> proxy   Challenge(nonce_w)
+    proxy  -> worker  Answer(proof_p, nonce_p)   proof_p = HMAC(secret, PROXY  | nonce_w | nonce_p)
+    worker -> proxy   Accept(proof_w)            proof_w = HMAC(secret, WORKER | nonce_w | nonce_p)
+    worker -> proxy   Hello ...
+
+Each side proves the secret over a nonce the other just drew, so a recorded
+answer is useless on another connection, and the two proofs carry different
+labels, so one side's proof cannot be reflected back as the other's. The
+worker sends nothing but the Challenge until the proxy has proved itself (a
+refused peer learns no instance, role or model), and the proxy sends no
+request until the worker has proved itself (no prompt reaches an impostor).
+What this does not give: secrecy or integrity of the frames that follow (no
+TLS); see docs/operations.md.
+
+:class:`WorkerHandshake` and :class:`ProxyHandshake` hold one side each:
+frames in, frames out, :class:`HandshakeFailed` with a short reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import secrets
+from dataclasses import dataclass, field
+
+from star.wire import Accept, Answer, Challenge, Message
+
+NONCE_BYTES = 32
+MAX_FRAME_BYTES = 256
+"""The largest frame a worker reads before the peer has proved itself (an Answer is ~90)."""
+TIMEOUT_S = 5.0
+"""How long a worker waits for an Answer, and a proxy for Challenge to Hello."""
+
+_PROXY = b"star-token-protocol/1 proxy\x00"
+_WORKER = b"star-token-protocol/1 worker\x00"
+
+
+class HandshakeFailed(Exception):
+    """The peer did not prove the cluster secret; ``reason`` is one short word for logs."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(detail or reason)
+        self.reason = reason
+
+
+def secret_key(secret: str) -> bytes:
+    """The HMAC key of a ``cluster.secret`` setting."""
+    return secret.encode()
+
+
+def proof(key: bytes, label: bytes, worker_nonce: bytes, proxy_nonce: bytes) -> bytes:
+    """HMAC-SHA256 of the label and both nonces (fixed length, so unambiguous)."""
+    return hmac.new(key, label + worker_nonce + proxy_nonce, hashlib.sha256).digest()
+
+
+def _nonce_ok(nonce: bytes) -> bool:
+    return len(nonce) == NONCE_BYTES
+
+
+@dataclass(slots=True)
+class WorkerHandshake:
+    """The worker's side: :meth:`challenge` first, then :meth:`answer` with the first frame read."""
+
+    key: bytes
+    nonce: bytes = field(default_factory=lambda: secrets.token_bytes(NONCE_BYTES))
+
+    def challenge(self) -> Challenge:
+        return Challenge(self.nonce)
+
+    def answer(self, msg: Message) -> Accept:
+        """The Accept to send before Hello; raises :class:`HandshakeFailed`."""
+        if not isinstance(msg, Answer):
+            raise HandshakeFailed("unexpected_frame", f"expected an answer, got {msg.KIND!r}")
+        if not _nonce_ok(msg.nonce):
+            raise HandshakeFailed("bad_nonce", f"a nonce of {len(msg.nonce)} bytes")
+        if msg.nonce == self.nonce:
+            raise HandshakeFailed("reflected_nonce", "the answer echoes the challenge's nonce")
+        expected = proof(self.key, _PROXY, self.nonce, msg.nonce)
+        if not hmac.compare_digest(expected, msg.proof):
+            raise HandshakeFailed("bad_proof", "the answer does not prove the cluster secret")
+        return Accept(proof(self.key, _WORKER, self.nonce, msg.nonce))
+
+
+@dataclass(slots=True)
+class ProxyHandshake:
+    """The proxy's side: :meth:`on_challenge`, then :meth:`on_accept`; Hello may follow."""
+
+    key: bytes
+    nonce: bytes = field(default_factory=lambda: secrets.token_bytes(NONCE_BYTES))
+    worker_nonce: bytes = b""
+
+    def on_challenge(self, msg: Message) -> Answer:
+        """The Answer to send; raises :class:`HandshakeFailed` on anything but a Challenge."""
+        if not isinstance(msg, Challenge):
+            raise HandshakeFailed(
+                "no_challenge",
+                f"it sent {msg.KIND!r} before proving itself "
+                "(a worker without cluster.secret, or an older STAR)",
+            )
+        if not _nonce_ok(msg.nonce) or msg.nonce == self.nonce:
+            raise HandshakeFailed("bad_nonce", "its challenge is not a fresh nonce")
+        self.worker_nonce = msg.nonce
+        return Answer(proof(self.key, _PROXY, msg.nonce, self.nonce), self.nonce)
+
+    def on_accept(self, msg: Message) -> None:
+        """Check the worker's proof; raises :class:`HandshakeFailed`."""
+        if not self.worker_nonce:
+            raise HandshakeFailed("no_challenge", "an accept before any challenge")
+        if not isinstance(msg, Accept):
+            raise HandshakeFailed("unexpected_frame", f"expected an accept, got {msg.KIND!r}")
+        expected = proof(self.key, _WORKER, self.worker_nonce, self.nonce)
+        if not hmac.compare_digest(expected, msg.proof):
+            raise HandshakeFailed("bad_proof", "it does not prove the cluster secret")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` keeps a port on this machine (``localhost``, 127/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to any interface
