@@ -1,0 +1,721 @@
+"""``star bench scheduler``: a real ``star scheduler`` and a real ``redis-server``
+fed by N emulated decode workers (issue 18, item 5; DESIGN §7's scheduler row).
+
+Starts a private ``redis-server`` and a ``star scheduler`` subprocess on a
+private bus prefix, then publishes schema-valid :class:`~star.wire.Report`
+entries for N emulated decode instances at the real rate: a worker reports
+every ``worker.report_every_steps`` decode steps or ``worker.report_interval_s``,
+whichever comes first, so an instance whose step takes ``--step-ms`` reports
+every ``min(k * step, interval)`` seconds. Each instance runs a batch of
+requests with ShareGPT-like lengths (:func:`star.sim.workload.synthetic`),
+generates ``k`` tokens per report, replaces finished requests and sends a
+noisy R-hat; batch sizes differ between instances, so the planner has
+imbalance to act on. The emulated workers react to nothing (decisions expire).
+
+Measured after every instance is live in the scheduler's view:
+
+* tick latency p50/p99 (the scheduler's ``star_scheduler_tick_seconds``
+  histogram on ``/metrics``: view -> plan -> publish, interpolated within its
+  buckets) and how many ticks ran against ``duration / interval``;
+* report lag, sampled every ``--sample-s``: the scheduler's consumer group's
+  ``lag`` and ``pending`` (XINFO GROUPS) and, in seconds, the age of the last
+  entry delivered to it against the stream's newest; it must not grow;
+* Redis CPU (``/proc/<pid>/stat``) and memory (``INFO memory``), the
+  scheduler's CPU, and stream lengths against their ``MAXLEN``.
+
+Bodies are packed here straight from the emulated state (``wire.encode`` of
+a :class:`Report` costs ~0.7 ms, more than this process can spend per report
+at 1,024 instances); ``tests/benchmarks`` checks they are byte for byte what
+``encode`` writes and that the entries are those :meth:`Bus.publish` writes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import heapq
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+import numpy.typing as npt
+
+from star.bus import Bus
+from star.ports import free_port
+from star.settings import BusSettings, RedisSettings, Settings, load_settings
+from star.sim.workload import synthetic
+from star.wire import SCHEMA_VERSION, Report
+from workers.state import MIN_REMAINING
+
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
+
+# An emulated model: Llama-3-8B-like KV (GQA, fp16) and a KV pool of 256K tokens.
+BYTES_PER_TOKEN = 2 * 32 * 8 * 128 * 2
+CAPACITY_TOKENS = 262_144
+PREDICTION_SPREAD = 0.3  # R-hat = true remaining x lognormal(0, spread)
+PIPELINE = 64  # reports per round trip at most (~450 KiB at 64 requests each)
+
+
+# -- the emulated decode instances ------------------------------------------------
+
+
+@dataclass
+class Emulated:
+    """One emulated decode instance: its running batch as arrays."""
+
+    name: str
+    address: str
+    step_s: float
+    period_s: float
+    steps_per_report: int
+    prompt: IntArray
+    output: IntArray
+    generated: IntArray
+    ids: list[str]
+    serial: int = 0
+    seq: int = 0
+
+
+@dataclass
+class Fleet:
+    """N emulated instances and the length pool they draw new requests from."""
+
+    instances: list[Emulated]
+    delta: int
+    horizon: int
+    rng: np.random.Generator
+    pool_prompt: IntArray
+    pool_output: IntArray
+    taus: FloatArray = field(init=False)
+    drawn: int = 0
+
+    def __post_init__(self) -> None:
+        self.taus = np.arange(self.horizon + 1, dtype=np.float64) * self.delta
+
+    def draw(self, n: int) -> tuple[IntArray, IntArray]:
+        idx = (self.drawn + np.arange(n)) % self.pool_prompt.size
+        self.drawn += n
+        return self.pool_prompt[idx], self.pool_output[idx]
+
+
+def make_fleet(
+    n: int,
+    requests: int,
+    step_ms: float,
+    settings: Settings,
+    seed: int,
+) -> Fleet:
+    """``n`` instances with ``requests`` running on average (0.5x to 1.5x of it)."""
+    rng = np.random.default_rng(seed)
+    pool = synthetic("sharegpt", max(4096, 4 * n * requests), rng)
+    cfg = settings.worker
+    fleet = Fleet(
+        [],
+        settings.scheduler.delta,
+        settings.scheduler.horizon,
+        rng,
+        pool.prompt_tokens.astype(np.int64),
+        pool.output_tokens.astype(np.int64),
+    )
+    for i in range(n):
+        batch = max(1, round(requests * rng.uniform(0.5, 1.5)))
+        # A bigger batch steps slower (the paper's Fig. 6: linear in batched tokens).
+        step_s = step_ms / 1000 * rng.uniform(0.8, 1.2) * (0.75 + 0.25 * batch / max(requests, 1))
+        steps = cfg.report_every_steps
+        period = min(steps * step_s, cfg.report_interval_s)
+        prompt, output = fleet.draw(batch)
+        generated = (rng.uniform(0, 1, batch) * output).astype(np.int64)
+        inst = Emulated(
+            name=f"decode-{i:04d}",
+            address=f"127.0.0.1:{20000 + i}",
+            step_s=step_s,
+            period_s=period,
+            steps_per_report=max(1, round(period / step_s)),
+            prompt=prompt,
+            output=output,
+            generated=generated,
+            ids=[],
+        )
+        inst.ids = [_next_id(inst) for _ in range(batch)]
+        fleet.instances.append(inst)
+    return fleet
+
+
+def _next_id(inst: Emulated) -> str:
+    inst.serial += 1
+    return f"{inst.name}-r{inst.serial:07d}"
+
+
+def advance(fleet: Fleet, inst: Emulated) -> None:
+    """Run the instance's batch ``steps_per_report`` decode steps; refill finished slots."""
+    inst.generated += inst.steps_per_report
+    done = np.flatnonzero(inst.generated >= inst.output)
+    if done.size:
+        prompt, output = fleet.draw(done.size)
+        inst.prompt[done] = prompt
+        inst.output[done] = output
+        inst.generated[done] = 1  # the first token came from the prefill instance
+        for j in done.tolist():
+            inst.ids[j] = _next_id(inst)
+
+
+def report_body(fleet: Fleet, inst: Emulated, ts: float) -> tuple[bytes, int]:
+    """The msgpack body of this instance's report now, and its ``used_tokens``.
+
+    Byte for byte ``wire.encode(Report(...))`` (same key order, plain Python
+    numbers), built from arrays without intermediate dataclasses.
+    """
+    inst.seq += 1
+    tokens = inst.prompt + inst.generated
+    remaining = (inst.output - inst.generated).astype(np.float64)
+    noise = fleet.rng.lognormal(0.0, PREDICTION_SPREAD, remaining.size)
+    predicted = np.maximum(np.round(remaining * noise, 1), MIN_REMAINING)
+    # workers.state.load_trace, vectorised (integer-valued sums: exact).
+    alive = fleet.taus[None, :] < predicted[:, None]
+    trace = (alive * (tokens[:, None] + fleet.taus[None, :])).sum(axis=0)
+    used = int(tokens.sum())
+    requests = [
+        {
+            "id": rid,
+            "tokens": n,
+            "generated": g,
+            "predicted_remaining": p,
+            "migratable": True,
+            "true_remaining": None,
+        }
+        for rid, n, g, p in zip(
+            inst.ids, tokens.tolist(), inst.generated.tolist(), predicted.tolist(), strict=True
+        )
+    ]
+    body = {
+        "instance": inst.name,
+        "role": "decode",
+        "seq": inst.seq,
+        "ts": ts,
+        "address": inst.address,
+        "capacity_tokens": CAPACITY_TOKENS,
+        "used_tokens": used,
+        "bytes_per_token": BYTES_PER_TOKEN,
+        "step_time_s": inst.step_s,
+        "delta": fleet.delta,
+        "trace": trace.tolist(),
+        "requests": requests,
+        "in_flight": [],
+        "waiting": 0,
+        "preemptions": 0,
+        "draining": False,
+        "predictor": True,
+        "pad_share": 0.0,
+        "v": SCHEMA_VERSION,
+        "k": Report.KIND,
+    }
+    return msgpack.packb(body, use_bin_type=True), used
+
+
+def entry_fields(inst: Emulated, body: bytes, used: int) -> dict[str, bytes | str]:
+    """The stream entry :meth:`Bus.publish` writes for this report (``Report.summary``)."""
+    return {"kind": Report.KIND, "instance": inst.name, "load": str(used), "body": body}
+
+
+@dataclass
+class GenStats:
+    sent: int = 0
+    late_s_max: float = 0.0  # how far behind schedule a report went out, worst case
+    cpu_s: float = 0.0
+
+
+async def generate(bus: Bus, fleet: Fleet, stop: asyncio.Event, stats: GenStats) -> None:
+    """Publish every instance's reports on its own period until ``stop``.
+
+    One pipeline per wake-up carries every report due then (XADD with the
+    bus's approximate MAXLEN, as :meth:`Bus.publish`); a report due while the
+    previous pipeline ran goes out late, and the lateness is recorded.
+    """
+    key = bus.keys.reports
+    maxlen = bus.settings.maxlen_reports
+    start = time.monotonic()
+    due = [
+        (start + fleet.rng.uniform(0, inst.period_s), i) for i, inst in enumerate(fleet.instances)
+    ]
+    heapq.heapify(due)
+    cpu0 = time.process_time()
+    while not stop.is_set():
+        now = time.monotonic()
+        at = due[0][0]
+        if at > now:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), at - now)
+            continue
+        stats.late_s_max = max(stats.late_s_max, now - at)
+        async with bus.redis.pipeline(transaction=False) as pipe:
+            ts = time.time()
+            for _ in range(PIPELINE):
+                if due[0][0] > now:
+                    break
+                at, i = heapq.heappop(due)
+                inst = fleet.instances[i]
+                advance(fleet, inst)
+                body, used = report_body(fleet, inst, ts)
+                pipe.xadd(key, entry_fields(inst, body, used), maxlen=maxlen, approximate=True)  # type: ignore[arg-type]
+                # A worker that fell behind reports once, not once per missed period.
+                nxt = at + inst.period_s
+                heapq.heappush(due, (nxt if nxt > now else now + inst.period_s, i))
+                stats.sent += 1
+            await pipe.execute()
+        stats.cpu_s = time.process_time() - cpu0
+
+
+# -- what is measured ----------------------------------------------------------------
+
+
+def proc_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` from /proc (0 if it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def scrape(port: int) -> dict[str, Any]:
+    """The scheduler's /metrics: tick histogram buckets, tick count, gauges, decisions."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out: dict[str, Any] = {"buckets": {}, "ticks": 0.0, "tick_sum": 0.0, "decided": 0.0}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "star_scheduler_tick_seconds_bucket":
+                out["buckets"][float(s.labels["le"])] = s.value
+            elif s.name == "star_scheduler_tick_seconds_count":
+                out["ticks"] = s.value
+            elif s.name == "star_scheduler_tick_seconds_sum":
+                out["tick_sum"] = s.value
+            elif s.name == "star_scheduler_live_instances":
+                out["live"] = s.value
+            elif s.name == "star_scheduler_leader":
+                out["leader"] = s.value
+            elif (
+                s.name == "star_scheduler_decisions_total" and s.labels.get("outcome") == "decided"
+            ):
+                out["decided"] += s.value
+    return out
+
+
+def quantile(buckets: dict[float, float], q: float) -> float:
+    """``q``-quantile of a cumulative histogram, linear within a bucket
+    (Prometheus' ``histogram_quantile``); inf if it lies in the +Inf bucket."""
+    edges = sorted(buckets)
+    total = buckets[edges[-1]] if edges else 0.0
+    if total <= 0:
+        return math.nan
+    rank = q * total
+    lower, below = 0.0, 0.0
+    for edge in edges:
+        count = buckets[edge]
+        if count >= rank:
+            if math.isinf(edge):
+                return math.inf
+            return lower + (edge - lower) * (rank - below) / max(count - below, 1e-12)
+        lower, below = edge, count
+    return math.inf
+
+
+def id_ms(entry_id: bytes | str) -> int:
+    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    return int(text.split("-", 1)[0])
+
+
+def _get(info: dict[Any, Any], name: str) -> Any:
+    return info.get(name, info.get(name.encode()))
+
+
+async def sample_redis(bus: Bus, group: str) -> dict[str, Any]:
+    """Lag of the scheduler's group, stream lengths, Redis memory."""
+    redis = bus.redis
+    groups = await redis.xinfo_groups(bus.keys.reports)
+    mine = next((g for g in groups if _get(g, "name") in (group, group.encode())), None)
+    stream = await redis.xinfo_stream(bus.keys.reports)
+    memory = await redis.info("memory")
+    lengths = {
+        name: int(await redis.xlen(bus.keys.stream(name)))
+        for name in ("reports", "decisions", "events")
+    }
+    out: dict[str, Any] = {"lengths": lengths, "used_memory": int(memory["used_memory"])}
+    if mine is not None:
+        newest = id_ms(_get(stream, "last-generated-id"))
+        delivered = id_ms(_get(mine, "last-delivered-id"))
+        lag = _get(mine, "lag")
+        out.update(
+            lag=None if lag is None else int(lag),
+            pending=int(_get(mine, "pending")),
+            lag_s=max(0.0, (newest - delivered) / 1000),
+        )
+    return out
+
+
+# -- the run -------------------------------------------------------------------------
+
+
+@dataclass
+class Procs:
+    run_dir: Path
+    redis_url: str
+    redis_pid: int
+    scheduler_pid: int
+    metrics_port: int
+    launcher: Any
+
+
+def start_processes(run_dir: Path, prefix: str, args: argparse.Namespace) -> Procs:
+    from star.cli.up import ClusterError, Launcher, _wait_redis
+
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise SystemExit("redis-server is not installed (apt-get install redis-server)")
+    launcher = Launcher(run_dir, dict(os.environ))
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    redis = launcher.start(
+        "redis",
+        [
+            binary,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(run_dir),
+        ],
+    )
+    try:
+        _wait_redis(url, launcher, 30.0)
+    except ClusterError:
+        launcher.stop()
+        raise
+    metrics_port = free_port()
+    argv = [
+        sys.executable,
+        "-m",
+        "star.cli.main",
+        "scheduler",
+        "--node",
+        "bench",
+        "--metrics-port",
+        str(metrics_port),
+    ]
+    if args.mode:
+        argv += ["--mode", args.mode]
+    if args.interval:
+        argv += ["--interval", str(args.interval)]
+    sched = launcher.start(
+        "scheduler",
+        argv,
+        {"STAR_REDIS_URL": url, "STAR_BUS_PREFIX": prefix, "STAR_LOG_FORMAT": "json"},
+    )
+    assert redis.proc is not None and sched.proc is not None
+    return Procs(run_dir, url, redis.proc.pid, sched.proc.pid, metrics_port, launcher)
+
+
+async def wait_for(check: Any, timeout_s: float, procs: Procs, poll_s: float = 0.5) -> bool:
+    """Poll ``check`` until it is true (True) or ``timeout_s`` passed (False)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        dead = procs.launcher.dead()
+        if dead is not None:
+            raise RuntimeError(f"{dead.name} exited; see {dead.log}")
+        with contextlib.suppress(OSError, ValueError):
+            if await check():
+                return True
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(poll_s)
+
+
+async def measure(
+    args: argparse.Namespace, procs: Procs, prefix: str, settings: Settings
+) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    # A generous timeout: on a loaded machine a pipeline of reports can take seconds.
+    bus = Bus.from_settings(
+        RedisSettings(url=procs.redis_url, socket_timeout_s=60.0), BusSettings(prefix=prefix)
+    )
+    group = f"{settings.scheduler.group}:bench"
+    fleet = make_fleet(args.instances, args.requests, args.step_ms, settings, args.seed)
+    stop = asyncio.Event()
+    gen = GenStats()
+
+    async def metrics() -> dict[str, Any]:
+        return await asyncio.to_thread(scrape, procs.metrics_port)
+
+    async def leading() -> bool:
+        return (await metrics()).get("leader") == 1.0
+
+    if not await wait_for(leading, 120.0, procs):
+        raise RuntimeError(f"the scheduler did not lead within 120 s (logs in {procs.run_dir})")
+    generator = asyncio.create_task(generate(bus, fleet, stop, gen))
+    try:
+
+        async def all_live() -> bool:
+            if generator.done():
+                generator.result()
+            return (await metrics()).get("live", 0) >= args.instances
+
+        warm_started = time.monotonic()
+        # A scheduler that cannot keep up never sees them all: measured anyway.
+        all_seen = await wait_for(all_live, args.warmup_s, procs)
+        warmup_s = time.monotonic() - warm_started
+        base = await metrics()
+        sent0, t0 = gen.sent, time.monotonic()
+        cpu0 = {"redis": proc_cpu_s(procs.redis_pid), "scheduler": proc_cpu_s(procs.scheduler_pid)}
+        samples: list[dict[str, Any]] = []
+        bar = tqdm(total=int(args.duration), unit="s", disable=args.no_progress, file=sys.stderr)
+        try:
+            while (elapsed := time.monotonic() - t0) < args.duration:
+                await asyncio.sleep(min(args.sample_s, max(0.0, args.duration - elapsed)))
+                if generator.done():
+                    generator.result()
+                if procs.launcher.dead() is not None:
+                    raise RuntimeError(
+                        f"{procs.launcher.dead().name} exited (logs in {procs.run_dir})"
+                    )
+                row = await sample_redis(bus, group)
+                now = await metrics()
+                row["t"] = round(time.monotonic() - t0, 2)
+                row["ticks"] = now["ticks"] - base["ticks"]
+                row["live"] = int(now.get("live", 0))
+                row["leader"] = int(now.get("leader", 0))
+                row["load1"] = os.getloadavg()[0]
+                samples.append(row)
+                bar.update(min(int(row["t"]), int(args.duration)) - bar.n)
+                bar.set_postfix(lag_s=row.get("lag_s"), lag=row.get("lag"), refresh=False)
+        finally:
+            bar.close()
+        wall = time.monotonic() - t0
+        final = await metrics()
+        cpu1 = {"redis": proc_cpu_s(procs.redis_pid), "scheduler": proc_cpu_s(procs.scheduler_pid)}
+        sent = gen.sent - sent0
+    finally:
+        stop.set()
+        with contextlib.suppress(Exception):
+            await generator
+        await bus.close()
+    result = summarise(args, settings, base, final, samples, wall, warmup_s, sent, cpu0, cpu1, gen)
+    result["all_live_after_warmup"] = all_seen
+    return result
+
+
+def slope(xs: list[float], ys: list[float]) -> float:
+    """Least-squares slope of ys over xs (0 with fewer than two points)."""
+    if len(xs) < 2:
+        return 0.0
+    return float(np.polyfit(np.asarray(xs), np.asarray(ys), 1)[0])
+
+
+def summarise(
+    args: argparse.Namespace,
+    settings: Settings,
+    base: dict[str, Any],
+    final: dict[str, Any],
+    samples: list[dict[str, Any]],
+    wall: float,
+    warmup_s: float,
+    sent: int,
+    cpu0: dict[str, float],
+    cpu1: dict[str, float],
+    gen: GenStats,
+) -> dict[str, Any]:
+    buckets = {
+        le: final["buckets"].get(le, 0.0) - base["buckets"].get(le, 0.0) for le in final["buckets"]
+    }
+    ticks = final["ticks"] - base["ticks"]
+    interval = args.interval or settings.scheduler.interval_s
+    lags = [s for s in samples if "lag_s" in s]
+    ts = [s["t"] for s in lags]
+    half = len(lags) // 2
+    maxlen = {
+        "reports": settings.bus.maxlen_reports,
+        "decisions": settings.bus.maxlen_decisions,
+        "events": settings.bus.maxlen_events,
+    }
+    longest = {k: max((s["lengths"][k] for s in samples), default=0) for k in maxlen}
+    lag_slope = slope(ts, [s["lag_s"] for s in lags]) * 60  # lag seconds per minute
+    tick_p99 = quantile(buckets, 0.99)
+    result = {
+        "instances": args.instances,
+        "requests_per_instance": args.requests,
+        "step_ms": args.step_ms,
+        "duration_s": round(wall, 1),
+        "warmup_s": round(warmup_s, 1),
+        "interval_s": interval,
+        "reports_per_s": round(sent / wall, 1),
+        "reports_per_s_target": round(sum(1 / i.period_s for i in _periods(args, settings)), 1),
+        "generator_late_max_s": round(gen.late_s_max, 3),
+        "ticks": int(ticks),
+        "ticks_expected": int(wall / interval),
+        "tick_p50_ms": round(quantile(buckets, 0.5) * 1000, 2),
+        "tick_p99_ms": round(tick_p99 * 1000, 2),
+        "tick_mean_ms": round((final["tick_sum"] - base["tick_sum"]) / max(ticks, 1) * 1000, 2),
+        "live_min": min((s["live"] for s in samples), default=0),
+        "leader_lost_samples": sum(1 for s in samples if not s["leader"]),
+        "decisions": int(final["decided"] - base["decided"]),
+        # On the stream since the scheduler started (warm-up included).
+        "decisions_published": samples[-1]["lengths"]["decisions"] if samples else 0,
+        "lag_s_first_half_max": round(max((s["lag_s"] for s in lags[:half]), default=0.0), 3),
+        "lag_s_second_half_max": round(max((s["lag_s"] for s in lags[half:]), default=0.0), 3),
+        "lag_s_last": round(lags[-1]["lag_s"], 3) if lags else None,
+        "lag_entries_max": max((s.get("lag") or 0 for s in lags), default=0),
+        "pending_max": max((s.get("pending", 0) for s in lags), default=0),
+        "lag_s_slope_per_min": round(lag_slope, 4),
+        "redis_cpu_pct": round(100 * (cpu1["redis"] - cpu0["redis"]) / wall, 1),
+        "scheduler_cpu_pct": round(100 * (cpu1["scheduler"] - cpu0["scheduler"]) / wall, 1),
+        "generator_cpu_pct": round(100 * gen.cpu_s / (wall + warmup_s), 1),
+        "redis_used_memory_mib_max": round(
+            max((s["used_memory"] for s in samples), default=0) / 2**20, 1
+        ),
+        "stream_max_len": longest,
+        "stream_maxlen": maxlen,
+        "load1_mean": round(float(np.mean([s["load1"] for s in samples])), 2) if samples else None,
+        "cpus": os.cpu_count(),
+    }
+    # No lag growth: over the run the lag grows by less than one tick interval
+    # (plus what one 5-s sample can catch), and stays under a second.
+    result["lag_grows"] = bool(
+        lag_slope * wall / 60 > interval or result["lag_s_second_half_max"] > 1.0
+    )
+    # Approximate trimming (MAXLEN ~) cuts whole macro-nodes: up to 100 entries over.
+    result["streams_bounded"] = all(longest[k] <= maxlen[k] + 100 for k in maxlen)
+    result["tick_p99_ok"] = bool(tick_p99 <= 0.1)
+    result["samples"] = samples
+    return result
+
+
+def _periods(args: argparse.Namespace, settings: Settings) -> list[Emulated]:
+    # The same draws as the run's fleet (same seed): the target rate.
+    return make_fleet(args.instances, args.requests, args.step_ms, settings, args.seed).instances
+
+
+def print_table(r: dict[str, Any]) -> None:
+    rows = [
+        ("instances x requests", f"{r['instances']} x ~{r['requests_per_instance']}", ""),
+        ("reports/s (target)", f"{r['reports_per_s']} ({r['reports_per_s_target']})", ""),
+        (
+            "live instances min, samples not leading",
+            f"{r['live_min']}, {r['leader_lost_samples']}",
+            "all live after warm-up: " + ("yes" if r["all_live_after_warmup"] else "NO"),
+        ),
+        ("ticks (expected)", f"{r['ticks']} ({r['ticks_expected']})", ""),
+        (
+            "tick p50 / p99 / mean",
+            f"{r['tick_p50_ms']} / {r['tick_p99_ms']} / {r['tick_mean_ms']} ms",
+            "p99 <= 100 ms: " + ("ok" if r["tick_p99_ok"] else "MISSED"),
+        ),
+        ("decisions (on the stream)", f"{r['decisions']} ({r['decisions_published']})", ""),
+        (
+            "report lag s: 1st / 2nd half max",
+            f"{r['lag_s_first_half_max']} / {r['lag_s_second_half_max']}",
+            "no growth: " + ("MISSED" if r["lag_grows"] else "ok"),
+        ),
+        (
+            "lag slope (s/min), entries max, pending max",
+            f"{r['lag_s_slope_per_min']}, {r['lag_entries_max']}, {r['pending_max']}",
+            "",
+        ),
+        (
+            "CPU % redis / scheduler / generator",
+            f"{r['redis_cpu_pct']} / {r['scheduler_cpu_pct']} / {r['generator_cpu_pct']}",
+            "",
+        ),
+        ("redis used_memory max", f"{r['redis_used_memory_mib_max']} MiB", ""),
+        (
+            "stream max len (MAXLEN)",
+            ", ".join(f"{k} {v} ({r['stream_maxlen'][k]})" for k, v in r["stream_max_len"].items()),
+            "bounded: " + ("ok" if r["streams_bounded"] else "MISSED"),
+        ),
+        ("load average (cpus)", f"{r['load1_mean']} ({r['cpus']})", ""),
+    ]
+    width = max(len(a) for a, _, _ in rows)
+    vwidth = max(len(b) for _, b, _ in rows)
+    print(
+        f"star bench scheduler: {r['duration_s']} s after a {r['warmup_s']} s warm-up, interval {r['interval_s']} s"
+    )
+    for a, b, c in rows:
+        print(f"  {a:<{width}}  {b:<{vwidth}}  {c}")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--instances", type=int, default=1024, help="emulated decode workers")
+    parser.add_argument(
+        "--duration", type=float, default=600.0, help="measured seconds (after warm-up)"
+    )
+    parser.add_argument(
+        "--requests",
+        type=int,
+        default=64,
+        help="running requests per instance, on average (0.5x-1.5x)",
+    )
+    parser.add_argument(
+        "--step-ms",
+        type=float,
+        default=25.0,
+        help="mean decode step time; sets the report rate with worker.report_every_steps / report_interval_s",
+    )
+    parser.add_argument("--mode", help="scheduler mode (default scheduler.mode)")
+    parser.add_argument(
+        "--interval", type=float, help="scheduler tick interval (default scheduler.interval_s)"
+    )
+    parser.add_argument(
+        "--warmup-s",
+        type=float,
+        default=60.0,
+        help="at most this long for every instance to be live in the scheduler's view",
+    )
+    parser.add_argument("--sample-s", type=float, default=5.0, help="seconds between lag samples")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--keep", action="store_true", help="keep the run directory (logs)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark described by ``args``; print a table or ``--json``."""
+    settings = load_settings()
+    prefix = f"bench-sched-{os.getpid()}"
+    run_dir = Path(tempfile.mkdtemp(prefix="star-bench-scheduler-"))
+    procs = start_processes(run_dir, prefix, args)
+    try:
+        result = asyncio.run(measure(args, procs, prefix, settings))
+    finally:
+        procs.launcher.stop()
+        if not args.keep:
+            shutil.rmtree(run_dir, ignore_errors=True)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print_table(result)
+        if args.keep:
+            print(f"  logs: {run_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(prog="python -m benchmarks.scheduler_load")
+    configure(p)
+    raise SystemExit(run(p.parse_args()))
