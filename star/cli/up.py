@@ -19,6 +19,7 @@ import contextlib
 import ctypes
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -38,7 +39,8 @@ from urllib.parse import urlsplit
 
 from star.cli.common import CliError, add_settings_args, guarded, settings_from_args
 from star.ports import free_port, listen
-from star.settings import BusSettings, Settings
+from star.redact import redact_url
+from star.settings import BusSettings, Settings, env_key
 
 if TYPE_CHECKING:
     from star.bus import Bus
@@ -198,8 +200,8 @@ def _signal_group(child: Child, sig: signal.Signals) -> None:
 
 def _redis_answers(url: str) -> bool:
     parts = urlsplit(url)
-    if parts.scheme not in {"redis", "rediss"}:
-        return True  # unix sockets / TLS: trust the operator's configuration
+    if parts.scheme != "redis":
+        return True  # unix sockets / TLS (a plain PING gets no answer): trust the operator's configuration
     try:
         with socket.create_connection(
             (parts.hostname or "127.0.0.1", parts.port or 6379), timeout=1
@@ -305,19 +307,13 @@ def refuse_a_second_cluster(settings: Settings) -> None:
     who = asyncio.run(check())
     if who is not None:
         raise CliError(
-            f"a cluster is already running on {_shown(settings.redis.url)} with prefix "
+            f"a cluster is already running on {redact_url(settings.redis.url)} with prefix "
             f"{settings.bus.prefix!r} ({who}); pass --set bus.prefix=NAME to start another "
             "beside it, or stop that one first"
         )
 
 
-def _shown(url: str) -> str:
-    """``url`` without its password."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.netloc.rsplit("@", 1)[1]
-    return parts._replace(netloc=f"{parts.username or ''}:***@{host}").geturl()
+SECRET_ENV = env_key("cluster.secret")
 
 
 class ClusterError(Exception):
@@ -339,7 +335,9 @@ class LocalCluster:
     OpenMP threads are bound to its own core (round robin) unless the
     environment says otherwise: vLLM binds every engine on a host to the same
     first core(s) by default. :meth:`stop` kills whole process groups, so
-    vLLM's engine-core children go too.
+    vLLM's engine-core children go too. Unless ``env`` names a
+    ``cluster.secret``, the cluster draws its own (:attr:`secret`), so its
+    token protocol is authenticated even on loopback.
     """
 
     def __init__(
@@ -376,12 +374,19 @@ class LocalCluster:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.env = dict(os.environ if env is None else env)
         self.env.setdefault("STAR_LOG_FORMAT", "json")
+        if not self.env.get(SECRET_ENV):
+            self.env[SECRET_ENV] = secrets.token_hex(32)
         self.worker_args = list(worker_args or [])
         self.proxy_args = list(proxy_args or [])
         self.scheduler = scheduler
         self.launcher = Launcher(self.run_dir, self.env)
         self.private_redis = False
         self._previous_sigterm: _SigHandler = None
+
+    @property
+    def secret(self) -> str:
+        """The cluster secret every child proves on the token protocol."""
+        return self.env[SECRET_ENV]
 
     @property
     def url(self) -> str:
@@ -585,6 +590,8 @@ def run(args: argparse.Namespace) -> int:
         env["STAR_" + key.replace(".", "_").upper()] = value
     if args.mode:
         env["STAR_SCHEDULER_MODE"] = args.mode
+    if settings.cluster.secret:  # from a config file too: LocalCluster keeps it
+        env[SECRET_ENV] = settings.cluster.secret
     model = args.model or settings.worker.model or None
     refuse_a_second_cluster(settings)
     cluster = LocalCluster(
@@ -603,7 +610,7 @@ def run(args: argparse.Namespace) -> int:
         cluster.start()
         if cluster.private_redis:
             print(
-                f"star up: no Redis at {_shown(settings.redis.url)}; started a private one at {cluster.redis_url}"
+                f"star up: no Redis at {redact_url(settings.redis.url)}; started a private one at {cluster.redis_url}"
             )
         print(
             f"star up: starting {args.prefill} prefill + {args.decode} decode workers, scheduler, proxy (logs: {cluster.run_dir})"
