@@ -48,10 +48,10 @@ def sse_events(resp: httpx.Response) -> list[str]:
 
 
 async def _single_engine(
-    address: str, prompt_ids: list[int], max_tokens: int
+    address: str, secret: str, prompt_ids: list[int], max_tokens: int
 ) -> tuple[list[int], str]:
     """Greedy run of the whole request (prefill and decode) on one worker's engine."""
-    client = WorkerClient(address)
+    client = WorkerClient(address, secret)
     await client.connect(timeout_s=30)
     stream = client.open()
     ids: list[int] = []
@@ -104,7 +104,7 @@ def test_streamed_greedy_completion_equals_a_single_engine_run(
     decode = sorted(r.address for r in latest_reports(cluster).values() if r.role == "decode")
     assert len(decode) == 2
     ids, reason = asyncio.run(
-        _single_engine(decode[-1], card.encode_chat(PROMPT.messages()), max_tokens)
+        _single_engine(decode[-1], cluster.secret, card.encode_chat(PROMPT.messages()), max_tokens)
     )
 
     assert usage["completion_tokens"] == len(ids) > 50

@@ -209,7 +209,8 @@ async def _worker_run(
 async def test_engine_release_and_nixl_pull_equal_one_engine(fleet: LocalCluster, bus: Bus) -> None:
     """DESIGN §5 at the worker protocol: Release -> Handoff, the target pulls through NIXL."""
     reports = await bus.latest_reports()
-    a, b = WorkerClient(reports[DECODE[0]].address), WorkerClient(reports[DECODE[1]].address)
+    a = WorkerClient(reports[DECODE[0]].address, fleet.secret)
+    b = WorkerClient(reports[DECODE[1]].address, fleet.secret)
     await a.connect(30)
     await b.connect(30)
     prompt_ids = [(7 * i + 3) % 300 + 5 for i in range(180)]

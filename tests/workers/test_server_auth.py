@@ -4,6 +4,7 @@ scripted engine, the proxy's WorkerClient, and raw peers that misbehave."""
 from __future__ import annotations
 
 import asyncio
+import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
@@ -266,3 +267,17 @@ def test_a_worker_beyond_loopback_needs_a_secret(host: str, engine: FakeEngine) 
         TokenServer(engine, HELLO, host, 0)
     check_bind(host, SECRET)
     check_bind("127.0.0.1", "")
+
+
+def test_a_worker_service_beyond_loopback_without_a_secret_does_not_start() -> None:
+    from star.settings import SettingsError, load_settings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # vLLM's import-time warnings
+        from workers.service import WorkerService
+
+    settings = load_settings(env={}, overrides={"worker.host": "0.0.0.0", "worker.port": 0})
+    with pytest.raises(SettingsError) as err:
+        WorkerService(settings)
+    assert str(err.value).count("\n") == 0
+    assert "worker.host=0.0.0.0" in str(err.value) and "cluster.secret" in str(err.value)
