@@ -11,7 +11,8 @@ behind an :class:`~proxy.http.HttpServer`::
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``,
 ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics``.
-With ``settings.api_key`` set, ``/v1/*`` needs ``Authorization: Bearer <key>``.
+With ``settings.api_key`` set, ``/v1/*`` needs ``Authorization: Bearer <key>``,
+and so do ``/health`` and ``/metrics`` with ``settings.protect_metrics``.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 MODELS = "/v1/models"
 _KNOWN_PATHS = frozenset({COMPLETIONS, CHAT, MODELS, "/health", "/metrics"})
+_PROBES = frozenset({"/health", "/metrics"})
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
 _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
 
@@ -176,7 +178,7 @@ class ProxyApp:
     async def __call__(self, request: Request) -> Response | StreamingResponse:
         """Handle one request (the :data:`proxy.http.Handler`)."""
         path = request.path
-        if path.startswith("/v1/"):
+        if path.startswith("/v1/") or (self.settings.protect_metrics and path in _PROBES):
             self._authorize(request)
         if path == COMPLETIONS:
             _method(request, "POST")

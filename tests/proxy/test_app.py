@@ -17,7 +17,7 @@ from proxy.tokenizer import ModelCard
 from star.settings import ProxySettings
 from tests.proxy.conftest import Proxy, ProxyFactory
 from tests.proxy.fakes import FakeBackend, Script
-from tests.proxy.rawhttp import exchange, parse_responses, request_bytes, until
+from tests.proxy.rawhttp import RawResponse, exchange, parse_responses, request_bytes, until
 
 ANSWER = "Héllo wörld, 你好 😀! The answer is 42."
 
@@ -360,3 +360,26 @@ def test_the_tiny_demo_model_loads_and_renders_chat() -> None:
     text = tiny.tokenizer.decode(ids, skip_special_tokens=False)
     assert "hi" in text and text.endswith("assistant\n")
     assert tiny.max_model_len > 0
+
+
+@pytest.mark.parametrize(
+    ("path", "exposes"), [("/health", b"active_streams"), ("/metrics", b"star_proxy_")]
+)
+async def test_protect_metrics_puts_health_and_metrics_behind_the_key(
+    make_proxy: ProxyFactory, path: str, exposes: bytes
+) -> None:
+    async def get(proxy: Proxy, **headers: str) -> RawResponse:
+        raw = request_bytes("GET", path, headers={"connection": "close", **headers})
+        (resp,) = parse_responses(await exchange(proxy.port, raw))
+        return resp
+
+    proxy = await make_proxy(api_key="sekrit", protect_metrics=True)
+    missing, wrong = await get(proxy), await get(proxy, authorization="Bearer nope")
+    for resp in (missing, wrong):
+        assert resp.status == 401
+        assert resp.headers["www-authenticate"] == "Bearer"
+        assert exposes not in resp.body
+    right = await get(proxy, authorization="Bearer sekrit")
+    assert right.status == 200 and exposes in right.body
+    # Unprotected (the default), the same probe needs no key.
+    assert (await get(await make_proxy(api_key="sekrit"))).status == 200
