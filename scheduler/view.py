@@ -6,7 +6,8 @@ instance whose reports stop for longer than ``staleness_s`` (or at once when
 its worker announces ``worker_down``, until it reports again) and, per DESIGN
 §3, books each decided move on the target at once — until the migration's
 outcome arrives on ``<prefix>:events`` the request counts on the target, not
-on the source, and both instances are "in flight" (no second migration).
+on the source, and both instances are "in flight" (no second migration; the
+rule is :mod:`star.planner.flight`, which the simulator applies too).
 A decision with no outcome after ``decision_timeout_s`` expires. An instance
 whose reports say ``draining`` (its worker is stopping) is a migration
 source only, and is left out of the dispatch view.
@@ -19,6 +20,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from star.planner.flight import book
 from star.planner.types import Instance, Move, PlannerParams, Request
 from star.wire import Decision, Event, EventKind, LoadEntry, Report, RequestLoad
 
@@ -134,47 +138,55 @@ class ClusterView:
         ]
 
     def instances(self, params: PlannerParams) -> list[Instance]:
-        """Live decode instances as the planner sees them, in-flight moves booked."""
-        moving_out: dict[str, set[str]] = {}
-        moving_in: dict[str, list[RequestLoad]] = {}
-        busy_instances: set[str] = set()
-        for flight in self.in_flight.values():
-            d = flight.decision
-            busy_instances.update((d.source, d.target))
-            moving_out.setdefault(d.source, set()).add(d.request)
-            if flight.load is not None:
-                moving_in.setdefault(d.target, []).append(flight.load)
+        """Live decode instances as the planner sees them, in-flight moves booked
+        (:func:`star.planner.flight.book`, the rule the simulator applies too)."""
+        reports = self.live("decode")
+        index = {report.instance: i for i, report in enumerate(reports)}
+        keys: dict[str, int] = {}  # request id -> the integer book() compares
+        reported = [r for report in reports for r in report.requests]
+        owner = np.repeat(
+            np.arange(len(reports), dtype=np.int64), [len(report.requests) for report in reports]
+        )
+        flights = list(self.in_flight.values())
+        booking = book(
+            len(reports),
+            owner,
+            np.array([keys.setdefault(r.id, len(keys)) for r in reported], dtype=np.int64),
+            np.array([keys.setdefault(f.decision.request, len(keys)) for f in flights], np.int64),
+            np.array([index.get(f.decision.source, -1) for f in flights], dtype=np.int64),
+            np.array([index.get(f.decision.target, -1) for f in flights], dtype=np.int64),
+            np.array([f.load is not None for f in flights], dtype=np.bool_),
+        )
+        rows: list[RequestLoad | None] = [*reported, *(f.load for f in flights)]
+        order = booking.rows.tolist()
+        booked = booking.booked.tolist()
+        offsets = booking.offsets.tolist()
         out = []
-        for report in self.live("decode"):
-            name = report.instance
-            out_ids = moving_out.get(name, set())
-            incoming = [
-                r for r in moving_in.get(name, []) if all(r.id != x.id for x in report.requests)
-            ]
-            requests = tuple(to_request(r, busy=True) for r in incoming) + tuple(
-                to_request(r, busy=r.id in report.in_flight)
-                for r in report.requests
-                if r.id not in out_ids
+        for i, report in enumerate(reports):
+            lo, hi = offsets[i], offsets[i + 1]
+            mine = [(rows[q], b) for q, b in zip(order[lo:hi], booked[lo:hi], strict=True)]
+            requests = tuple(
+                to_request(r, busy=b or r.id in report.in_flight) for r, b in mine if r is not None
             )
             # The worker's pre-simulated trace is only valid when nothing was booked
             # on or off it and it uses the planner's grid.
             trace = None
             if (
-                not out_ids
-                and not incoming
+                not booking.rebooked[i]
                 and report.delta == params.delta
                 and len(report.trace) == params.horizon + 1
             ):
                 trace = tuple(report.trace)
             out.append(
                 Instance(
-                    id=name,
+                    id=report.instance,
                     requests=requests,
                     capacity_tokens=report.capacity_tokens,
                     bytes_per_token=report.bytes_per_token,
                     step_time_s=report.step_time_s,
-                    in_flight=name in busy_instances,
-                    busy=frozenset(report.in_flight) | frozenset(r.id for r in incoming),
+                    in_flight=bool(booking.in_flight[i]),
+                    busy=frozenset(report.in_flight)
+                    | frozenset(r.id for r, b in mine if b and r is not None),
                     trace=trace,
                     draining=report.draining,
                 )

@@ -4,10 +4,11 @@ Paper §5.2: "The scheduler periodically collects pre-simulated state reports
 from all workers, classifies instances, enumerates candidates, and completes
 the remaining simulation to select the best feasible migration." This module
 is that tick as a pure function of the reported state (DESIGN §3 makes it
-exact). :func:`plan` takes :class:`~star.planner.Instance` values (the live
-scheduler, ``star plan``) and is a thin wrapper over
-:func:`star.planner.arrays.plan_arrays`, which the simulator calls directly on
-arrays: one planner, two ways in. The algebra that makes each Delta-V O(1) is
+exact). :func:`decide` is the one entry, on arrays: Algorithm 1
+(:func:`star.planner.arrays.plan_arrays`) then the drain evacuations
+(:mod:`star.planner.drain`); the simulator calls it on its own arrays, and
+:func:`plan` takes :class:`~star.planner.Instance` values (the live
+scheduler, ``star plan``) and calls it on arrays built from them. The algebra that makes each Delta-V O(1) is
 in :mod:`star.planner.arrays`; ``explain=True`` lists every candidate with
 its verdict, computed here with numpy from the same prefix tables.
 """
@@ -21,7 +22,14 @@ from typing import Literal
 
 import numpy as np
 
-from star.planner.arrays import CLASSIFY_RTOL, from_instances, noise_floor, plan_arrays
+from star.planner.arrays import (
+    CLASSIFY_RTOL,
+    ArrayPlan,
+    ClusterArrays,
+    from_instances,
+    noise_floor,
+    plan_arrays,
+)
 from star.planner.drain import evacuations
 from star.planner.trace import (
     BoolArray,
@@ -50,7 +58,7 @@ from star.planner.types import (
 _VERDICTS = tuple(Verdict)
 _CODE = {v: i for i, v in enumerate(_VERDICTS)}
 
-__all__ = ["CLASSIFY_RTOL", "noise_floor", "parse_max_migrations", "plan"]
+__all__ = ["CLASSIFY_RTOL", "TickMoves", "decide", "noise_floor", "parse_max_migrations", "plan"]
 
 
 def parse_max_migrations(text: str) -> int | Literal["auto"]:
@@ -230,6 +238,54 @@ def _explain(
     return tuple(out)
 
 
+@dataclass(frozen=True, slots=True)
+class TickMoves:
+    """One tick's moves as row indices into the planner's arrays.
+
+    Algorithm 1's moves first (``plan.rows`` ...), then the drain
+    evacuations (``drain`` True); ``remaining`` is each moved request's
+    R-hat as the planner saw it.
+    """
+
+    plan: ArrayPlan
+    rows: IntArray
+    sources: IntArray
+    targets: IntArray
+    delta_v: FloatArray
+    remaining: FloatArray
+    drain: BoolArray
+
+
+def decide(arrays: ClusterArrays, params: PlannerParams) -> TickMoves:
+    """The planner's one entry: Algorithm 1 on ``arrays``, then the drain evacuations.
+
+    :func:`plan` (the live scheduler, ``star plan``) calls it on arrays built
+    from :class:`~star.planner.Instance` values, the simulator on its own.
+    """
+    decided = plan_arrays(arrays, params)
+    evacuated = evacuations(arrays, decided, params)
+    if not evacuated:
+        return TickMoves(
+            decided,
+            decided.rows,
+            decided.sources,
+            decided.targets,
+            decided.delta_v,
+            decided.remaining,
+            np.zeros(decided.rows.size, dtype=np.bool_),
+        )
+    q, s, t, dv = (np.array(column) for column in zip(*evacuated, strict=True))
+    return TickMoves(
+        decided,
+        np.concatenate((decided.rows, q.astype(decided.rows.dtype))),
+        np.concatenate((decided.sources, s.astype(decided.sources.dtype))),
+        np.concatenate((decided.targets, t.astype(decided.targets.dtype))),
+        np.concatenate((decided.delta_v, dv.astype(np.float64))),
+        np.concatenate((decided.remaining, decided.remaining_all[q])),
+        np.concatenate((np.zeros(decided.rows.size, np.bool_), np.ones(q.size, np.bool_))),
+    )
+
+
 def plan(instances: Sequence[Instance], params: PlannerParams, *, explain: bool = False) -> Plan:
     """Decide this tick's migrations (paper Algorithm 1; DESIGN §3).
 
@@ -259,26 +315,22 @@ def plan(instances: Sequence[Instance], params: PlannerParams, *, explain: bool 
     if n == 0:
         return Plan((), {}, 0.0, (), (), 0.0, 0.0)
     arrays = from_instances(instances, params)
-    decided = plan_arrays(arrays, params)
+    tick = decide(arrays, params)
+    decided = tick.plan
     ids = [inst.id for inst in instances]
     moves: list[Move] = []
-
-    def move(q: int, s: int, t: int, dv: float, reason: str) -> Move:
-        r = instances[s].requests[q - int(arrays.offsets[s])]
-        return Move(
-            r.id, ids[s], ids[t], dv, int(r.tokens), float(decided.remaining_all[q]), reason
-        )
-
-    for q, s, t, dv in zip(
-        decided.rows.tolist(),
-        decided.sources.tolist(),
-        decided.targets.tolist(),
-        decided.delta_v.tolist(),
+    for q, s, t, dv, drain in zip(
+        tick.rows.tolist(),
+        tick.sources.tolist(),
+        tick.targets.tolist(),
+        tick.delta_v.tolist(),
+        tick.drain.tolist(),
         strict=True,
     ):
-        moves.append(move(q, s, t, dv, BALANCE))
-    evacuated = evacuations(arrays, decided, params)
-    moves += [move(q, s, t, dv, DRAIN) for q, s, t, dv in evacuated]
+        r = instances[s].requests[q - int(arrays.offsets[s])]
+        reason = DRAIN if drain else BALANCE
+        remaining = float(decided.remaining_all[q])
+        moves.append(Move(r.id, ids[s], ids[t], dv, int(r.tokens), remaining, reason))
     over, under = decided.overloaded, decided.underloaded
     candidates: tuple[Candidate, ...] = ()
     if explain and over.any() and under.any() and params.mode.kind is not ModeKind.NO_MIGRATION:
@@ -294,6 +346,6 @@ def plan(instances: Sequence[Instance], params: PlannerParams, *, explain: bool 
         overloaded=tuple([ids[i] for i in np.flatnonzero(over).tolist()]),
         underloaded=tuple([ids[i] for i in np.flatnonzero(under).tolist()]),
         variance_before=decided.variance_before,
-        variance_after=decided.variance_after + sum(dv for *_, dv in evacuated),
+        variance_after=decided.variance_after + sum(tick.delta_v[tick.drain].tolist()),
         candidates=candidates,
     )

@@ -32,9 +32,9 @@ iteration boundary, its KV stays held on the source and is allocated on the
 target, and after ``tokens x bytes/token / bandwidth + latency`` it joins the
 target's batch; it decodes on neither side meanwhile. Other requests keep
 decoding ("the paused request's KV cache is transferred to the target
-instance without blocking the execution of other requests"). Like the live
-scheduler (``scheduler/view.py``), the planner sees a request in flight booked
-on its target, busy, and both instances in flight.
+instance without blocking the execution of other requests"). As for the live
+scheduler, the planner sees a request in flight booked on its target, busy,
+and both instances in flight: one rule, :mod:`star.planner.flight`.
 
 Speed: between two state changes of an instance its batch is fixed, so the
 number of iterations done by any time is a square root away; an instance
@@ -50,8 +50,6 @@ from __future__ import annotations
 
 import math
 import time
-from array import array
-from collections import deque
 from collections.abc import Callable
 from functools import lru_cache
 
@@ -59,7 +57,7 @@ import numpy as np
 import numpy.typing as npt
 
 from star.planner import Instance, ModeKind, Request
-from star.planner.arrays import plan_arrays
+from star.planner.core import decide
 from star.planner.dispatch import choose_decode, least_loaded
 from star.planner.trace import grid, weights
 from star.sim.config import SimConfig
@@ -68,6 +66,7 @@ from star.sim.events import EventQueue, Kind
 from star.sim.metrics import RequestLog, Series, SimResult, summarise
 from star.sim.predictor import NoiseState, PriorMedian, noisy_estimate
 from star.sim.snapshot import Snapshot
+from star.sim.state import FleetState, RequestState, numpy_view
 from star.sim.workload import Workload, poisson_arrivals, synthetic
 
 FloatArray = npt.NDArray[np.float64]
@@ -88,7 +87,8 @@ class Simulator:
     """One run of the cluster for a :class:`SimConfig` (and optionally a file workload).
 
     ``Simulator(config).run()`` returns a :class:`SimResult`; the instance is
-    single-use.
+    single-use. Its state is :attr:`fleet` (per decode instance) and
+    :attr:`requests` (per request), :mod:`star.sim.state`.
     """
 
     def __init__(self, config: SimConfig, workload: Workload | None = None) -> None:
@@ -97,65 +97,28 @@ class Simulator:
         self.mode = self.params.mode
         seeds = np.random.SeedSequence(config.seed).spawn(3)
         lengths_rng, arrivals_rng, noise_rng = (np.random.default_rng(s) for s in seeds)
-        self._build_requests(workload, lengths_rng, arrivals_rng)
-        n_req = self.arrival.size
-        self.noise = NoiseState(n_req, noise_rng)
+        self.requests = RequestState.new(*self._draw_requests(workload, lengths_rng, arrivals_rng))
+        self.noise = NoiseState(self.requests.size, noise_rng)
         if workload is not None:
             self.prior = PriorMedian(workload.output_tokens, config.max_output_tokens)
         else:
             self.prior = _prior(config.workload, config.max_output_tokens)
 
         # Step-time model; predictions are amortised over the k steps they cover.
-        self.a = config.step_base_s + (
+        self.step_base_s = config.step_base_s + (
             config.predict_latency_s / config.predict_every if config.uses_predictor else 0.0
         )
-        self.b = config.step_per_token_s
-        self.cap = config.kv_capacity_tokens
-        self.recompute_s = config.prefill_per_token_s
-        self.bpt = config.bytes_per_token
-        self.bw = config.bandwidth_bytes_per_s
-        self.cap_array = np.full(config.decode_instances, float(self.cap))
-        self.bpt_array = np.full(config.decode_instances, float(self.bpt))
-        self.all_instances = np.ones(config.decode_instances, dtype=np.bool_)
-
-        # Per request. tbase/gbase: tokens and generated = base + instance step.
-        self.ttft = np.full(n_req, np.nan)
-        self.finish = np.full(n_req, np.nan)
-        self.tbase = np.zeros(n_req, dtype=np.int64)
-        self.gbase = np.zeros(n_req, dtype=np.int64)
-        self.held = [0] * n_req  # tokens in KV while not in a batch
-        self.gen_held = [0] * n_req  # generated tokens while not in a batch
-        self.sfin = [0] * n_req  # instance step at which it finishes
-        self.where = [-1] * n_req  # decode instance (target while migrating)
-        self.recompute = [False] * n_req
-        self.pred_held: list[float | None] = [None] * n_req  # R-hat booked while migrating
-        self.n_preempt = np.zeros(n_req, dtype=np.int64)
-        self.n_migrate = np.zeros(n_req, dtype=np.int64)
-        self.ids = [str(i) for i in range(n_req)]
-
-        # Per decode instance (Python lists: scalar access on the hot path).
-        n = config.decode_instances
-        self.n = n
-        self.inst_ids = [f"d{i}" for i in range(n)]
-        self.index = {iid: i for i, iid in enumerate(self.inst_ids)}
-        # Typed arrays: fast scalar access in event handlers, and numpy views
-        # of them (np.frombuffer, no copy) for the vectorised tick.
-        self.S = array("q", bytes(8 * n))  # iterations done up to t0
-        self.t0 = array("d", bytes(8 * n))  # time of the iteration boundary the state is at
-        self.k = array("q", bytes(8 * n))  # running requests
-        self.tbsum = array("q", bytes(8 * n))  # sum of tbase over running: L = tbsum + k * S
-        self.reserved = array("q", bytes(8 * n))  # KV held for migrations in or out
-        self.extra = array("d", bytes(8 * n))  # one-off cost of the next iteration (recompute)
-        self.mnext = array("q", bytes(8 * n))  # iterations to the next internal event (0: idle)
-        self.finmin = array("q", bytes(8 * n))  # smallest sfin over running
-        self.version = array("q", bytes(8 * n))  # invalidates stale WAKE events
-        self.inflight = array("q", bytes(8 * n))  # migrations this instance takes part in
-        self.running: list[list[int]] = [[] for _ in range(n)]
-        self.waiting: list[deque[int]] = [deque() for _ in range(n)]
-        self.incoming: list[list[int]] = [[] for _ in range(n)]  # migrating in
+        self.step_per_token_s = config.step_per_token_s
+        self.capacity = config.kv_capacity_tokens
+        self.recompute_s_per_token = config.prefill_per_token_s
+        self.bytes_per_token = config.bytes_per_token
+        self.bandwidth = config.bandwidth_bytes_per_s
+        self.fleet = FleetState.empty(
+            config.decode_instances, config.kv_capacity_tokens, config.bytes_per_token
+        )
         self.prefill_free = [0.0] * config.prefills
 
-        self.q = EventQueue()
+        self.events = EventQueue()
         self.series = Series()
         self.migration_times: list[float] = []
         self.preemption_times: list[float] = []
@@ -163,7 +126,7 @@ class Simulator:
         self.rejected = 0
         self.planner_calls = 0
         self.ticks = 0
-        self.rr = 0
+        self.round_robin = 0  # dispatches so far (round-robin's cursor)
         self.open = 0  # arrived, not finished, not rejected
         self.completions = 0  # finish events (each request exactly once)
         self.view: list[Instance] = []
@@ -173,28 +136,32 @@ class Simulator:
 
     # -- setup ---------------------------------------------------------------
 
-    def _build_requests(
+    def _draw_requests(
         self,
         workload: Workload | None,
         lengths_rng: np.random.Generator,
         arrivals_rng: np.random.Generator,
-    ) -> None:
+    ) -> tuple[FloatArray, npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """Arrival times, prompt and output lengths of every request of the run."""
         cfg = self.cfg
         if workload is not None and workload.arrival_s is not None:
             keep = workload.arrival_s < cfg.duration_s
-            self.arrival = workload.arrival_s[keep].astype(np.float64)
-            self.prompt = workload.prompt_tokens[keep].astype(np.int64)
-            self.output = workload.output_tokens[keep].astype(np.int64)
-            return
-        self.arrival = poisson_arrivals(cfg.rate, cfg.duration_s, arrivals_rng)
-        n = self.arrival.size
+            return (
+                workload.arrival_s[keep].astype(np.float64),
+                workload.prompt_tokens[keep].astype(np.int64),
+                workload.output_tokens[keep].astype(np.int64),
+            )
+        arrival = poisson_arrivals(cfg.rate, cfg.duration_s, arrivals_rng)
+        n = arrival.size
         if workload is None:
             drawn = synthetic(cfg.workload, max(n, 1), lengths_rng)
-            self.prompt, self.output = drawn.prompt_tokens[:n], drawn.output_tokens[:n]
-        else:
-            pick = lengths_rng.integers(0, len(workload), n)
-            self.prompt = workload.prompt_tokens[pick].astype(np.int64)
-            self.output = workload.output_tokens[pick].astype(np.int64)
+            return arrival, drawn.prompt_tokens[:n], drawn.output_tokens[:n]
+        pick = lengths_rng.integers(0, len(workload), n)
+        return (
+            arrival,
+            workload.prompt_tokens[pick].astype(np.int64),
+            workload.output_tokens[pick].astype(np.int64),
+        )
 
     # -- the run ---------------------------------------------------------------
 
@@ -207,9 +174,9 @@ class Simulator:
         cpu = time.process_time()
         cfg = self.cfg
         end = cfg.duration_s
-        if self.arrival.size:
-            self.q.push(float(self.arrival[0]), Kind.ARRIVAL, 0)
-        self.q.push(0.0, Kind.TICK)
+        if self.requests.size:
+            self.events.push(float(self.requests.arrival[0]), Kind.ARRIVAL, 0)
+        self.events.push(0.0, Kind.TICK)
         handlers = {
             Kind.WAKE: self._on_wake,
             Kind.MIGRATED: self._on_migrated,
@@ -219,7 +186,7 @@ class Simulator:
             Kind.TICK: self._on_tick,
         }
         reported = 0.0
-        q = self.q
+        q = self.events
         while len(q):
             ev = q.pop()
             if ev.time > end and not cfg.drain:
@@ -238,115 +205,131 @@ class Simulator:
         """Run ``m`` iterations of instance i's current batch and retire finished requests."""
         if m <= 0:
             return
-        k = self.k[i]
-        s = self.S[i]
-        load = self.tbsum[i] + k * s
-        self.t0[i] += duration(m, load, k, self.a, self.b, self.extra[i])
-        self.extra[i] = 0.0
+        f = self.fleet
+        k = f.batch[i]
+        s = f.steps[i]
+        load = f.tokens_base_sum[i] + k * s
+        f.at[i] += duration(m, load, k, self.step_base_s, self.step_per_token_s, f.extra_s[i])
+        f.extra_s[i] = 0.0
         s += m
-        self.S[i] = s
+        f.steps[i] = s
         self.tokens_generated += k * m
-        if s < self.finmin[i]:
+        if s < f.first_finish[i]:
             return
-        now = self.t0[i]
-        sfin = self.sfin
+        now = f.at[i]
+        req = self.requests
+        finish_step = req.finish_step
         keep: list[int] = []
-        for r in self.running[i]:
-            if sfin[r] <= s:
-                self.finish[r] = now
+        for r in f.running[i]:
+            if finish_step[r] <= s:
+                req.finish[r] = now
                 self.open -= 1
                 self.completions += 1
-                self.tbsum[i] -= int(self.tbase[r])
-                self.where[r] = -1
+                f.tokens_base_sum[i] -= int(req.tokens_base[r])
+                req.instance[r] = -1
             else:
                 keep.append(r)
-        self.running[i] = keep
-        self.k[i] = len(keep)
-        self.finmin[i] = min((sfin[r] for r in keep), default=0)
+        f.running[i] = keep
+        f.batch[i] = len(keep)
+        f.first_finish[i] = min((finish_step[r] for r in keep), default=0)
 
     def _sync(self, i: int, now: float) -> None:
         """Bring instance i to its first iteration boundary at or after ``now``."""
-        k = self.k[i]
+        f = self.fleet
+        k = f.batch[i]
         if k == 0:
-            if self.t0[i] < now:
-                self.t0[i] = now
+            if f.at[i] < now:
+                f.at[i] = now
             return
-        load = self.tbsum[i] + k * self.S[i]
-        m = steps_until(now - self.t0[i], load, k, self.a, self.b, self.extra[i], self.mnext[i])
+        load = f.tokens_base_sum[i] + k * f.steps[i]
+        m = steps_until(
+            now - f.at[i],
+            load,
+            k,
+            self.step_base_s,
+            self.step_per_token_s,
+            f.extra_s[i],
+            f.steps_to_event[i],
+        )
         self._advance(i, m)
 
     def _admit(self, i: int, r: int) -> None:
-        s = self.S[i]
-        tb = self.held[r] - s
-        gb = self.gen_held[r] - s
-        self.tbase[r] = tb
-        self.gbase[r] = gb
-        fin = int(self.output[r]) - gb
-        self.sfin[r] = fin
-        if self.k[i] == 0 or fin < self.finmin[i]:
-            self.finmin[i] = fin
-        self.running[i].append(r)
-        self.tbsum[i] += tb
-        self.k[i] += 1
-        self.where[r] = i
+        f = self.fleet
+        req = self.requests
+        s = f.steps[i]
+        tb = req.held_tokens[r] - s
+        gb = req.held_generated[r] - s
+        req.tokens_base[r] = tb
+        req.generated_base[r] = gb
+        fin = int(req.output[r]) - gb
+        req.finish_step[r] = fin
+        if f.batch[i] == 0 or fin < f.first_finish[i]:
+            f.first_finish[i] = fin
+        f.running[i].append(r)
+        f.tokens_base_sum[i] += tb
+        f.batch[i] += 1
+        req.instance[r] = i
 
     def _settle(self, i: int) -> None:
         """After a change at instance i's boundary: preempt, admit, schedule its next event."""
-        cap = self.cap
-        s = self.S[i]
-        load = self.tbsum[i] + self.k[i] * s
-        reserved = self.reserved[i]
+        f = self.fleet
+        req = self.requests
+        cap = self.capacity
+        s = f.steps[i]
+        load = f.tokens_base_sum[i] + f.batch[i] * s
+        reserved = f.reserved[i]
         # Room for one more token per running request, else preempt the newest.
-        while self.k[i] > 0 and load + reserved + self.k[i] > cap:
-            r = self.running[i].pop()
-            tokens = int(self.tbase[r]) + s
-            self.held[r] = tokens
-            self.gen_held[r] = int(self.gbase[r]) + s
-            self.tbsum[i] -= int(self.tbase[r])
-            self.k[i] -= 1
+        while f.batch[i] > 0 and load + reserved + f.batch[i] > cap:
+            r = f.running[i].pop()
+            tokens = int(req.tokens_base[r]) + s
+            req.held_tokens[r] = tokens
+            req.held_generated[r] = int(req.generated_base[r]) + s
+            f.tokens_base_sum[i] -= int(req.tokens_base[r])
+            f.batch[i] -= 1
             load -= tokens
-            self.recompute[r] = True
-            self.waiting[i].appendleft(r)
-            self.n_preempt[r] += 1
-            self.preemption_times.append(self.t0[i])
-            if self.k[i]:
-                self.finmin[i] = min(self.sfin[x] for x in self.running[i])
-        waiting = self.waiting[i]
+            req.recompute[r] = True
+            f.waiting[i].appendleft(r)
+            req.preemptions[r] += 1
+            self.preemption_times.append(f.at[i])
+            if f.batch[i]:
+                f.first_finish[i] = min(req.finish_step[x] for x in f.running[i])
+        waiting = f.waiting[i]
         while waiting:
             r = waiting[0]
-            need = self.held[r]
-            if load + reserved + need + self.k[i] + 1 > cap:
+            need = req.held_tokens[r]
+            if load + reserved + need + f.batch[i] + 1 > cap:
                 break
             waiting.popleft()
             self._admit(i, r)
             load += need
-            if self.recompute[r]:
-                self.recompute[r] = False
-                self.extra[i] += need * self.recompute_s
-        self.version[i] += 1
-        k = self.k[i]
+            if req.recompute[r]:
+                req.recompute[r] = False
+                f.extra_s[i] += need * self.recompute_s_per_token
+        f.version[i] += 1
+        k = f.batch[i]
         if k == 0:
-            self.mnext[i] = 0
+            f.steps_to_event[i] = 0
             return
-        m = min(self.finmin[i] - s, (cap - reserved - load) // k)
-        self.mnext[i] = m
-        at = self.t0[i] + duration(m, load, k, self.a, self.b, self.extra[i])
-        self.q.push(at, Kind.WAKE, i, self.version[i])
+        m = min(f.first_finish[i] - s, (cap - reserved - load) // k)
+        f.steps_to_event[i] = m
+        at = f.at[i] + duration(m, load, k, self.step_base_s, self.step_per_token_s, f.extra_s[i])
+        self.events.push(at, Kind.WAKE, i, f.version[i])
 
     # -- event handlers ------------------------------------------------------------
 
     def _on_wake(self, now: float, i: int, version: int) -> None:
-        if version != self.version[i]:
+        if version != self.fleet.version[i]:
             return
-        self._advance(i, self.mnext[i])
+        self._advance(i, self.fleet.steps_to_event[i])
         self._settle(i)
 
     def _on_arrival(self, now: float, r: int, _: int) -> None:
+        req = self.requests
         nxt = r + 1
-        if nxt < self.arrival.size:
-            self.q.push(float(self.arrival[nxt]), Kind.ARRIVAL, nxt)
-        prompt = int(self.prompt[r])
-        if prompt + int(self.output[r]) + 1 > self.cap:
+        if nxt < req.size:
+            self.events.push(float(req.arrival[nxt]), Kind.ARRIVAL, nxt)
+        prompt = int(req.prompt[r])
+        if prompt + int(req.output[r]) + 1 > self.capacity:
             self.rejected += 1  # vLLM rejects what can never fit (max_model_len)
             return
         self.open += 1
@@ -354,41 +337,43 @@ class Simulator:
         p = min(range(len(free)), key=free.__getitem__)
         done = max(now, free[p]) + self.cfg.prefill_base_s + self.cfg.prefill_per_token_s * prompt
         free[p] = done
-        self.q.push(done, Kind.PREFILLED, r, p)
+        self.events.push(done, Kind.PREFILLED, r, p)
 
     def _on_prefilled(self, now: float, r: int, _: int) -> None:
-        self.ttft[r] = now - float(self.arrival[r])
+        req = self.requests
+        req.ttft_s[r] = now - float(req.arrival[r])
         self.tokens_generated += 1
-        if int(self.output[r]) <= 1:
-            self.finish[r] = now
+        if int(req.output[r]) <= 1:
+            req.finish[r] = now
             self.open -= 1
             self.completions += 1
             return
-        prompt = int(self.prompt[r])
+        prompt = int(req.prompt[r])
         i = self._dispatch(r, now)
-        self.where[r] = i
-        self.held[r] = prompt + 1
-        self.gen_held[r] = 1
-        transfer = (prompt + 1) * self.bpt / self.bw + self.cfg.handoff_latency_s
-        self.q.push(now + transfer, Kind.JOIN, r, i)
+        req.instance[r] = i
+        req.held_tokens[r] = prompt + 1
+        req.held_generated[r] = 1
+        transfer = (prompt + 1) * self.bytes_per_token / self.bandwidth + self.cfg.handoff_latency_s
+        self.events.push(now + transfer, Kind.JOIN, r, i)
 
     def _on_join(self, now: float, r: int, i: int) -> None:
         self._sync(i, now)
-        self.waiting[i].append(r)
+        self.fleet.waiting[i].append(r)
         self._settle(i)
 
     def _on_migrated(self, now: float, r: int, src: int) -> None:
-        dst = self.where[r]
-        tokens = self.held[r]
+        f = self.fleet
+        req = self.requests
+        dst = req.instance[r]
+        tokens = req.held_tokens[r]
         self._sync(src, now)
-        self.reserved[src] -= tokens
-        self.inflight[src] -= 1
+        f.reserved[src] -= tokens
         self._settle(src)
         self._sync(dst, now)
-        self.reserved[dst] -= tokens
-        self.inflight[dst] -= 1
-        self.incoming[dst].remove(r)
-        self.n_migrate[r] += 1
+        f.reserved[dst] -= tokens
+        f.incoming[dst].remove(r)
+        req.source[r] = -1
+        req.migrations[r] += 1
         # Its KV is already allocated on dst: it joins the batch directly.
         self._admit(dst, r)
         self._settle(dst)
@@ -399,33 +384,34 @@ class Simulator:
         ``remaining`` is the R-hat the planner decided with; the request is
         booked on dst with it until it arrives.
         """
+        f = self.fleet
+        req = self.requests
         self._sync(src, now)
-        running = self.running[src]
+        running = f.running[src]
         if r not in running:
             self._settle(src)  # it finished at that boundary
             return False
         running.remove(r)
-        s = self.S[src]
-        tokens = int(self.tbase[r]) + s
-        self.held[r] = tokens
-        self.gen_held[r] = int(self.gbase[r]) + s
-        self.tbsum[src] -= int(self.tbase[r])
-        self.k[src] -= 1
-        if self.k[src]:
-            self.finmin[src] = min(self.sfin[x] for x in running)
-        self.reserved[src] += tokens
-        self.inflight[src] += 1
-        start = self.t0[src]
+        s = f.steps[src]
+        tokens = int(req.tokens_base[r]) + s
+        req.held_tokens[r] = tokens
+        req.held_generated[r] = int(req.generated_base[r]) + s
+        f.tokens_base_sum[src] -= int(req.tokens_base[r])
+        f.batch[src] -= 1
+        if f.batch[src]:
+            f.first_finish[src] = min(req.finish_step[x] for x in running)
+        f.reserved[src] += tokens
+        start = f.at[src]
         self._settle(src)
         self._sync(dst, now)
-        self.reserved[dst] += tokens
-        self.inflight[dst] += 1
-        self.incoming[dst].append(r)
-        self.pred_held[r] = remaining if math.isfinite(remaining) else None
-        self.where[r] = dst
+        f.reserved[dst] += tokens
+        f.incoming[dst].append(r)
+        req.source[r] = src
+        req.held_prediction[r] = remaining if math.isfinite(remaining) else None
+        req.instance[r] = dst
         self._settle(dst)
-        took = tokens * self.bpt / self.bw + self.cfg.handoff_latency_s
-        self.q.push(max(start, now) + took, Kind.MIGRATED, r, src)
+        took = tokens * self.bytes_per_token / self.bandwidth + self.cfg.handoff_latency_s
+        self.events.push(max(start, now) + took, Kind.MIGRATED, r, src)
         self.migration_times.append(now)
         return True
 
@@ -437,39 +423,39 @@ class Simulator:
         self._sample(now, snap)
         if self.mode.kind is not ModeKind.NO_MIGRATION:
             traces = snap.traces
-            if self._worth_planning(traces):
+            if self._worth_planning(traces, snap.in_flight):
                 self.planner_calls += 1
                 given = self.mode.kind is ModeKind.PREDICTED
                 arrays, rows = snap.arrays(with_traces=given)
-                decided = plan_arrays(arrays, self.params)
+                moves = decide(arrays, self.params)
                 for q, src, dst, rem in zip(
-                    decided.rows.tolist(),
-                    decided.sources.tolist(),
-                    decided.targets.tolist(),
-                    decided.remaining.tolist(),
+                    moves.rows.tolist(),
+                    moves.sources.tolist(),
+                    moves.targets.tolist(),
+                    moves.remaining.tolist(),
                     strict=True,
                 ):
                     self._migrate(int(rows[q]), src, dst, rem, now)
-                if decided.rows.size:  # the published view has the moves booked
+                if moves.rows.size:  # the published view has the moves booked
                     snap = Snapshot(self, now)
         self._refresh_view(snap)
         nxt = now + self.cfg.tick_s
         if nxt <= self.cfg.duration_s or (self.cfg.drain and self.open > 0):
-            self.q.push(nxt, Kind.TICK)
+            self.events.push(nxt, Kind.TICK)
 
     def _sample(self, now: float, snap: Snapshot) -> None:
         loads = snap.loads
-        step_ms = (self.a + self.b * loads) * 1e3
-        used = (loads + np.frombuffer(self.reserved, dtype=np.int64)) / self.cap
+        step_ms = (self.step_base_s + self.step_per_token_s * loads) * 1e3
+        used = (loads + numpy_view(self.fleet.reserved)) / self.capacity
         s = self.series
         s.t.append(now)
         s.exec_var_ms2.append(float(step_ms.var()))
         s.kv_max.append(float(used.max()))
         s.kv_mean.append(float(used.mean()))
         s.running.append(int(snap.batch.sum()))
-        s.waiting.append(sum(map(len, self.waiting)))
+        s.waiting.append(sum(map(len, self.fleet.waiting)))
 
-    def _worth_planning(self, traces: FloatArray) -> bool:
+    def _worth_planning(self, traces: FloatArray, in_flight: npt.NDArray[np.bool_]) -> bool:
         """Whether Algorithm 1 could find an overloaded source and a target now.
 
         The planner's first step (line 6: "if O is not empty") on the same
@@ -480,7 +466,7 @@ class Simulator:
             return True
         work = traces @ self.beta
         bound = (1.0 + self.params.theta) * float(work.mean())
-        free = np.frombuffer(self.inflight, dtype=np.int64) == 0
+        free = ~in_flight
         over = work > bound * (1.0 - _GATE_SLACK)
         under = traces[:, 0] < bound * (1.0 + _GATE_SLACK)
         return bool((over & free).any()) and bool((under & free).any())
@@ -505,29 +491,32 @@ class Simulator:
         """P->D dispatch on the current load view (:func:`choose_decode`, or for
         ``current-load`` its array form :func:`least_loaded`)."""
         policy = self.cfg.dispatch
-        prompt = int(self.prompt[r])
-        tokens = prompt + 1
+        req = self.requests
+        fleet = self.fleet
+        tokens = int(req.prompt[r]) + 1
         if policy == "round-robin":
             if not self.view:  # loads are not read: one fixed list of instances
-                self.view = [Instance(iid, (), self.cap, self.bpt) for iid in self.inst_ids]
-            i = self.index[choose_decode(policy, self.view, tokens, None, self.params, self.rr)]
-            self.rr += 1
-            return i
+                self.view = [
+                    Instance(iid, (), self.capacity, self.bytes_per_token) for iid in fleet.ids
+                ]
+            chosen = choose_decode(policy, self.view, tokens, None, self.params, self.round_robin)
+            self.round_robin += 1
+            return fleet.index[chosen]
         if policy == "current-load":
             if self.view_load is None:
                 self._refresh_view(Snapshot(self, now))
             load = self.view_load
             assert load is not None
-            i = least_loaded(load, self.cap_array, tokens)
+            i = least_loaded(load, fleet.capacity, tokens)
             load[i] += tokens
             return i
         if not self.view:
             self._refresh_view(Snapshot(self, now))
         predicted = self._first_prediction(r)
-        chosen = choose_decode(policy, self.view, tokens, predicted, self.params, self.rr)
-        i = self.index[chosen]
+        chosen = choose_decode(policy, self.view, tokens, predicted, self.params, self.round_robin)
+        i = fleet.index[chosen]
         inst = self.view[i]
-        added = Request(self.ids[r], tokens, predicted, int(self.output[r]) - 1, 1)
+        added = Request(req.ids[r], tokens, predicted, int(req.output[r]) - 1, 1)
         self.view[i] = Instance(
             inst.id,
             (*inst.requests, added),
@@ -541,7 +530,7 @@ class Simulator:
 
     def _first_prediction(self, r: int) -> float:
         """R-hat from the prompt alone (the prefill instance's prediction, g = 0)."""
-        total = float(self.output[r])
+        total = float(self.requests.output[r])
         if self.cfg.predictor == "oracle":
             return total - 1.0
         idx = np.array([r], dtype=np.int64)
@@ -553,24 +542,27 @@ class Simulator:
 
     def _result(self, wall_s: float, cpu_s: float) -> SimResult:
         cfg = self.cfg
-        generated = np.zeros(self.arrival.size, dtype=np.int64)
-        for r in range(self.arrival.size):
-            if np.isfinite(self.finish[r]):
-                generated[r] = self.output[r]
-            elif np.isnan(self.ttft[r]):
+        req = self.requests
+        f = self.fleet
+        generated = np.zeros(req.size, dtype=np.int64)
+        for r in range(req.size):
+            i = req.instance[r]
+            if np.isfinite(req.finish[r]):
+                generated[r] = req.output[r]
+            elif np.isnan(req.ttft_s[r]):
                 generated[r] = 0
-            elif self.where[r] >= 0 and r in self.running[self.where[r]]:
-                generated[r] = int(self.gbase[r]) + self.S[self.where[r]]
+            elif i >= 0 and r in f.running[i]:
+                generated[r] = int(req.generated_base[r]) + f.steps[i]
             else:
-                generated[r] = self.gen_held[r]
+                generated[r] = req.held_generated[r]
         log = RequestLog(
-            arrival=self.arrival,
-            prompt=self.prompt,
-            output=self.output,
-            ttft_s=self.ttft,
-            finish=self.finish,
-            preemptions=self.n_preempt,
-            migrations=self.n_migrate,
+            arrival=req.arrival,
+            prompt=req.prompt,
+            output=req.output,
+            ttft_s=req.ttft_s,
+            finish=req.finish,
+            preemptions=req.preemptions,
+            migrations=req.migrations,
             generated=generated,
         )
         series = self.series.arrays()
@@ -588,7 +580,7 @@ class Simulator:
             tpot_slo_s=cfg.tpot_slo_s,
         )
         row.update(summary)
-        migrations = int(self.n_migrate.sum())
+        migrations = int(req.migrations.sum())
         row.update(
             {
                 "preemptions": len(self.preemption_times),
@@ -597,7 +589,7 @@ class Simulator:
                 "sim_seconds": cfg.duration_s,
                 "wall_seconds": wall_s,
                 "cpu_seconds": cpu_s,
-                "arrived": int(self.arrival.size),
+                "arrived": int(req.size),
                 "rejected": self.rejected,
                 "planner_calls": self.planner_calls,
                 "ticks": self.ticks,

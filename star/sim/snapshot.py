@@ -3,7 +3,7 @@
 Paper Algorithm 1, line 4: "Collect worker states". In the live system every
 decode worker reports its running requests (N, R-hat, generated) and its own
 pre-simulated trace L(tau_0..tau_H); the scheduler books migrations in flight
-on their target (``scheduler/view.py``) and hands :func:`star.planner.plan`
+on their target (:mod:`star.planner.flight`) and hands :func:`star.planner.plan`
 one :class:`~star.planner.Instance` per worker. :class:`Snapshot` produces the
 same from the simulator's state: flat per-request arrays first (numpy, for
 the traces and the gate), planner objects only when the planner is called.
@@ -12,7 +12,6 @@ the traces and the gate), planner objects only when the planner is called.
 from __future__ import annotations
 
 import itertools
-from array import array
 from dataclasses import dataclass, replace
 from functools import cached_property
 from types import ModuleType
@@ -23,6 +22,7 @@ import numpy.typing as npt
 
 from star.planner import Instance, Mode, ModeKind, Request
 from star.planner.arrays import ClusterArrays, remaining_of
+from star.planner.flight import Booking, book
 from star.sim.config import SimConfig
 from star.sim.predictor import (
     CORRELATION_TOKENS,
@@ -34,6 +34,7 @@ from star.sim.predictor import (
     NoiseState,
     PriorMedian,
 )
+from star.sim.state import FleetState, RequestState, numpy_view
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
@@ -67,61 +68,18 @@ class SimState(Protocol):
     A protocol, so that the engine imports this module and not the reverse.
     """
 
-    # Per decode instance (typed arrays: read through np.frombuffer).
     @property
-    def S(self) -> array[int]: ...
+    def fleet(self) -> FleetState: ...
     @property
-    def t0(self) -> array[float]: ...
+    def requests(self) -> RequestState: ...
     @property
-    def k(self) -> array[int]: ...
+    def step_base_s(self) -> float: ...
     @property
-    def tbsum(self) -> array[int]: ...
+    def step_per_token_s(self) -> float: ...
     @property
-    def extra(self) -> array[float]: ...
+    def capacity(self) -> int: ...
     @property
-    def mnext(self) -> array[int]: ...
-    @property
-    def inflight(self) -> array[int]: ...
-    @property
-    def running(self) -> list[list[int]]: ...
-    @property
-    def incoming(self) -> list[list[int]]: ...
-    @property
-    def inst_ids(self) -> list[str]: ...
-    @property
-    def cap_array(self) -> FloatArray: ...
-    @property
-    def bpt_array(self) -> FloatArray: ...
-    @property
-    def all_instances(self) -> BoolArray: ...
-    # Per request.
-    @property
-    def tbase(self) -> IntArray: ...
-    @property
-    def gbase(self) -> IntArray: ...
-    @property
-    def output(self) -> IntArray: ...
-    @property
-    def held(self) -> list[int]: ...
-    @property
-    def gen_held(self) -> list[int]: ...
-    @property
-    def pred_held(self) -> list[float | None]: ...
-    @property
-    def where(self) -> list[int]: ...
-    @property
-    def ids(self) -> list[str]: ...
-    # The run.
-    @property
-    def n(self) -> int: ...
-    @property
-    def a(self) -> float: ...
-    @property
-    def b(self) -> float: ...
-    @property
-    def cap(self) -> int: ...
-    @property
-    def bpt(self) -> int: ...
+    def bytes_per_token(self) -> int: ...
     @property
     def cfg(self) -> SimConfig: ...
     @property
@@ -145,60 +103,86 @@ class Snapshot:
 
     def __init__(self, sim: SimState, now: float) -> None:
         self.sim = sim
+        fleet = sim.fleet
+        self.size = fleet.size
         # Copies: the instance arrays keep changing during the tick.
-        batch = np.frombuffer(sim.k, dtype=np.int64).copy()
+        batch = numpy_view(fleet.batch).copy()
         self.steps, self.loads = _kernels().read_instances(
             now,
-            np.frombuffer(sim.t0, dtype=np.float64),
-            np.frombuffer(sim.S, dtype=np.int64),
+            numpy_view(fleet.at),
+            numpy_view(fleet.steps),
             batch,
-            np.frombuffer(sim.tbsum, dtype=np.int64),
-            np.frombuffer(sim.extra, dtype=np.float64),
-            np.frombuffer(sim.mnext, dtype=np.int64),
-            sim.a,
-            sim.b,
+            numpy_view(fleet.tokens_base_sum),
+            numpy_view(fleet.extra_s),
+            numpy_view(fleet.steps_to_event),
+            sim.step_base_s,
+            sim.step_per_token_s,
         )
         self.batch = batch
-        self.offsets: IntArray = np.zeros(sim.n + 1, dtype=np.int64)
+        self.offsets: IntArray = np.zeros(self.size + 1, dtype=np.int64)
         np.cumsum(batch, out=self.offsets[1:])
 
     @cached_property
     def running(self) -> Rows:
         """The running requests of every instance, instance by instance."""
-        sim = self.sim
+        req = self.sim.requests
         total = int(self.offsets[-1])
-        idx: IntArray = np.fromiter(itertools.chain.from_iterable(sim.running), np.int64, total)
+        run = self.sim.fleet.running
+        idx: IntArray = np.fromiter(itertools.chain.from_iterable(run), np.int64, total)
         owner, tokens, generated, true = _kernels().running_rows(
-            idx, self.batch, self.steps, sim.tbase, sim.gbase, sim.output
+            idx, self.batch, self.steps, req.tokens_base, req.generated_base, req.output
         )
         return Rows(idx, owner, tokens, generated, true)
 
     @cached_property
     def incoming(self) -> Rows:
-        """Requests migrating in, booked on their target (as ``scheduler/view.py`` does)."""
-        sim = self.sim
-        b_idx = [r for rs in sim.incoming for r in rs]
+        """Requests migrating in, on their target, instance by instance."""
+        req = self.sim.requests
+        b_idx = [r for rs in self.sim.fleet.incoming for r in rs]
         idx = np.array(b_idx, dtype=np.int64)
-        generated = np.array([sim.gen_held[r] for r in b_idx], dtype=np.int64)
+        generated = np.array([req.held_generated[r] for r in b_idx], dtype=np.int64)
+        held = req.held_prediction
         return Rows(
             idx,
-            np.array([sim.where[r] for r in b_idx], dtype=np.int64),
-            np.array([sim.held[r] for r in b_idx], dtype=np.float64),
+            np.array([req.instance[r] for r in b_idx], dtype=np.int64),
+            np.array([req.held_tokens[r] for r in b_idx], dtype=np.float64),
             generated,
-            sim.output[idx] - generated,
-            np.array(
-                [np.nan if sim.pred_held[r] is None else sim.pred_held[r] for r in b_idx],
-                dtype=np.float64,
-            ),
+            req.output[idx] - generated,
+            np.array([np.nan if held[r] is None else held[r] for r in b_idx], dtype=np.float64),
         )
+
+    @cached_property
+    def booking(self) -> Booking:
+        """The running rows with the migrations in flight booked on their targets
+        (:func:`star.planner.flight.book`, the live scheduler's rule)."""
+        run = self.running
+        if not any(self.sim.fleet.incoming):
+            none = np.zeros(0, dtype=np.int64)
+            return book(self.size, run.owner, run.idx, none, none, none, none.astype(np.bool_))
+        inc = self.incoming
+        source = self.sim.requests.source
+        return book(
+            self.size,
+            run.owner,
+            run.idx,
+            inc.idx,
+            np.array([source[r] for r in inc.idx.tolist()], dtype=np.int64),
+            inc.owner,
+            np.ones(inc.idx.size, dtype=np.bool_),
+        )
+
+    @property
+    def in_flight(self) -> BoolArray:
+        """Instances taking part in a migration."""
+        return self.booking.in_flight
 
     @cached_property
     def booked(self) -> FloatArray:
         """Tokens booked on each instance by migrations in flight."""
-        if not any(self.sim.incoming):
-            return np.zeros(self.sim.n)
+        if not any(self.sim.fleet.incoming):
+            return np.zeros(self.size)
         rows = self.incoming
-        out = np.bincount(rows.owner, weights=rows.tokens, minlength=self.sim.n)
+        out = np.bincount(rows.owner, weights=rows.tokens, minlength=self.size)
         return out.astype(np.float64)
 
     @cached_property
@@ -220,7 +204,7 @@ class Snapshot:
             noise.draw(moved),
             noise.z,
             noise.at,
-            sim.output,
+            sim.requests.output,
             CORRELATION_TOKENS,
             sim.prior.table,
             float(PRIOR_STEP),
@@ -234,42 +218,32 @@ class Snapshot:
 
     @cached_property
     def planner_input(self) -> tuple[ClusterArrays, IntArray]:
-        """:class:`ClusterArrays` of the cluster and the request index of each row.
-
-        Per instance, requests migrating in come first (booked on their
-        target, not eligible), then the running ones, as :meth:`instances`
-        orders them.
-        """
+        """:class:`ClusterArrays` of the cluster and the request index of each row,
+        ordered by :attr:`booking` (per instance, requests migrating in first)."""
         sim = self.sim
         run = self.running
-        n = sim.n
+        booking = self.booking
         pred = self.predicted if sim.mode.kind in PREDICTING else np.full(run.idx.size, np.nan)
         idx, tokens, true = run.idx, run.tokens, run.true_remaining
-        eligible = np.ones(idx.size, dtype=np.bool_)
-        offsets = self.offsets
-        if any(sim.incoming):
+        eligible = ~booking.booked
+        if booking.booked.any():
             inc = self.incoming
-            owner = np.concatenate((inc.owner, run.owner))
-            # Stable: within an instance, booked rows stay ahead of running ones.
-            order = np.argsort(owner, kind="stable")
-            idx = np.concatenate((inc.idx, idx))[order]
-            tokens = np.concatenate((inc.tokens, tokens))[order]
-            true = np.concatenate((inc.true_remaining, true))[order]
             assert inc.predicted is not None
-            pred = np.concatenate((inc.predicted, pred))[order]
-            eligible = np.concatenate((np.zeros(inc.idx.size, dtype=np.bool_), eligible))[order]
-            offsets = np.zeros(n + 1, dtype=np.int64)
-            np.cumsum(np.bincount(owner, minlength=n), out=offsets[1:])
+            rows = booking.rows
+            idx = np.concatenate((idx, inc.idx))[rows]
+            tokens = np.concatenate((tokens, inc.tokens))[rows]
+            true = np.concatenate((true, inc.true_remaining))[rows]
+            pred = np.concatenate((pred, inc.predicted))[rows]
         out = ClusterArrays(
-            offsets=offsets.astype(np.intp),
+            offsets=booking.offsets.astype(np.intp),
             tokens=tokens,
             predicted=pred,
             true_remaining=true.astype(np.float64),
             eligible=eligible,
-            capacity=sim.cap_array,
-            bytes_per_token=sim.bpt_array,
-            step_time_s=sim.a + sim.b * self.loads,
-            in_flight=np.frombuffer(sim.inflight, dtype=np.int64) > 0,
+            capacity=sim.fleet.capacity,
+            bytes_per_token=sim.fleet.bytes_per_token,
+            step_time_s=sim.step_base_s + sim.step_per_token_s * self.loads,
+            in_flight=booking.in_flight,
         )
         return out, idx
 
@@ -287,8 +261,8 @@ class Snapshot:
         sim = self.sim
         arrays = self.planner_input[0]
         k = kernels.cutoffs(remaining_of(arrays, sim.mode), sim.tau)
-        out = np.empty((sim.n, sim.tau.size))
-        kernels.fill_traces(arrays.offsets, arrays.tokens, k, sim.tau, sim.all_instances, out)
+        out = np.empty((self.size, sim.tau.size))
+        kernels.fill_traces(arrays.offsets, arrays.tokens, k, sim.tau, sim.fleet.everyone, out)
         return out
 
     def arrays(self, *, with_traces: bool = False) -> tuple[ClusterArrays, IntArray]:
@@ -299,7 +273,7 @@ class Snapshot:
         """
         arrays, idx = self.planner_input
         if with_traces:
-            arrays = replace(arrays, traces=self.traces, has_trace=self.sim.all_instances)
+            arrays = replace(arrays, traces=self.traces, has_trace=self.sim.fleet.everyone)
         return arrays, idx
 
     def instances(self, *, with_traces: bool = False) -> list[Instance]:
@@ -311,13 +285,13 @@ class Snapshot:
         instead of recomputing it.
         """
         sim = self.sim
-        ids = sim.ids
+        ids = sim.requests.ids
         run = self.running
         if sim.mode.kind in PREDICTING or sim.cfg.dispatch == "predicted":
             pred: list[float | None] = self.predicted.tolist()
         else:
             pred = [None] * run.idx.size
-        reqs = tuple(
+        reqs = list(
             map(
                 Request,
                 [ids[r] for r in run.idx.tolist()],
@@ -327,36 +301,39 @@ class Snapshot:
                 run.generated.tolist(),
             )
         )
-        offsets = self.offsets.tolist()
-        step = (sim.a + sim.b * self.loads).tolist()
-        rows: list[tuple[float, ...] | None] = (
-            [tuple(row) for row in self.traces.tolist()] if with_traces else [None] * sim.n
+        booking = self.booking
+        if booking.booked.any():
+            reqs += [self._booked(r) for r in self.incoming.idx.tolist()]
+        rows = booking.rows.tolist()
+        flags = [False] * run.idx.size + [True] * (len(reqs) - run.idx.size)
+        offsets = booking.offsets.tolist()
+        step = (sim.step_base_s + sim.step_per_token_s * self.loads).tolist()
+        traces: list[tuple[float, ...] | None] = (
+            [tuple(row) for row in self.traces.tolist()] if with_traces else [None] * self.size
         )
-        none: frozenset[str] = frozenset()
+        in_flight = booking.in_flight.tolist()
         out: list[Instance] = []
-        for i in range(sim.n):
-            mine = reqs[offsets[i] : offsets[i + 1]]
-            busy = none
-            if sim.incoming[i]:
-                booked = tuple(self._booked(r) for r in sim.incoming[i])
-                mine = booked + mine
-                busy = frozenset(b.id for b in booked)
+        for i, iid in enumerate(sim.fleet.ids):
+            lo, hi = offsets[i], offsets[i + 1]
+            mine = tuple([reqs[q] for q in rows[lo:hi]])
+            busy = frozenset([reqs[q].id for q in rows[lo:hi] if flags[q]])
             out.append(
                 Instance(
-                    sim.inst_ids[i],
+                    iid,
                     mine,
-                    sim.cap,
-                    sim.bpt,
+                    sim.capacity,
+                    sim.bytes_per_token,
                     step[i],
-                    sim.inflight[i] > 0,
+                    in_flight[i],
                     busy,
-                    rows[i],
+                    traces[i],
                 )
             )
         return out
 
     def _booked(self, r: int) -> Request:
-        sim = self.sim
-        gen = sim.gen_held[r]
-        rem = int(sim.output[r]) - gen
-        return Request(sim.ids[r], sim.held[r], sim.pred_held[r], rem, gen, migratable=False)
+        req = self.sim.requests
+        gen = req.held_generated[r]
+        rem = int(req.output[r]) - gen
+        held = req.held_tokens[r]
+        return Request(req.ids[r], held, req.held_prediction[r], rem, gen, migratable=False)

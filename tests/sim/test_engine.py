@@ -118,12 +118,14 @@ def test_conservation_every_token_and_request_accounted_for(mode: str) -> None:
     assert bool(np.all(np.isfinite(log.finish)))
     assert sim.completions == arrived and sim.open == 0
     assert bool(np.all(log.finish >= log.arrival + log.ttft_s - 1e-12))
-    assert all(not r for r in sim.running) and not any(sim.waiting) and not any(sim.incoming)
+    fleet = sim.fleet
+    assert all(not r for r in fleet.running) and not any(fleet.waiting) and not any(fleet.incoming)
     # Every generated token is one a decode iteration (or the prefill) produced.
     assert sim.tokens_generated == int(log.output.sum()) == int(log.generated.sum())
     # KV fully released, nothing held for migrations.
-    for state in (sim.k, sim.tbsum, sim.reserved, sim.inflight):
-        assert list(state) == [0] * sim.n
+    for state in (fleet.batch, fleet.tokens_base_sum, fleet.reserved):
+        assert list(state) == [0] * fleet.size
+    assert sim.requests.source == [-1] * sim.requests.size  # no migration in flight
 
 
 def test_conservation_with_preemptions_and_migrations() -> None:
@@ -222,14 +224,14 @@ def test_current_load_dispatch_answers_like_choose_decode_on_all_instances() -> 
         # Few distinct values: many ties, and sometimes nothing fits.
         load = rng.choice([0.0, 5e3, 9e4, 199_990.0], size=32).astype(np.float64)
         sim.view_load = load.copy()
-        r = trial % sim.arrival.size if sim.arrival.size else 0
-        tokens = int(sim.prompt[r]) + 1 if sim.arrival.size else 1
+        r = trial % sim.requests.size if sim.requests.size else 0
+        tokens = int(sim.requests.prompt[r]) + 1 if sim.requests.size else 1
         full = [
-            Instance(f"d{i}", (Request(f"d{i}", int(load[i])),), sim.cap, sim.bpt)
+            Instance(f"d{i}", (Request(f"d{i}", int(load[i])),), sim.capacity, sim.bytes_per_token)
             for i in range(32)
         ]
         want = choose_decode("current-load", full, tokens, None, sim.params, 0)
-        assert sim.inst_ids[sim._dispatch(r, 0.0)] == want
+        assert sim.fleet.ids[sim._dispatch(r, 0.0)] == want
 
 
 @pytest.mark.parametrize("dispatch", ["round-robin", "current-load", "predicted"])

@@ -40,7 +40,7 @@ def test_array_and_object_entry_points_decide_the_same(mode: str) -> None:
 
     assert objects.moves, "the state should offer moves"
     assert [(m.request, m.source, m.target) for m in objects.moves] == [
-        (str(int(rows[q])), sim.inst_ids[s], sim.inst_ids[t])
+        (str(int(rows[q])), sim.fleet.ids[s], sim.fleet.ids[t])
         for q, s, t in zip(
             fast.rows.tolist(), fast.sources.tolist(), fast.targets.tolist(), strict=True
         )
