@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import heapq
 import json
 import math
@@ -366,6 +367,56 @@ async def sample_redis(bus: Bus, group: str) -> dict[str, Any]:
     return out
 
 
+def cpu_costs(args: argparse.Namespace, settings: Settings, ticks: int = 3) -> dict[str, float]:
+    """The scheduler's CPU work at this size, timed in this process (CPU time,
+    so the machine's load does not enter): decoding and applying one report,
+    and one tick's view -> plan -> load view. ``demand`` is the CPU seconds per
+    second the scheduler needs at the target report rate; above 1 no single
+    core keeps up, whatever the load."""
+    from scheduler.view import ClusterView
+    from star.planner import plan
+    from star.planner.kernels import warm
+    from star.planner.types import PlannerParams
+    from star.wire import decode_as, encode
+
+    warm()
+    fleet = make_fleet(args.instances, args.requests, args.step_ms, settings, args.seed)
+    cfg = settings.scheduler
+    view = ClusterView(cfg.staleness_s, cfg.decision_timeout_s)
+    bodies = [report_body(fleet, inst, time.time())[0] for inst in fleet.instances]
+    start = time.process_time()
+    for body in bodies:
+        view.apply_report(decode_as(body, Report), time.monotonic())
+    per_report = (time.process_time() - start) / len(bodies)
+    params = PlannerParams.from_settings(settings)
+    if args.mode:
+        from star.planner.modes import Mode
+
+        params = dataclasses.replace(params, mode=Mode.parse(args.mode))
+    split = {"instances": 0.0, "plan": 0.0, "load": 0.0}
+    for _ in range(ticks):
+        t0 = time.process_time()
+        instances = view.instances(params)
+        t1 = time.process_time()
+        result = plan(instances, params)
+        t2 = time.process_time()
+        for entry in view.load_entries(result.workloads, time.time()):
+            encode(entry)
+        t3 = time.process_time()
+        split["instances"] += (t1 - t0) / ticks
+        split["plan"] += (t2 - t1) / ticks
+        split["load"] += (t3 - t2) / ticks
+    per_tick = sum(split.values())
+    rate = sum(1 / inst.period_s for inst in fleet.instances)
+    interval = args.interval or cfg.interval_s
+    return {
+        "report_decode_apply_ms": round(per_report * 1e3, 3),
+        "tick_cpu_ms": round(per_tick * 1e3, 2),
+        **{f"tick_{k}_ms": round(v * 1e3, 2) for k, v in split.items()},
+        "cpu_demand": round(rate * per_report + per_tick / interval, 3),
+    }
+
+
 # -- the run -------------------------------------------------------------------------
 
 
@@ -649,6 +700,16 @@ def print_table(r: dict[str, Any]) -> None:
             ", ".join(f"{k} {v} ({r['stream_maxlen'][k]})" for k, v in r["stream_max_len"].items()),
             "bounded: " + ("ok" if r["streams_bounded"] else "MISSED"),
         ),
+        (
+            "CPU ms: per report (decode+apply), per tick",
+            f"{r['cpu_costs']['report_decode_apply_ms']}, {r['cpu_costs']['tick_cpu_ms']} (view {r['cpu_costs']['tick_instances_ms']}, plan {r['cpu_costs']['tick_plan_ms']}, load view {r['cpu_costs']['tick_load_ms']})",
+            "",
+        ),
+        (
+            "CPU s/s the scheduler needs",
+            str(r["cpu_costs"]["cpu_demand"]),
+            "one core keeps up: " + ("yes" if r["cpu_costs"]["cpu_demand"] < 1 else "NO"),
+        ),
         ("load average (cpus)", f"{r['load1_mean']} ({r['cpus']})", ""),
     ]
     width = max(len(a) for a, _, _ in rows)
@@ -699,9 +760,11 @@ def run(args: argparse.Namespace) -> int:
     settings = load_settings()
     prefix = f"bench-sched-{os.getpid()}"
     run_dir = Path(tempfile.mkdtemp(prefix="star-bench-scheduler-"))
+    costs = cpu_costs(args, settings)  # before the processes start: nothing else runs here
     procs = start_processes(run_dir, prefix, args)
     try:
         result = asyncio.run(measure(args, procs, prefix, settings))
+        result["cpu_costs"] = costs
     finally:
         procs.launcher.stop()
         if not args.keep:

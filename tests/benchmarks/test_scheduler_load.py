@@ -104,3 +104,9 @@ def test_small_run_of_a_real_scheduler(capsys: pytest.CaptureFixture[str]) -> No
     assert r["scheduler_cpu_pct"] > 0
     assert len(r["samples"]) >= 4 and all("lag_s" in s for s in r["samples"])
     assert np.isfinite(r["lag_s_slope_per_min"])
+    costs = r["cpu_costs"]
+    assert costs["report_decode_apply_ms"] > 0 and costs["tick_plan_ms"] > 0
+    assert costs["tick_cpu_ms"] == pytest.approx(
+        costs["tick_instances_ms"] + costs["tick_plan_ms"] + costs["tick_load_ms"], abs=0.05
+    )
+    assert 0 < costs["cpu_demand"] < 1  # 16 instances: a fraction of a core
