@@ -351,9 +351,8 @@ class ClusterBackend:
         )
         self.runs[req.request_id] = run
         self._emit(
-            Event(
+            Event.now(
                 EventKind.DISPATCHED,
-                time.time(),
                 self.origin,
                 request=req.request_id,
                 instance=member.instance,
@@ -378,9 +377,8 @@ class ClusterBackend:
             self.runs.pop(req.request_id, None)
             self.migrator.finished_request(req.request_id)
             self._emit(
-                Event(
+                Event.now(
                     EventKind.FINISHED,
-                    time.time(),
                     self.origin,
                     request=req.request_id,
                     instance=run.where or member.instance,

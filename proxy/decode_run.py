@@ -259,9 +259,8 @@ class DecodeRun:
 
     def _emit(self, action: Emit) -> None:
         self.fleet.emit_event(
-            Event(
+            Event.now(
                 action.kind,
-                time.time(),
                 self.fleet.origin,
                 request=self.req.request_id,
                 migration=action.migration,
@@ -302,9 +301,8 @@ class Migrator:
             reason = f"target {decision.target} is not a live decode instance"
         if reason is not None:
             self.emit(
-                Event(
+                Event.now(
                     EventKind.REFUSED,
-                    time.time(),
                     self.origin,
                     request=decision.request,
                     migration=decision.id,

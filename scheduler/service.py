@@ -178,9 +178,8 @@ class SchedulerService(Service):
             if leader and not was:
                 await self.bus.publish(
                     "events",
-                    Event(
+                    Event.now(
                         EventKind.LEADER,
-                        time.time(),
                         self.origin,
                         data={"fence": self.leadership.fence},
                     ),
@@ -250,7 +249,7 @@ class SchedulerService(Service):
             if leader:
                 await self.bus.publish(
                     "events",
-                    Event(EventKind.INSTANCE_STALE, time.time(), self.origin, instance=name),
+                    Event.now(EventKind.INSTANCE_STALE, self.origin, instance=name),
                 )
         for decision in self.view.expire(now):
             self.metrics.decisions.labels(decision.mode, "expired").inc()
@@ -258,9 +257,8 @@ class SchedulerService(Service):
             if leader:
                 await self.bus.publish(
                     "events",
-                    Event(
+                    Event.now(
                         EventKind.EXPIRED,
-                        time.time(),
                         self.origin,
                         request=decision.request,
                         migration=decision.id,
