@@ -151,6 +151,9 @@ class Report(Message):
     # Emulated device timing (worker.device_step_ms): the share of the step
     # time since the last report that was padding; 0 on real timing.
     pad_share: float = 0.0
+    # Token-protocol peers that failed the handshake (cluster.secret) since
+    # the worker started: anything above 0 is a misconfigured proxy or a probe.
+    refused_peers: int = 0
 
     def summary(self) -> dict[str, str]:
         return {"kind": self.KIND, "instance": self.instance, "load": str(self.used_tokens)}

@@ -148,6 +148,7 @@ class WorkerService(Service):
                 draining=self.exiting,
                 step_time_s=step_time_s,
                 pad_share=pad_share,
+                refused_peers=self.server.refused,
             )
             try:
                 await self.bus.publish("reports", report)

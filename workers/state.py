@@ -229,6 +229,7 @@ def build_report(
     draining: bool = False,
     step_time_s: float | None = None,
     pad_share: float = 0.0,
+    refused_peers: int = 0,
 ) -> Report:
     """The report of a worker whose engine is in state ``stats``.
 
@@ -242,6 +243,7 @@ def build_report(
     ``step_time_s``: the mean model-step time since the last report as the
     worker timed it (:mod:`workers.pacing`); None: from the engine's stats.
     ``pad_share``: the share of the step time that emulated device timing padded.
+    ``refused_peers``: token-protocol peers that failed the handshake so far.
     """
     loads = request_loads(stats.running, predictions)
     trace = load_trace(((r.tokens, r.predicted_remaining) for r in loads), delta, horizon)
@@ -264,4 +266,5 @@ def build_report(
         preemptions=stats.preemptions,
         draining=draining,
         pad_share=pad_share,
+        refused_peers=refused_peers,
     )

@@ -77,6 +77,8 @@ async def collect(settings: Settings) -> dict[str, Any]:
                 "step_ms": round(r.step_time_s * 1000, 2),
                 "waiting": r.waiting,
                 "preemptions": r.preemptions,
+                # Token-protocol peers that failed the handshake (a wrong cluster.secret, a probe).
+                "refused_peers": r.refused_peers,
                 "requests": [
                     {
                         "id": q.id,
@@ -157,6 +159,8 @@ def render(doc: dict[str, Any]) -> str:
         stale = "" if i["fresh"] else f"  STALE ({i['age_s']:.0f}s)"
         if i["draining"]:
             stale += "  DRAINING"
+        if i["refused_peers"]:
+            stale += f"  REFUSED {i['refused_peers']} PEERS"
         reqs = " ".join(f"{q['id']}:{q['tokens']}" for q in i["requests"][:6])
         if len(i["requests"]) > 6:
             reqs += f" (+{len(i['requests']) - 6})"

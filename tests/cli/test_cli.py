@@ -114,6 +114,26 @@ async def test_status_shows_a_draining_instance(redis_server: RedisServer) -> No
     assert lines["decode-0"].endswith("DRAINING") and "DRAINING" not in lines["decode-1"]
 
 
+async def test_status_shows_refused_token_protocol_peers(redis_server: RedisServer) -> None:
+    bs = bus_settings()
+    bus = Bus.from_settings(redis_settings(redis_server), bs)
+    await bus.publish("reports", dataclasses.replace(report("decode-0"), refused_peers=3))
+    await bus.publish("reports", report("decode-1"))
+    await bus.close()
+    env = {"STAR_REDIS_URL": redis_server.url, "STAR_BUS_PREFIX": bs.prefix}
+
+    doc = json.loads(star("status", "--json", env=env).stdout)
+    assert {i["instance"]: i["refused_peers"] for i in doc["instances"]} == {
+        "decode-0": 3,
+        "decode-1": 0,
+    }
+    out = star("status", env=env)
+    lines = {
+        line.split()[0]: line for line in out.stdout.splitlines() if line.startswith("decode-")
+    }
+    assert lines["decode-0"].endswith("REFUSED 3 PEERS") and "REFUSED" not in lines["decode-1"]
+
+
 def test_inspect_follow_streams_new_entries(redis_server: RedisServer) -> None:
     bs = bus_settings()
     env = {**os.environ, "STAR_REDIS_URL": redis_server.url, "STAR_BUS_PREFIX": bs.prefix}

@@ -251,6 +251,23 @@ def test_build_report_says_whether_the_worker_is_draining(draining: bool) -> Non
     assert decode_as(encode(report), Report).draining is draining
 
 
+def test_build_report_carries_the_refused_peer_count() -> None:
+    report = build_report(
+        snapshot(),
+        None,
+        instance="decode-0",
+        role="decode",
+        seq=1,
+        ts=1700000000.0,
+        address="127.0.0.1:9000",
+        predictions={},
+        delta=10,
+        horizon=2,
+        refused_peers=4,
+    )
+    assert decode_as(encode(report), Report).refused_peers == 4
+
+
 FIXED = {"max_tokens": 100, "ignore_eos": True}
 
 
