@@ -119,7 +119,7 @@ class Directory:
             try:
                 await self.refresh()
             except BusUnavailable as exc:
-                log.error("dispatch view unreadable; retrying", error=str(exc))
+                log.error("dispatch_view_unreadable", error=str(exc))
                 continue
             await asyncio.sleep(interval_s)
 
@@ -148,11 +148,11 @@ class Directory:
             return  # none published (no scheduler, or its key expired): ages out
         if policy not in DISPATCH_POLICIES:
             if policy != self._bad_policy:
-                log.warning("unknown dispatch policy published; ignored", policy=policy)
+                log.warning("dispatch_policy_unknown_ignored", policy=policy)
                 self._bad_policy = policy
             return
         if self._policy is None or self._policy[1] != policy:
-            log.info("dispatch policy from the scheduler", policy=policy)
+            log.info("dispatch_policy_followed", policy=policy)
         self._policy = (now, policy)
 
     def policy(self, fallback: str) -> str:
@@ -182,7 +182,7 @@ class Directory:
         stale = [m for m in last if m.role == role and self._down.get(m.address, 0.0) <= now]
         if stale:
             log.warning(
-                "no fresh reports; dispatching on the last known instances",
+                "no_fresh_reports_using_last_known",
                 role=role,
                 instances=[m.instance for m in stale],
             )
@@ -209,7 +209,7 @@ class Directory:
             or self._down.get(known[1].address, 0.0) > now
         ):
             return None
-        log.warning("no fresh report; using the last known address", role=role, instance=instance)
+        log.warning("no_fresh_report_using_last_address", role=role, instance=instance)
         return known[1].address
 
     def pick(self, role: str, policy: str, tokens: int) -> Member:
@@ -261,7 +261,7 @@ class ClusterBackend:
             try:
                 self.events.put_nowait(event)
             except asyncio.QueueFull:
-                log.warning("event queue full; event dropped", event=event.event.value)
+                log.warning("event_dropped_queue_full", event=event.event.value)
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[TokenBatch]:
         if req.n != 1:
@@ -296,7 +296,7 @@ class ClusterBackend:
                 await self._connect(member)
             except BackendUnavailable as exc:
                 log.warning(
-                    "instance unreachable; trying another", instance=member.instance, error=str(exc)
+                    "instance_unreachable_trying_another", instance=member.instance, error=str(exc)
                 )
                 continue
             return member

@@ -219,7 +219,7 @@ class DecodeRun:
                     except (OSError, ConnectionLost, TimeoutError) as exc:
                         self.fleet.mark_down(action.address)
                         log.warning(
-                            "decode instance unreachable", instance=action.instance, error=str(exc)
+                            "decode_instance_unreachable", instance=action.instance, error=str(exc)
                         )
                         todo.append(OpenFailed(str(exc)))
                     else:
@@ -328,4 +328,4 @@ async def follow_decisions(bus: Bus, migrator: Migrator, start: str = "$") -> No
         try:
             migrator.apply(decision)
         except Exception:  # a bug here must not stop the following of decisions
-            log.exception("decision failed", decision=decision.id, request=decision.request)
+            log.exception("decision_failed", decision=decision.id, request=decision.request)

@@ -500,7 +500,7 @@ class RunMachine:
         if msg.num_tokens != expected:
             out.append(
                 Warn(
-                    "handoff token count differs from what the client saw",
+                    "handoff_token_count_mismatch",
                     {"handoff": msg.num_tokens, "seen": expected},
                 )
             )

@@ -46,17 +46,25 @@ class ProxyService(Service):
         self.events: asyncio.Queue[Event] = asyncio.Queue(maxsize=10_000)
 
     async def startup(self) -> None:
-        card = ModelCard.load(self.model_path, self.served_name, max_model_len=self.settings.worker.max_model_len)
+        card = ModelCard.load(
+            self.model_path, self.served_name, max_model_len=self.settings.worker.max_model_len
+        )
         self.bus = Bus.from_settings(self.settings.redis, self.settings.bus)
         await self.bus.retrying("PING", self.bus.redis.ping)
         self.directory = Directory(self.bus, self.settings.scheduler.staleness_s)
-        backend = ClusterBackend(self.directory, self.pool, self.settings.proxy.dispatch, f"proxy:{self.node}", self.events)
+        backend = ClusterBackend(
+            self.directory,
+            self.pool,
+            self.settings.proxy.dispatch,
+            f"proxy:{self.node}",
+            self.events,
+        )
         self.backend = backend
         app = ProxyApp(backend, [card], self.settings.proxy)
         self.server = create_server(app, self.settings.proxy, sock=self.sock)
         await self.server.start()
         host, port = self.server.address
-        log.info("proxy listening", url=f"http://{host}:{port}", model=card.name)
+        log.info("proxy_listening", url=f"http://{host}:{port}", model=card.name)
 
     async def main(self) -> None:
         assert self.directory is not None
@@ -76,7 +84,7 @@ class ProxyService(Service):
                     await self.bus.publish("events", event)
                     break
                 except BusUnavailable as exc:  # keep the event and keep serving
-                    log.error("events unpublishable; retrying", error=str(exc), queued=self.events.qsize())
+                    log.error("events_unpublishable", error=str(exc), queued=self.events.qsize())
 
     async def drain(self) -> None:
         if self.server is not None:

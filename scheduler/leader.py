@@ -78,15 +78,17 @@ class Leadership:
         if self.is_leader:
             ok = await self._renew(keys=[keys.leader], args=[self._value, self.ttl_ms])
             if not ok:
-                log.warning("lost leadership", node=self.node, fence=self.fence)
+                log.warning("leadership_lost", node=self.node, fence=self.fence)
                 self.fence = 0
                 self._value = ""
             return self.is_leader
-        fence = int(await self._acquire(keys=[keys.leader, keys.fence], args=[self.node, self.ttl_ms]))
+        fence = int(
+            await self._acquire(keys=[keys.leader, keys.fence], args=[self.node, self.ttl_ms])
+        )
         if fence:
             self.fence = fence
             self._value = f"{self.node}|{fence}"
-            log.info("became leader", node=self.node, fence=fence)
+            log.info("leadership_acquired", node=self.node, fence=fence)
         return self.is_leader
 
     def demote(self) -> None:
@@ -113,7 +115,7 @@ class Leadership:
             args=[self._value, self.bus.settings.maxlen_decisions, *fields],
         )
         if entry is None:
-            log.warning("publish refused: lock no longer ours", node=self.node, decision=decision.id)
+            log.warning("publish_refused_lock_lost", node=self.node, decision=decision.id)
             self.demote()
             return None
         return entry.decode() if isinstance(entry, bytes) else str(entry)

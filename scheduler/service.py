@@ -80,14 +80,14 @@ class SchedulerService(Service):
         from star.planner.kernels import warm as warm_planner
 
         warm_s = warm_planner()
-        log.info("planner kernels ready", seconds=round(warm_s, 3))
+        log.info("planner_kernels_ready", seconds=round(warm_s, 3))
         self.bus = Bus.from_settings(self.settings.redis, self.settings.bus)
         await self.bus.retrying("PING", self.bus.redis.ping)
         self.leadership = Leadership(self.bus, self.node, self.settings.scheduler.lock_ttl_s)
         cfg = self.settings.scheduler
         if cfg.metrics_port:
             self._metrics_server = self.metrics.serve(cfg.metrics_host, cfg.metrics_port)
-        log.info("scheduler ready", node=self.node, mode=cfg.mode, interval_s=cfg.interval_s)
+        log.info("scheduler_ready", node=self.node, mode=cfg.mode, interval_s=cfg.interval_s)
 
     async def main(self) -> None:
         self.spawn(self._reports(), "reports")
@@ -102,7 +102,7 @@ class SchedulerService(Service):
             try:
                 await self.leadership.resign()
             except Exception as exc:  # Redis gone at shutdown: the TTL frees the lock
-                log.warning("could not resign leadership", error=str(exc))
+                log.warning("leadership_not_resigned", error=str(exc))
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
         if self.bus is not None:
@@ -125,7 +125,7 @@ class SchedulerService(Service):
             for entry in entries:
                 assert isinstance(entry.msg, Report)
                 if self.view.apply_report(entry.msg, now):
-                    log.info("instance live", instance=entry.msg.instance, role=entry.msg.role)
+                    log.info("instance_live", instance=entry.msg.instance, role=entry.msg.role)
                 self.accuracy.observe(entry.msg)
 
     async def _events(self) -> None:
@@ -138,7 +138,7 @@ class SchedulerService(Service):
             event = entry.msg
             if event.event is EventKind.WORKER_DOWN and event.instance:
                 if self.view.mark_down(event.instance, event.ts):
-                    log.warning("instance down; excluded", instance=event.instance)
+                    log.warning("instance_down_excluded", instance=event.instance)
             score = self.accuracy.apply_event(event)
             if score is not None:
                 self.metrics.predictor_scored(score, self.accuracy)
@@ -147,7 +147,7 @@ class SchedulerService(Service):
                 decision, outcome = resolved
                 self.metrics.decisions.labels(decision.mode, outcome).inc()
                 log.info(
-                    "migration resolved",
+                    "migration_resolved",
                     migration_id=decision.id,
                     request_id=decision.request,
                     outcome=outcome,
@@ -171,7 +171,7 @@ class SchedulerService(Service):
                 leader = await self.leadership.step()
             except Exception as exc:  # Redis unreachable: we cannot know; stop publishing
                 if was:
-                    log.warning("leadership unknown, stepping down", error=str(exc))
+                    log.warning("leadership_unknown_stepping_down", error=str(exc))
                 self.leadership.demote()
                 leader = False
             self.metrics.leader.set(1 if leader else 0)
@@ -217,8 +217,9 @@ class SchedulerService(Service):
         if kind in (ModeKind.PREDICTED, ModeKind.BINS):
             for name in sorted(missing - self._no_predictor):
                 log.warning(
-                    "instance runs without a length predictor: its requests have no R-hat "
-                    "and count as endless in this mode (load predictor.checkpoint on its worker)",
+                    "instance_without_predictor",
+                    hint="its requests have no R-hat and count as endless in this mode; "
+                    "load predictor.checkpoint on its worker",
                     instance=name,
                     mode=str(self.params.mode),
                 )
@@ -228,9 +229,9 @@ class SchedulerService(Service):
             new = sorted(unknown - self._no_length)
             if new:
                 log.warning(
-                    "oracle mode: requests have no known final length (send ignore_eos with "
-                    "max_tokens and no stop condition); treated as unknown, as a missing "
-                    "prediction in predicted mode",
+                    "oracle_lengths_unknown",
+                    hint="send ignore_eos with max_tokens and no stop condition; treated as "
+                    "unknown, as a missing prediction in predicted mode",
                     count=len(new),
                     requests=new[:10],
                 )
@@ -243,9 +244,7 @@ class SchedulerService(Service):
         now = time.monotonic()
         leader = self.leadership.is_leader
         for name in self.view.mark_stale(now):
-            log.warning(
-                "instance stale; excluded", instance=name, staleness_s=self.view.staleness_s
-            )
+            log.warning("instance_stale_excluded", instance=name, staleness_s=self.view.staleness_s)
             if leader:
                 await self.bus.publish(
                     "events",
@@ -253,7 +252,7 @@ class SchedulerService(Service):
                 )
         for decision in self.view.expire(now):
             self.metrics.decisions.labels(decision.mode, "expired").inc()
-            log.warning("decision expired", migration_id=decision.id, request_id=decision.request)
+            log.warning("decision_expired", migration_id=decision.id, request_id=decision.request)
             if leader:
                 await self.bus.publish(
                     "events",
@@ -286,7 +285,7 @@ class SchedulerService(Service):
             self.view.book(decision, now)
             self.metrics.decisions.labels(mode, "decided").inc()
             log.info(
-                "migration decided",
+                "migration_decided",
                 migration_id=decision.id,
                 request_id=move.request,
                 source=move.source,

@@ -253,7 +253,7 @@ class Bus:
                         f"Redis at {redact_url(cfg.url)} unreachable for {waited:.1f}s during {what}: {exc}"
                     ) from exc
                 log.warning(
-                    "redis unreachable, retrying",
+                    "redis_unreachable_retrying",
                     op=what,
                     attempt=attempt,
                     delay_s=round(delay, 3),
@@ -265,7 +265,7 @@ class Bus:
             raise_swallowed_cancel(task, cancels)
             if attempt:
                 log.info(
-                    "redis reachable again",
+                    "redis_reachable_again",
                     op=what,
                     attempts=attempt,
                     down_s=round(time.monotonic() - started, 3),
@@ -328,7 +328,7 @@ class Bus:
 
         await self.retrying(f"XADD {self.keys.dead}", op)
         log.warning(
-            "undecodable entry moved to dead-letter stream",
+            "entry_dead_lettered",
             stream=stream_key,
             entry_id=entry_id,
             reason=reason,
@@ -481,7 +481,7 @@ def _load_entries(raw: dict[bytes, bytes]) -> dict[str, LoadEntry]:
         try:
             out[as_str(name)] = decode_as(body, LoadEntry)
         except WireError as exc:
-            log.warning("bad load entry skipped", instance=as_str(name), reason=str(exc))
+            log.warning("load_entry_skipped", instance=as_str(name), reason=str(exc))
     return out
 
 
@@ -565,7 +565,7 @@ class GroupReader:
                 )
                 self._claim_cursor = as_str(cursor)
                 if claimed:
-                    log.info("reclaimed stale entries", stream=self.key, count=len(claimed))
+                    log.info("stale_entries_reclaimed", stream=self.key, count=len(claimed))
                     return await self._accept(claimed)
             rows = await self.bus.redis.xreadgroup(
                 self.group,
@@ -576,7 +576,7 @@ class GroupReader:
             )
         except ResponseError as exc:
             if "NOGROUP" in str(exc):
-                log.warning("consumer group missing, recreating", stream=self.key, group=self.group)
+                log.warning("consumer_group_recreated", stream=self.key, group=self.group)
                 self._group_ready = False
                 self._backlog = True
                 return []
@@ -706,7 +706,7 @@ class Subscriber:
         newest = as_str(newest_rows[0][0]) if newest_rows else "0-0"
         if self._seen is not None and _id_tuple(newest) < _id_tuple(self._seen):
             log.warning(
-                "stream went back in time; reading from its start",
+                "stream_went_back_rereading",
                 stream=self.key,
                 last_seen=self._seen,
                 newest=newest,

@@ -48,7 +48,7 @@ def sd_notify(state: str, env: Mapping[str, str] | None = None) -> bool:
             sock.connect(address)
             sock.sendall(state.encode())
     except OSError as exc:
-        log.warning("sd_notify failed", state=state, error=str(exc))
+        log.warning("sd_notify_failed", state=state, error=str(exc))
         return False
     return True
 
@@ -145,7 +145,7 @@ class Service:
         exc = task.exception()
         if exc is not None:
             log.error(
-                "background task failed; stopping",
+                "task_failed_stopping",
                 task=task.get_name(),
                 error=repr(exc),
                 exc_info=exc,
@@ -157,13 +157,13 @@ class Service:
         self._signals += 1
         if self._signals == 1:
             log.info(
-                "stop requested; draining",
+                "stop_requested_draining",
                 signal=signal.Signals(signum).name,
                 timeout_s=self.drain_timeout_s,
             )
             self.request_exit()
         else:
-            log.warning("second signal; forcing exit", signal=signal.Signals(signum).name)
+            log.warning("second_signal_forcing_exit", signal=signal.Signals(signum).name)
             self.force_exit = True
             self.request_exit()
             if self._phase is not None:
@@ -198,11 +198,11 @@ class Service:
             except Exception as exc:
                 # One line the operator acts on (the cause, the setting to change);
                 # the traceback only at debug level.
-                log.error("startup failed", service=self.name, error=str(exc) or repr(exc))
-                log.debug("startup failure traceback", service=self.name, exc_info=exc)
+                log.error("startup_failed", service=self.name, error=str(exc) or repr(exc))
+                log.debug("startup_failed_traceback", service=self.name, exc_info=exc)
                 return 1
             self.started = True
-            log.debug("heap frozen", service=self.name, objects=freeze_heap())
+            log.debug("heap_frozen", service=self.name, objects=freeze_heap())
             sd_notify("READY=1")
             interval = watchdog_interval()
             if interval:
@@ -215,7 +215,7 @@ class Service:
                 if not self.force_exit:
                     raise
             except Exception as exc:
-                log.error("service failed", service=self.name, error=str(exc), exc_info=exc)
+                log.error("service_failed", service=self.name, error=str(exc), exc_info=exc)
                 status = 1
             if self.failed is not None:
                 status = 1
@@ -226,9 +226,7 @@ class Service:
                 try:
                     await self._phase
                 except TimeoutError:
-                    log.warning(
-                        "drain timed out; cancelling the rest", timeout_s=self.drain_timeout_s
-                    )
+                    log.warning("drain_timed_out", timeout_s=self.drain_timeout_s)
                 except asyncio.CancelledError:
                     if not self.force_exit:
                         raise

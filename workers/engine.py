@@ -560,7 +560,7 @@ class EngineHandle:
                 )
                 raise EngineStartError(explain(failure.cause() or root_cause(exc), setup)) from exc
         log.info(
-            "engine started",
+            "engine_started",
             role=spec.role,
             model=spec.model,
             seconds=round(time.monotonic() - t0, 1),
@@ -764,4 +764,4 @@ class EngineHandle:
         # shut down; the second call (an instance attribute, found first) does
         # nothing.
         self.llm.shutdown = _already_shut_down  # type: ignore[method-assign]
-        log.info("engine stopped", role=self.role)
+        log.info("engine_stopped", role=self.role)

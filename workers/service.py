@@ -74,7 +74,7 @@ class WorkerService(Service):
             )
             await self.engine.install_pacer(clock)
             if clock.base_s > 0:
-                log.warning("emulated device timing: every decode step is padded", clock=str(clock))
+                log.warning("emulated_device_timing", clock=str(clock))
         hello = Hello(self.instance, cfg.role, self.spec.model)
         self.server = TokenServer(
             self.engine,
@@ -94,7 +94,7 @@ class WorkerService(Service):
                 data={"role": cfg.role, "address": self.server.address, "model": self.spec.model},
             ),
         )
-        log.info("worker ready", instance=self.instance, role=cfg.role, address=self.server.address)
+        log.info("worker_ready", instance=self.instance, role=cfg.role, address=self.server.address)
 
     def note_predictor(self, checkpoint: str | None) -> None:
         """Record what :func:`start_tap` loaded; a decode worker without a predictor warns."""
@@ -103,9 +103,10 @@ class WorkerService(Service):
         self.predictor = checkpoint is not None
         if not self.predictor:
             log.warning(
-                "no length predictor loaded: reports carry no R-hat, so a scheduler in "
-                "predicted or bins mode sees this instance's requests as endless; "
-                "set predictor.checkpoint (or ship one in MODEL/predictor/)",
+                "no_length_predictor_loaded",
+                hint="reports carry no R-hat, so a scheduler in predicted or bins mode sees "
+                "this instance's requests as endless; set predictor.checkpoint (or ship one "
+                "in MODEL/predictor/)",
                 instance=self.instance,
                 model=self.spec.model,
             )
@@ -155,7 +156,7 @@ class WorkerService(Service):
             except BusUnavailable as exc:
                 # Never stop an engine that holds running requests over Redis:
                 # this report is dropped, the next one is fresher anyway.
-                log.error("report unpublishable; retrying with the next", error=str(exc))
+                log.error("report_unpublishable", error=str(exc))
             previous = stats
 
     async def _next_report(self, steps: int, interval_s: float) -> None:
@@ -188,7 +189,7 @@ class WorkerService(Service):
                     retry=False,
                 )
             except Exception as exc:  # Redis gone: the scheduler notices the silence instead
-                log.warning("could not announce worker_down", error=str(exc))
+                log.warning("worker_down_unannounced", error=str(exc))
         if self.engine is not None:
             await self.engine.shutdown()
         if self.bus is not None:

@@ -588,7 +588,7 @@ async def start_tap(engine: Any, every: int, checkpoint: str = "") -> str | None
         return None
     path = checkpoint or default_checkpoint(engine.model)
     if not path:
-        log.info("no length predictor for this model: reports carry no R-hat", model=engine.model)
+        log.info("no_length_predictor_for_model", model=engine.model)
         return None
     ckpt = load_checkpoint(path)
     hidden = await engine.install_tap(every, str(path))
@@ -597,7 +597,7 @@ async def start_tap(engine: Any, every: int, checkpoint: str = "") -> str | None
             f"predictor {path} expects hidden size {ckpt.config.input_dim}, the model has {hidden}"
         )
     log.info(
-        "length predictor installed",
+        "length_predictor_installed",
         checkpoint=str(path),
         every=every,
         metrics=ckpt.metadata.get("metrics", {}).get("mlp-fused"),

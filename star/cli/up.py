@@ -94,7 +94,9 @@ class Launcher:
         extra_env: dict[str, str] | None = None,
         pass_fds: tuple[int, ...] = (),
     ) -> Child:
-        child = Child(name, argv, self.run_dir / f"{name}.log", None, dict(extra_env or {}), pass_fds)
+        child = Child(
+            name, argv, self.run_dir / f"{name}.log", None, dict(extra_env or {}), pass_fds
+        )
         with child.log.open("wb") as out:
             child.proc = subprocess.Popen(
                 argv,
@@ -216,7 +218,7 @@ def _redis_answers(url: str) -> bool:
 def _cause(path: Path) -> str | None:
     """The ``error`` of the last error-level JSON line a STAR process logged, if any.
 
-    A process that cannot start logs why in one such line (``startup failed``),
+    A process that cannot start logs why in one such line (``startup_failed``),
     the setting to change included.
     """
     try:

@@ -27,9 +27,7 @@ RECONNECT_TIMEOUT_S = 0.3
 def outages(logs: list[dict[str, object]]) -> int:
     """How many reads or acks gave up with BusUnavailable (each took a reconnect timeout)."""
     return (
-        sum(
-            1 for e in logs if e["event"] == "redis unreachable, retrying" and e.get("attempt") == 1
-        )
+        sum(1 for e in logs if e["event"] == "redis_unreachable_retrying" and e.get("attempt") == 1)
         - 1
     )
 

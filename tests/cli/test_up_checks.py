@@ -136,6 +136,6 @@ def test_up_with_too_little_kv_cache_says_so_in_one_line(
     name = lines[0].removeprefix("star up: ").split()[0]
     log = (run_dir / f"{name}.log").read_text()
     entries = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
-    failed = [e for e in entries if e.get("event") == "startup failed"]
+    failed = [e for e in entries if e.get("event") == "startup_failed"]
     assert len(failed) == 1 and says in failed[0]["error"] and "exception" not in failed[0]
     assert len(log) < 50_000 and '"locals"' not in log

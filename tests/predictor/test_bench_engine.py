@@ -39,7 +39,7 @@ def test_engine_overhead_json_is_alone_on_stdout_and_the_exit_is_clean() -> None
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     # vLLM, NIXL and structlog log to stdout; here they must not (the JSON parses).
     engine = json.loads(proc.stdout)["engine"]
-    assert "engine started" in proc.stderr
+    assert "engine_started" in proc.stderr
     assert engine["requests"] == 4 and engine["every"] == 20
     assert engine["steps"] > 20 and engine["rounds"] >= 1 and engine["mean_rows"] >= 1
     assert 0 < engine["predict_s"] < engine["step_s"]

@@ -99,7 +99,7 @@ async def test_oracle_mode_keeps_ticking_and_moves_by_true_lengths(
                 await asyncio.sleep(0.05)
         await asyncio.sleep(1.0)  # ten more ticks with the unknown request in view
         assert proc.poll() is None, log.read_text()[-2000:]
-        warned = lines(log, "oracle mode: requests have no known final length")
+        warned = lines(log, "oracle_lengths_unknown")
         assert [w["requests"] for w in warned] == [["a-open"]], warned  # once, not per tick
         assert warned[0]["count"] == 1 and warned[0]["level"] == "warning"
     finally:
@@ -123,11 +123,11 @@ async def test_predicted_mode_names_instances_without_a_predictor(
     )
     try:
         async with asyncio.timeout(60):
-            while not lines(log, "instance runs without a length predictor"):  # noqa: ASYNC110 (state in a file)
+            while not lines(log, "instance_without_predictor"):  # noqa: ASYNC110 (state in a file)
                 await asyncio.sleep(0.1)
         await asyncio.sleep(1.0)  # ten more ticks
         assert proc.poll() is None
-        warned = lines(log, "instance runs without a length predictor")
+        warned = lines(log, "instance_without_predictor")
         assert [(w["instance"], w["mode"]) for w in warned] == [("a", "predicted")], warned
         body = await asyncio.to_thread(
             lambda: (

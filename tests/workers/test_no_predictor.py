@@ -66,7 +66,7 @@ async def test_a_worker_without_a_predictor_warns_and_reports_it(
                 while len(got := await reports(bus)) < 2:  # noqa: ASYNC110 (state in Redis)
                     await asyncio.sleep(0.02)
     assert {r.predictor for r in got} == {said}
-    warned = [e for e in logs if str(e["event"]).startswith("no length predictor loaded")]
+    warned = [e for e in logs if str(e["event"]).startswith("no_length_predictor_loaded")]
     if said is False:
         assert [(e["log_level"], e["instance"]) for e in warned] == [("warning", "w-x")]
     else:
