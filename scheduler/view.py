@@ -8,7 +8,11 @@ its worker announces ``worker_down``, until it reports again) and, per DESIGN
 outcome arrives on ``<prefix>:events`` the request counts on the target, not
 on the source, and both instances are "in flight" (no second migration; the
 rule is :mod:`star.planner.flight`, which the simulator applies too).
-A decision with no outcome after ``decision_timeout_s`` expires. An instance
+A decision with no outcome after ``decision_timeout_s`` expires. A move that
+resumed keeps its request off the source (and on the target, until the target
+reports it) until the source reports again: the source's last report, sent
+before the release, still lists it, and a planner reading it would decide to
+move the request from where it no longer is. An instance
 whose reports say ``draining`` (its worker is stopping) is a migration
 source only, and is left out of the dispatch view.
 
@@ -49,6 +53,16 @@ class InFlight:
     deadline: float
 
 
+@dataclass(slots=True)
+class Settling:
+    """A move that resumed at ``ts`` (the event's clock) while its source's report is older."""
+
+    decision: Decision
+    load: RequestLoad | None
+    ts: float
+    deadline: float  # the move's own decision deadline: a skewed clock cannot hold it longer
+
+
 @dataclass
 class ClusterView:
     """Latest report per instance plus the migrations in flight."""
@@ -57,6 +71,7 @@ class ClusterView:
     decision_timeout_s: float
     seen: dict[str, Seen] = field(default_factory=dict)
     in_flight: dict[str, InFlight] = field(default_factory=dict)  # by decision id
+    settling: dict[str, Settling] = field(default_factory=dict)  # by request id
     # instance -> ``ts`` of its worker_down (the worker's clock, like Report.ts)
     down: dict[str, float] = field(default_factory=dict)
 
@@ -74,6 +89,9 @@ class ClusterView:
             return False  # an old report delivered late (reclaimed entry)
         revived = prev is None or prev.stale
         self.seen[report.instance] = Seen(report, now)
+        for request, move in list(self.settling.items()):
+            if move.decision.source == report.instance and report.ts >= move.ts:
+                del self.settling[request]  # sent after the release: it no longer lists it
         return revived
 
     def mark_down(self, instance: str, ts: float) -> bool:
@@ -115,16 +133,37 @@ class ClusterView:
         finishes while migrating also ends its migration ("finished").
         """
         if event.event in TERMINAL and event.migration in self.in_flight:
-            return self.in_flight.pop(event.migration).decision, TERMINAL[event.event]
+            flight = self.in_flight.pop(event.migration)
+            if event.event is EventKind.RESUMED:
+                self._settle(flight, event.ts)
+            return flight.decision, TERMINAL[event.event]
         if event.event is EventKind.FINISHED and event.request:
+            self.settling.pop(event.request, None)
             for mid, flight in list(self.in_flight.items()):
                 if flight.decision.request == event.request:
                     del self.in_flight[mid]
                     return flight.decision, "finished"
         return None
 
+    def _reports(self, instance: str, move: Settling) -> bool:
+        seen = self.seen.get(instance)
+        return seen is not None and any(r.id == move.decision.request for r in seen.report.requests)
+
+    def _settle(self, flight: InFlight, ts: float) -> None:
+        d = flight.decision
+        src = self.seen.get(d.source)
+        if (
+            src is None
+            or src.report.ts >= ts
+            or all(r.id != d.request for r in src.report.requests)
+        ):
+            return  # the source has reported since, or never listed it
+        self.settling[d.request] = Settling(d, flight.load, ts, flight.deadline)
+
     def expire(self, now: float) -> list[Decision]:
         """Drop decisions past their deadline (the caller publishes EXPIRED)."""
+        for request in [r for r, m in self.settling.items() if now >= m.deadline]:
+            del self.settling[request]
         gone = [mid for mid, f in self.in_flight.items() if now >= f.deadline]
         return [self.in_flight.pop(mid).decision for mid in gone]
 
@@ -147,7 +186,7 @@ class ClusterView:
         owner = np.repeat(
             np.arange(len(reports), dtype=np.int64), [len(report.requests) for report in reports]
         )
-        flights = list(self.in_flight.values())
+        flights: list[InFlight | Settling] = [*self.in_flight.values(), *self.settling.values()]
         booking = book(
             len(reports),
             owner,
@@ -156,6 +195,7 @@ class ClusterView:
             np.array([index.get(f.decision.source, -1) for f in flights], dtype=np.int64),
             np.array([index.get(f.decision.target, -1) for f in flights], dtype=np.int64),
             np.array([f.load is not None for f in flights], dtype=np.bool_),
+            np.array([isinstance(f, InFlight) for f in flights], dtype=np.bool_),
         )
         rows: list[RequestLoad | None] = [*reported, *(f.load for f in flights)]
         order = booking.rows.tolist()
@@ -196,8 +236,10 @@ class ClusterView:
     def load_entries(self, workloads: dict[str, float], now_wall: float) -> list[LoadEntry]:
         """The dispatch view for proxies (every live instance, both roles, but draining)."""
         booked: dict[str, int] = {}
-        for flight in self.in_flight.values():
-            if flight.load is not None:
+        for flight in [*self.in_flight.values(), *self.settling.values()]:
+            if flight.load is not None and not (
+                isinstance(flight, Settling) and self._reports(flight.decision.target, flight)
+            ):
                 booked[flight.decision.target] = (
                     booked.get(flight.decision.target, 0) + flight.load.tokens
                 )

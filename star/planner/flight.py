@@ -45,6 +45,7 @@ def book(
     move_source: IntArray,
     move_target: IntArray,
     move_known: BoolArray,
+    move_active: BoolArray | None = None,
 ) -> Booking:
     """Book the moves in flight on their targets.
 
@@ -53,13 +54,17 @@ def book(
     source and target (-1: not among the n instances) and whether its load
     is known (a move whose load is not known is booked nowhere, but still
     keeps its instances in flight and its request off the source).
+    ``move_active`` (default all): a move that is over but whose source has
+    not reported since (the live scheduler's settling moves) is booked the
+    same way but keeps neither instance in flight.
     """
     r = owner.size
     offsets = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(np.bincount(owner, minlength=n), out=offsets[1:])
     in_flight = np.zeros(n, dtype=np.bool_)
-    in_flight[move_source[move_source >= 0]] = True
-    in_flight[move_target[move_target >= 0]] = True
+    active = np.ones(move_key.size, np.bool_) if move_active is None else move_active
+    in_flight[move_source[(move_source >= 0) & active]] = True
+    in_flight[move_target[(move_target >= 0) & active]] = True
     if move_key.size == 0:
         none = np.zeros(n, dtype=np.bool_)
         return Booking(

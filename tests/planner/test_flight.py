@@ -72,3 +72,14 @@ def test_several_moves_onto_one_target_keep_their_order() -> None:
         2, ints(0, 0, 1), ints(1, 2, 3), ints(1, 2), ints(0, 0), ints(1, 1), bools(True, True)
     )
     assert by_instance(got, 2) == [[], [(3, True), (4, True), (2, False)]]
+
+
+def test_a_settling_move_is_booked_but_keeps_no_instance_in_flight() -> None:
+    # Key 7 moved 0 -> 1 and resumed, but instance 0's last report (before the
+    # release) still lists it and instance 1 has not reported it yet.
+    got = book(
+        3, ints(0, 0, 1), ints(7, 8, 9), ints(7), ints(0), ints(1), bools(True), bools(False)
+    )
+    assert by_instance(got, 3) == [[(1, False)], [(3, True), (2, False)], []]
+    assert got.in_flight.tolist() == [False, False, False]
+    assert got.rebooked.tolist() == [True, True, False]

@@ -98,6 +98,58 @@ def test_outcome_events_resolve_and_unknown_ones_are_ignored() -> None:
     assert v.in_flight == {}
 
 
+def test_a_resumed_move_stays_off_its_source_until_the_source_reports_again() -> None:
+    v = view()
+    a1 = dataclasses.replace(report("a", [1000, 200]), ts=100.0)
+    v.apply_report(a1, 0.0)
+    v.apply_report(dataclasses.replace(report("b", [50]), ts=100.0), 0.0)
+    v.apply_report(dataclasses.replace(report("c", [60]), ts=100.0), 0.0)
+    v.book(decision(), now=0.0)
+    got = v.apply_event(Event(EventKind.RESUMED, 100.5, "proxy", request="a-r0", migration="m1"))
+    assert got is not None and got[1] == "completed"
+    # a's last report (sent before the release) still lists a-r0: the planner must
+    # not see it there, or it moves the request from where it no longer is.
+    by = {i.id: i for i in v.instances(P)}
+    assert [r.id for r in by["a"].requests] == ["a-r1"]
+    assert {r.id for r in by["b"].requests} == {"a-r0", "b-r0"}
+    assert not any(i.in_flight for i in by.values())  # the move is over: both free
+    assert {e.instance: e.tokens for e in v.load_entries({}, 0.0)} == {
+        "a": 200,
+        "b": 1050,
+        "c": 60,
+    }
+    # Nothing to move but a-r0 from a: no plan may name it (the bug: a decision
+    # a -> b for a request already on b, refused by the proxy).
+    planned = plan(v.instances(P), dataclasses.replace(P, mode=Mode.parse("current")))
+    assert all(m.request != "a-r0" for m in planned.moves)
+    # b reports it: b's own row; a reports after the resume: the move is settled.
+    b2 = dataclasses.replace(report("b", [50], seq=2), ts=100.6, used_tokens=1051)
+    b2.requests.append(type(b2.requests[0])("a-r0", 1001, 501, 10.0))
+    v.apply_report(b2, 0.6)
+    assert {e.instance: e.tokens for e in v.load_entries({}, 0.0)}["b"] == 1051
+    assert v.settling
+    v.apply_report(dataclasses.replace(report("a", [200], seq=2), ts=100.7), 0.7)
+    assert v.settling == {}
+
+
+def test_a_settling_move_ends_with_its_request_or_its_deadline() -> None:
+    v = view()
+    v.apply_report(dataclasses.replace(report("a", [1000]), ts=100.0), 0.0)
+    v.book(decision(), now=0.0)
+    v.apply_event(Event(EventKind.RESUMED, 100.5, "proxy", request="a-r0", migration="m1"))
+    v.apply_event(Event(EventKind.FINISHED, 101.0, "proxy", request="a-r0"))
+    assert v.settling == {}
+    v.book(decision("m2", request="a-r0"), now=1.0)
+    v.apply_event(Event(EventKind.RESUMED, 101.5, "proxy", request="a-r0", migration="m2"))
+    assert v.settling and v.expire(now=10.9) == []
+    assert v.expire(now=11.0) == [] and v.settling == {}  # a clock skew holds it no longer
+    # A source that already reported after the resume settles nothing.
+    v.apply_report(dataclasses.replace(report("a", [1000], seq=2), ts=103.0), 2.0)
+    v.book(decision("m3", request="a-r0"), now=2.0)
+    v.apply_event(Event(EventKind.RESUMED, 102.5, "proxy", request="a-r0", migration="m3"))
+    assert v.settling == {}
+
+
 def test_decisions_without_outcome_expire() -> None:
     v = view()
     v.book(decision("m1"), now=0.0)
