@@ -103,7 +103,8 @@ async def engine_overhead(
 
     from star.predictor.collect import synthetic_prompt_ids
     from workers.collect import run_one
-    from workers.engine import EngineHandle, EngineSpec
+    from workers.engine import EngineHandle
+    from workers.engine_config import EngineSpec
 
     engine = await EngineHandle.start(
         EngineSpec(model=model, kv_cache_space_gib=0.5, engine_args={"seed": seed})

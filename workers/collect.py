@@ -66,7 +66,8 @@ async def collect(cfg: CollectConfig, progress: bool = True, engine: Any = None)
     """
     from tqdm import tqdm
 
-    from workers.engine import EngineHandle, EngineSpec
+    from workers.engine import EngineHandle
+    from workers.engine_config import EngineSpec
 
     if cfg.workload == "synthetic":
         prompt_of = synthetic_prompt_ids(cfg.model, cfg.seed)

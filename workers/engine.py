@@ -1,22 +1,11 @@
-"""One vLLM engine (``AsyncLLM``, in process) behind the worker's engine interface.
+"""The worker's vLLM engine: :class:`EngineHandle` runs one ``AsyncLLM`` in
+process (built from a :class:`~workers.engine_config.EngineSpec`) and is the
+engine the token server drives: generate, release at a step boundary, stats.
 
-:class:`EngineSpec` says what to build (model, role, KV cache size, extra
-engine arguments); :meth:`EngineHandle.start` builds it with vLLM's
-``NixlConnector`` (``kv_role="kv_both"``: a decode instance will also be a
-D->D source) and a stat logger that keeps the numbers a report needs.
-
-* Prefill role: every request runs with ``max_tokens=1`` and
-  ``kv_transfer_params={"do_remote_decode": True}``; its last delta carries
-  the ``kv_transfer_params`` (``do_remote_prefill``, remote block ids, engine
-  id, side-channel host/port) that a decode worker consumes to pull the KV
-  through NIXL.
-* Decode role: a request with those ``kv_transfer_params`` pulls the prompt's
-  KV from the prefill instance and decodes; without them it prefills itself.
-
-vLLM facts this relies on are in ``docs/vllm-notes.md`` (with file/line
-references into the installed 0.32 source). The engine core runs in child
-processes started with vLLM's multiprocessing context (fork on CPU, spawn once
-CUDA is initialised): callers' entry points must be ``__main__``-guarded.
+A prefill request runs with ``max_tokens=1`` and its last delta carries the
+``kv_transfer_params`` a decode worker uses to pull the KV through NIXL. vLLM
+facts relied on are in ``docs/vllm-notes.md``. The engine core runs in child
+processes, so callers' entry points must be ``__main__``-guarded.
 """
 
 from __future__ import annotations
@@ -24,32 +13,30 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import os
 import threading
 import time
-from collections.abc import AsyncGenerator, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
-from vllm import SamplingParams
-from vllm.config import KVTransferConfig, VllmConfig
-from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import VLLMClientError
 from vllm.inputs.engine import tokens_input
-from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
-from vllm.utils.torch_utils import get_dtype_size, kv_cache_dtype_str_to_dtype
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
-from vllm.v1.metrics.loggers import StatLoggerBase
-from vllm.v1.metrics.stats import IterationStats, MultiModalCacheStats, SchedulerStats
 
-from star.aio import deadline
 from star.ports import free_port
 from star.sampling import migration_blocker
-from star.settings import WorkerSettings
-from workers.extension import QUALNAME as WORKER_EXTENSION
+from workers.engine_config import (
+    EngineSpec,
+    build_engine_args,
+    bytes_per_token,
+    is_cpu,
+    sampling_params,
+    vllm_environment,
+)
+from workers.engine_stats import StatsCollector
 from workers.pacing import DeviceClock, StepTimes
 from workers.protocol import (
     BadRequest,
@@ -63,371 +50,10 @@ from workers.protocol import (
 )
 from workers.startup import EngineStartError, Setup, core_failure, explain, root_cause
 from workers.state import EngineStats, RunningRequest, length_budget
-from workers.tap import CONTINUED_KEY, FUSION_KEY, TapClient
+from workers.tap import TapClient
 from workers.vllm_ext import RELEASE_KEY, release_id
 
 log = structlog.get_logger(__name__)
-
-ROLES = ("prefill", "decode")
-GiB = 1 << 30
-RELEASE_TTL_S = 30
-"""A released request's blocks are freed after this long if no target reads them."""
-
-# Keys of ``Generate.sampling`` the worker owns: the output is streamed as deltas
-# of token ids (the proxy detokenises), and the KV handoff is set by role.
-_RESERVED_SAMPLING = ("output_kind", "extra_args")
-
-
-class EngineConfigError(ValueError):
-    """The engine cannot be built as configured; ``str()`` names the bad value."""
-
-
-# -- what to build ----------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class EngineSpec:
-    """Everything needed to build one engine; see :meth:`from_settings`.
-
-    ``engine_args`` are extra ``AsyncEngineArgs`` fields (``enforce_eager``,
-    ``dtype``, ``block_size``, ...) and win over the values derived here.
-    ``nixl_port`` is NIXL's side-channel port (0 = a free one) and
-    ``nixl_host`` the address other instances reach it at. ``device`` is
-    ``"auto"`` (vLLM's platform), ``"cpu"`` or ``"cuda"``.
-    """
-
-    model: str
-    role: str = "decode"
-    max_model_len: int = 4096
-    kv_cache_space_gib: float = 1.0
-    gpu_memory_utilization: float = 0.3
-    engine_args: Mapping[str, Any] = field(default_factory=dict)
-    nixl_host: str = "127.0.0.1"
-    nixl_port: int = 0
-    device: str = "auto"
-    cpu_threads: int = 0
-
-    def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise EngineConfigError(f"role must be prefill or decode, got {self.role!r}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise EngineConfigError(f"device must be auto, cpu or cuda, got {self.device!r}")
-        if not self.model:
-            raise EngineConfigError("model is empty")
-
-    @classmethod
-    def from_settings(cls, settings: WorkerSettings, **overrides: Any) -> EngineSpec:
-        """The spec of a worker configured by ``settings`` (``overrides`` win).
-
-        An empty ``settings.model`` means the bundled tiny demo model.
-        """
-        model = settings.model
-        if not model:
-            from star.model import tiny_model_path
-
-            model = str(tiny_model_path())
-        values: dict[str, Any] = {
-            "model": model,
-            "role": settings.role,
-            "max_model_len": settings.max_model_len,
-            "kv_cache_space_gib": settings.kv_cache_space_gib,
-            "gpu_memory_utilization": settings.gpu_memory_utilization,
-            "engine_args": parse_engine_args(settings.engine_args),
-            "nixl_host": settings.host,
-            "cpu_threads": settings.cpu_threads,
-        }
-        values.update(overrides)
-        return cls(**values)
-
-
-def parse_engine_args(items: Sequence[str]) -> dict[str, Any]:
-    """``["enforce_eager=true", "--block-size=16"]`` -> ``{"enforce_eager": True, "block_size": 16}``.
-
-    Values are read as JSON when they parse (numbers, booleans, objects),
-    otherwise kept as strings; keys may be spelled like vLLM's flags.
-    """
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, raw = item.partition("=")
-        key = key.strip().lstrip("-").replace("-", "_")
-        if not sep or not key:
-            raise EngineConfigError(f"engine argument {item!r} is not KEY=VALUE")
-        try:
-            value: Any = json.loads(raw)
-        except json.JSONDecodeError:
-            value = raw
-        out[key] = value
-    return out
-
-
-def is_cpu(spec: EngineSpec) -> bool:
-    """Whether the engine will run on CPU (``device="auto"`` asks vLLM's platform)."""
-    if spec.device != "auto":
-        return spec.device == "cpu"
-    from vllm.platforms import current_platform
-
-    return bool(current_platform.is_cpu())
-
-
-def build_engine_args(spec: EngineSpec, cpu: bool) -> AsyncEngineArgs:
-    """The ``AsyncEngineArgs`` of ``spec`` (no IO; see docs/vllm-notes.md).
-
-    On CPU the KV cache size is ``kv_cache_memory_bytes`` (what
-    ``VLLM_CPU_KVCACHE_SPACE`` sets, but fractional GiB allowed) and NIXL gets
-    one UCX thread: its default of 4 busy threads starves the model's OpenMP
-    thread on a small machine (decode steps went from ~2 ms to ~1 s).
-    """
-    extra: dict[str, Any] = {}
-    # vLLM's NIXL connector, plus the D->D release (workers/vllm_ext.py, DESIGN §5).
-    kv: dict[str, Any] = {
-        "kv_connector": "StarNixlConnector",
-        "kv_connector_module_path": "workers.vllm_ext",
-        "kv_role": "kv_both",
-        # A failed KV pull (e.g. NIXL's 5 s handshake timeout on a loaded host)
-        # recomputes the prompt locally instead of failing the request.
-        "kv_load_failure_policy": "recompute",
-    }
-    if spec.role == "decode":
-        extra.update(bidirectional_kv_xfer=True, decoder_kv_blocks_ttl=RELEASE_TTL_S)
-    if cpu:
-        kv["kv_buffer_device"] = "cpu"
-        extra["num_threads"] = 1
-    user = dict(spec.engine_args)
-    user_kv = user.pop("kv_transfer_config", None)
-    if isinstance(user_kv, Mapping):
-        extra.update(user_kv.get("kv_connector_extra_config") or {})
-        kv.update({k: v for k, v in user_kv.items() if k != "kv_connector_extra_config"})
-    elif user_kv is not None:
-        raise EngineConfigError(
-            f"engine argument kv_transfer_config must be a JSON object, got {user_kv!r}"
-        )
-    kv["kv_connector_extra_config"] = extra
-
-    values: dict[str, Any] = {
-        "model": spec.model,
-        "max_model_len": spec.max_model_len,
-        "gpu_memory_utilization": spec.gpu_memory_utilization,
-        "kv_transfer_config": KVTransferConfig(**kv),
-        # Per-step execution time reaches our stat logger only with this on.
-        "enable_logging_iteration_details": True,
-        # Our stat logger replaces vLLM's periodic log lines.
-        "disable_log_stats": True,
-        "enable_log_requests": False,
-        "scheduler_cls": "workers.vllm_ext.StarScheduler",
-        # The hidden-state tap (workers/tap.py); idle until install_tap().
-        "worker_extension_cls": WORKER_EXTENSION,
-    }
-    if cpu:
-        values["kv_cache_memory_bytes"] = int(spec.kv_cache_space_gib * GiB)
-        # torch.compile warm-up takes minutes on a small CPU machine (several
-        # engines compiling at once saturated 2 cores for > 4 min in `star up`);
-        # eager mode starts in seconds. `--engine-arg enforce_eager=false` undoes it.
-        values["enforce_eager"] = True
-        # vLLM CPU downcasts float32 checkpoints to bfloat16; keep the
-        # checkpoint's precision so greedy outputs match other runs exactly.
-        values["dtype"] = "float32"
-        # The model runs inside the engine-core process (see vllm_environment):
-        # no VLLM::Worker process whose shared-memory queue reader busy-spins
-        # for 1 s after every step, and one IPC hop less per step.
-        values["distributed_executor_backend"] = "uni"
-    known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
-    unknown = sorted(set(user) - known)
-    if unknown:
-        raise EngineConfigError(f"unknown vLLM engine argument(s): {', '.join(unknown)}")
-    values.update(user)
-    try:
-        return AsyncEngineArgs(**values)
-    except (TypeError, ValueError) as exc:
-        raise EngineConfigError(f"invalid vLLM engine arguments: {exc}") from None
-
-
-def vllm_environment(
-    spec: EngineSpec, cpu: bool, nixl_port: int, env: Mapping[str, str], cpu_count: int
-) -> dict[str, str | None]:
-    """Environment variables vLLM reads at engine start (it has no arguments for them).
-
-    * ``VLLM_NIXL_SIDE_CHANNEL_HOST/PORT``: NIXL's handshake listener; one port
-      per engine on a host.
-    * ``VLLM_CPU_KVCACHE_SPACE``: vLLM reads it as whole GiB and lets it
-      override ``kv_cache_memory_bytes``; it is set to the same size when whole,
-      else removed (None) so the exact byte count stands ("" crashes vLLM's
-      environment cache in the worker process).
-    * ``VLLM_CPU_NUM_OF_RESERVED_CPU``: with a KV connector vLLM reserves two
-      cores (scheduler + NIXL) and binds OpenMP to the rest -- or to *all*
-      cores when that leaves none, so the model's threads fight the
-      scheduler's. On a machine of two cores or fewer one core is reserved.
-      An operator's own value is kept.
-    * ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` on CPU with the ``uni`` executor
-      (the default there): vLLM's CPU platform otherwise turns ``uni`` into
-      ``mp``, which adds a worker process per engine whose shared-memory
-      queue reader spins a core for a second after every step -- three idle
-      engines drove a 2-core machine to a load average of 20-50. The front
-      end still runs the engine core in its own process (``AsyncLLM`` always
-      does), so only the extra worker process goes.
-    * ``OMP_NUM_THREADS`` on CPU from ``spec.cpu_threads`` (an operator's own
-      value is kept). vLLM's default, one OpenMP thread per core for every
-      engine, oversubscribed a host running several: their spinning threads
-      starved each other and the proxy, whose event loop then stalled for
-      seconds -- the multi-second tail of ``star bench migration``. (With the
-      ``uni`` executor vLLM ignores ``VLLM_CPU_OMP_THREADS_BIND``.)
-    """
-    out: dict[str, str | None] = {
-        "VLLM_NIXL_SIDE_CHANNEL_HOST": spec.nixl_host,
-        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(nixl_port),
-    }
-    if cpu:
-        gib = spec.kv_cache_space_gib
-        out["VLLM_CPU_KVCACHE_SPACE"] = str(int(gib)) if float(gib).is_integer() else None
-        if "VLLM_CPU_NUM_OF_RESERVED_CPU" not in env and cpu_count <= 2:
-            out["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "1"
-        if spec.engine_args.get("distributed_executor_backend", "uni") == "uni":
-            out["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        if spec.cpu_threads and "OMP_NUM_THREADS" not in env:
-            out["OMP_NUM_THREADS"] = str(spec.cpu_threads)
-    return out
-
-
-def bytes_per_token(config: VllmConfig) -> int:
-    """KV bytes one token occupies across the whole engine (all layers, all ranks).
-
-    2 (K and V) x layers x KV heads x head size x dtype size; MLA models keep
-    one latent per layer instead. Hybrid (Mamba) models are not covered.
-    """
-    mc = config.model_config
-    dtype = kv_cache_dtype_str_to_dtype(config.cache_config.cache_dtype, mc)
-    size = int(get_dtype_size(dtype))
-    layers = int(mc.get_total_num_hidden_layers())
-    if mc.use_mla:
-        return layers * int(mc.get_head_size()) * size
-    return layers * 2 * int(mc.get_total_num_kv_heads()) * int(mc.get_head_size()) * size
-
-
-def sampling_params(request: GenerateRequest, role: str) -> SamplingParams:
-    """vLLM sampling parameters for ``request`` on a ``role`` worker (raises :class:`BadRequest`).
-
-    Output is streamed as deltas of token ids; detokenisation is the proxy's,
-    so the engine detokenises only when ``stop`` strings are asked for. A
-    prefill worker computes one token and keeps the KV for a decode worker
-    (``do_remote_decode``); ``kv_transfer_params`` reach the connector through
-    ``extra_args`` (as vLLM's OpenAI server passes them).
-    """
-    kwargs = dict(request.sampling)
-    reserved = [k for k in _RESERVED_SAMPLING if k in kwargs]
-    if reserved:
-        raise BadRequest(f"sampling may not set {', '.join(reserved)}")
-    if kwargs.get("n", 1) != 1:
-        raise BadRequest("n must be 1 on the token protocol (the proxy fans out choices)")
-    structured = kwargs.get("structured_outputs")
-    if isinstance(structured, Mapping):
-        try:
-            kwargs["structured_outputs"] = StructuredOutputsParams(**structured)
-        except (TypeError, ValueError, VLLMClientError) as exc:
-            raise BadRequest(f"bad structured_outputs: {exc}") from None
-    kwargs.setdefault("detokenize", bool(kwargs.get("stop")))
-    kv = dict(request.kv_transfer_params) if request.kv_transfer_params else {}
-    if role == "prefill":
-        kwargs["max_tokens"] = 1
-        kwargs["min_tokens"] = 0
-        kv.setdefault("do_remote_decode", True)
-    extra: dict[str, Any] = {"kv_transfer_params": kv} if kv else {}
-    if request.continued > 0:
-        # The tap (workers/tap.py) reads it: this request's first row is mid-answer,
-        # and it may continue the source's fusion.
-        extra[CONTINUED_KEY] = int(request.continued)
-        if request.fusion is not None:
-            extra[FUSION_KEY] = [float(x) for x in request.fusion]
-    try:
-        return SamplingParams(
-            **kwargs,
-            output_kind=RequestOutputKind.DELTA,
-            extra_args=extra or None,
-        )
-    except (TypeError, ValueError, VLLMClientError) as exc:
-        raise BadRequest(f"bad sampling parameters: {exc}") from None
-
-
-# -- the stat logger ------------------------------------------------------------------------
-
-
-class StatsCollector(StatLoggerBase):
-    """Keeps what reports need from vLLM's per-step stats (a custom stat logger).
-
-    ``AsyncLLM``'s output handler calls :meth:`record` in the event loop for
-    every batch of engine outputs, each carrying the scheduler stats of one
-    engine step (with ``enable_logging_iteration_details``, its execution time).
-    """
-
-    def __init__(self, vllm_config: VllmConfig | None = None, engine_index: int = 0) -> None:
-        self.kv_usage = 0.0
-        self.num_running = 0
-        self.num_waiting = 0
-        self.steps = 0
-        self.decode_steps = 0
-        self.decode_time_s = 0.0
-        self.preemptions = 0
-        self.generation_tokens = 0
-        self.prompt_tokens_computed = 0  # prefilled here
-        self.prompt_tokens_external = 0  # loaded through the KV connector (NIXL)
-        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
-
-    def record(
-        self,
-        scheduler_stats: SchedulerStats | None,
-        iteration_stats: IterationStats | None,
-        mm_cache_stats: MultiModalCacheStats | None = None,
-        engine_idx: int = 0,
-    ) -> None:
-        if scheduler_stats is not None:
-            self.kv_usage = scheduler_stats.kv_cache_usage
-            self.num_running = scheduler_stats.num_running_reqs
-            self.num_waiting = (
-                scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs
-            )
-            details = scheduler_stats.iteration_details
-            if details is not None and not details.is_dummy:
-                self.steps += 1
-                if details.num_generation_requests > 0:
-                    self.decode_steps += 1
-                    self.decode_time_s += details.elapsed_ms / 1000.0
-                    self._wake()
-        if iteration_stats is not None:
-            self.preemptions += iteration_stats.num_preempted_reqs
-            self.generation_tokens += iteration_stats.num_generation_tokens
-            prompt = iteration_stats.prompt_token_stats
-            self.prompt_tokens_computed += prompt.computed
-            self.prompt_tokens_external += prompt.external_kv_transfer
-
-    def log_engine_initialized(self) -> None:
-        pass
-
-    def _wake(self) -> None:
-        if not self._waiters:
-            return
-        keep = []
-        for target, fut in self._waiters:
-            if fut.done():
-                continue
-            if self.decode_steps >= target:
-                fut.set_result(None)
-            else:
-                keep.append((target, fut))
-        self._waiters = keep
-
-    async def wait_decode_steps(self, n: int, max_wait_s: float) -> int:
-        """Wait for ``n`` more decode steps or ``max_wait_s``; returns how many ran."""
-        start = self.decode_steps
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append((start + n, fut))
-        try:
-            with contextlib.suppress(TimeoutError):
-                async with deadline(max_wait_s):
-                    await fut
-        finally:
-            fut.cancel()
-        return self.decode_steps - start
-
-
-# -- the engine ----------------------------------------------------------------------------
 
 
 @dataclass(slots=True)

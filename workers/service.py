@@ -24,7 +24,8 @@ from star.ports import listen
 from star.process import Service
 from star.settings import Settings, SettingsError
 from star.wire import Event, EventKind, Hello
-from workers.engine import EngineHandle, EngineSpec
+from workers.engine import EngineHandle
+from workers.engine_config import EngineSpec
 from workers.pacing import DeviceClock, StepTimes
 from workers.protocol import EngineDead
 from workers.server import InsecureBind, TokenServer, check_bind

@@ -78,7 +78,8 @@ class Cluster:
 async def cluster(model_dir: Path) -> AsyncIterator[Cluster]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # import-time deprecations in torch/vLLM
-        from workers.engine import EngineHandle, EngineSpec
+        from workers.engine import EngineHandle
+        from workers.engine_config import EngineSpec
 
     nodes: list[Node] = []
     try:

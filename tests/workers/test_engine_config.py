@@ -20,9 +20,9 @@ pytestmark = [
 def eng() -> ModuleType:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # import-time deprecations in torch/vLLM
-        import workers.engine
+        import workers.engine_config
 
-    return workers.engine
+    return workers.engine_config
 
 
 @pytest.mark.parametrize(

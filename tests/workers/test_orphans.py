@@ -25,7 +25,8 @@ HOLDER = textwrap.dedent(
     import asyncio, os, sys, time
     import psutil
     from star.model import tiny_model_path
-    from workers.engine import EngineHandle, EngineSpec
+    from workers.engine import EngineHandle
+    from workers.engine_config import EngineSpec
 
     async def main():
         spec = EngineSpec(model=str(tiny_model_path()), kv_cache_space_gib=0.125,

@@ -21,9 +21,9 @@ SETTLE_S = 30.0
 def eng() -> ModuleType:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # import-time deprecations in torch/vLLM
-        import workers.engine
+        import workers.engine_stats
 
-    return workers.engine
+    return workers.engine_stats
 
 
 def decode_step() -> SimpleNamespace:
