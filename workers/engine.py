@@ -50,7 +50,7 @@ from workers.protocol import (
 )
 from workers.startup import EngineStartError, Setup, core_failure, explain, root_cause
 from workers.state import EngineStats, RunningRequest, length_budget
-from workers.tap import TapClient
+from workers.tap_client import TapClient
 from workers.vllm_ext import RELEASE_KEY, release_id
 
 log = structlog.get_logger(__name__)

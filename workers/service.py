@@ -30,7 +30,7 @@ from workers.pacing import DeviceClock, StepTimes
 from workers.protocol import EngineDead
 from workers.server import InsecureBind, TokenServer, check_bind
 from workers.state import EngineStats, build_report
-from workers.tap import start_tap
+from workers.tap_client import start_tap
 
 log = structlog.get_logger(__name__)
 

@@ -13,7 +13,7 @@ from star.cli.main import main
 from star.predictor.dataset import DataDir
 from star.predictor.model import load_checkpoint
 from tests.predictor.helpers import synthetic
-from workers.tap import TapClient
+from workers.tap_client import TapClient
 
 
 @pytest.fixture

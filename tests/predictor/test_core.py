@@ -23,7 +23,7 @@ from star.predictor.model import (
     save_checkpoint,
 )
 from tests.predictor.helpers import synthetic
-from workers.tap import external_id
+from workers.tap_client import external_id
 
 # -- model and checkpoint ---------------------------------------------------------------
 
@@ -355,7 +355,9 @@ def test_buckets_partition_rows() -> None:
         (None, {"flat"}),  # every row 30 tokens off: no change at all
     ],
 )
-def test_trend_tells_a_falling_mae_from_noise(error_of_generated: object, verdicts: set[str]) -> None:
+def test_trend_tells_a_falling_mae_from_noise(
+    error_of_generated: object, verdicts: set[str]
+) -> None:
     rng = np.random.default_rng(3)
     finals = rng.integers(20, 900, size=300)  # long answers reach every bucket
     req = np.concatenate([np.full(len(range(0, f, 20)), r) for r, f in enumerate(finals)])

@@ -1,6 +1,6 @@
 """A decode worker without a length predictor says so: a warning at start-up and in every report.
 
-The real :class:`WorkerService` and the real :func:`workers.tap.start_tap` on a
+The real :class:`WorkerService` and the real :func:`workers.tap_client.start_tap` on a
 model directory with no ``predictor/``, with the stand-in engine of
 tests/workers/test_dead_engine.py instead of vLLM.
 """
@@ -24,7 +24,7 @@ from tests.workers.test_dead_engine import (
     serving,
     worker_settings,
 )
-from workers.tap import start_tap
+from workers.tap_client import start_tap
 
 
 class TaplessEngine(DyingEngine):
