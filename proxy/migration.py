@@ -1,34 +1,13 @@
 """D->D migration in the proxy, as a machine: one request's decode run across NIXL handoffs.
 
-Paper §5.4 "Overlap migration with decode computation", DESIGN §5. This
-module is the sans-IO core (h11 style): the lifecycle is the table
-:data:`TRANSITIONS` (every legal step in one dict, an illegal one raises
-:class:`IllegalTransition`), and :class:`RunMachine` takes inputs (a
-decision, a frame of the current leg, a lost connection, a timeout, the
-outcome of opening a leg) and returns actions (open a leg, send a Release,
-close a leg, deliver tokens, emit an event, fail). It does no IO and reads no
-clock; :mod:`proxy.decode_run` drives it over the token protocol.
-
-1. ``DECODING --migrate--> RELEASING``: a Release goes to the source worker,
-   which stops the request at its next step boundary with the KV blocks
-   held; tokens keep flowing to the client meanwhile.
-2. ``RELEASING --handoff--> RESUMING``: the source answers with a Handoff
-   (``kv_transfer_params``); the request opens on the target with prompt +
-   every token the client has been sent and the budget reduced
-   (:func:`star.sampling.continuation`); the target pulls the blocks through
-   NIXL and computes the one token the source had no KV for.
-3. ``RESUMING --resumed--> DECODING``: the first target token reaches the
-   client (event ``resumed`` with the stall the client saw).
-
-Failures (Llumnix's ABORTED_SRC / ABORTED_DST): the source refuses or the
-request ends first -> ``refused``, nothing happened; the source goes away or
-does not answer within ``release_timeout_s`` -> ``aborted`` (src) and the
-request continues by recompute on the target; the target cannot be reached or
-fails before its first token -> ``aborted`` (dst) and the request continues by
-recompute on the source or any live decode instance. A decision that arrives
-while another migration of the request runs is refused (``already
-migrating``). The client's stream stays open and each token index is
-delivered once: a leg continues after exactly the tokens delivered.
+The sans-IO core of paper §5.4 (DESIGN §5): the lifecycle is the table
+:data:`TRANSITIONS` (an illegal step raises :class:`IllegalTransition`), and
+:class:`RunMachine` takes inputs (a decision, a frame, a lost connection, a
+timeout, a leg opened or not) and returns actions (open or close a leg, send
+a Release, deliver tokens, emit an event, fail); no IO, no clock.
+:mod:`proxy.decode_run` drives it. Contract: the client's stream stays open
+and each token index is delivered once. The steps and every failure outcome
+are in ``docs/migration.md``.
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
 """``star scheduler``: reports in, planner on a timer, decisions out (paper Alg. 1).
 
-Tasks, all owned by the :class:`~star.process.Service`:
-
-* ``reports`` — reads ``<prefix>:reports`` through this node's consumer group
-  (``<group>:<node>``: every scheduler, standby included, needs every report
-  to keep a hot view), applies them to the :class:`ClusterView`, acks;
-  a Redis outage of any length is waited out (as by the ``events`` and
-  ``decisions`` followers, and by ``ticks``, which skip what they cannot
-  publish);
-* ``events`` — follows ``<prefix>:events`` in order to resolve in-flight
-  migrations (resumed / aborted / refused / finished) and to drop at once an
-  instance whose worker announced ``worker_down``;
-* ``leader`` — renews or acquires the leader lock (:mod:`scheduler.leader`);
-* ``ticks`` — every ``interval_s`` on a drift-free schedule (a slow tick
-  skips the missed slots instead of bunching up): mark stale instances,
-  expire decisions, run the planner, and — if leader — publish decisions
-  and the dispatch view ``<prefix>:load``.
+Every node (standby included) reads every report through its own consumer
+group into a :class:`~scheduler.view.ClusterView` and follows the events
+(migrations resolved, ``worker_down``) and decisions; every ``interval_s``,
+on a drift-free schedule, it marks stale instances, expires decisions and
+plans, and the leader (:mod:`scheduler.leader`) publishes the decisions and
+the dispatch view ``<prefix>:load``. A Redis outage of any length is waited
+out by every task.
 """
 
 from __future__ import annotations

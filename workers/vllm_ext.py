@@ -1,30 +1,12 @@
 """vLLM extensions for the D->D release (DESIGN §5.1), registered through vLLM's own config.
 
-Paper §5.4 "Overlap migration with decode computation": the source stops a
-request at a step boundary with its KV blocks held, the target pulls them
-through NIXL while both engines keep decoding their other requests, and the
-source frees them on NIXL's read notification. No fork of vLLM:
-
-* :class:`StarScheduler` (engine argument ``scheduler_cls``) reads an abort of
-  ``"star-release:<internal id>"`` (sent with ``engine_core.abort_requests_async``,
-  the one front-end call that reaches the scheduler) as "release this request".
-  At the end of the next step in which the request is running it finishes it
-  with ``FINISHED_LENGTH_CAPPED`` -- the KV of every token but the last sampled
-  one is in place -- so the connector holds its blocks, and sends one final
-  output on the request's own stream: no new tokens, ``finish_reason=length``
-  and the connector's ``kv_transfer_params`` (``do_remote_decode``, remote
-  block ids, ``remote_num_tokens``, ``star_release`` = the migration id).
-* :class:`StarNixlConnector` (``kv_connector="StarNixlConnector"``,
-  ``kv_connector_module_path="workers.vllm_ext"``) decides which finished
-  requests keep their blocks on a decode instance: only a release does (for
-  ``decoder_kv_blocks_ttl`` s at most; NIXL's read notification frees them
-  sooner). vLLM's own ``bidirectional_kv_xfer`` would hold every finished
-  request's blocks; a D->D target (``do_remote_decode`` params, the "turn-2
-  readback" path of ``pull_scheduler.py``) frees its blocks when it finishes
-  instead of holding them as a prefill node would, and recomputes when its
-  one pull failed (:func:`readback_tried`).
-
-Both classes run in the engine-core process. See docs/vllm-notes.md §4.
+:class:`StarScheduler` (``scheduler_cls``) reads an abort of
+``"star-release:<internal id>"`` as "release this request": at the end of its
+next running step it finishes it with the KV held and one last output
+carrying the connector's ``kv_transfer_params``. :class:`StarNixlConnector`
+keeps the blocks of a released request only (until NIXL's read notification,
+``decoder_kv_blocks_ttl`` at most). Both run in the engine-core process; why
+and how is in ``docs/vllm-notes.md`` §4.
 """
 
 from __future__ import annotations
@@ -279,4 +261,3 @@ class StarNixlConnector(NixlPullConnector):
         sched._stop_heartbeat(request.request_id)
         sched._reqs_not_processed.add(request.request_id)
         return False, None
-

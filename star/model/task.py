@@ -1,43 +1,12 @@
 """The synthetic "countdown list" task the tiny demo model is trained on.
 
-A user asks for a list of things of one *topic* (animals, fruits, ...), of a
-*size* (``tiny`` … ``huge``), optionally starting at a given word::
-
-    give me a long list of animals starting with owl.
-
-The answer is a list whose labels count **down** to one, then ends::
-
-    thirtyseven. owl hare
-    thirtysix. lynx seal
-    ...
-    one. crow
-    <|im_end|>
-
-How long the answer is depends on the prompt *and* on sampling, which is what
-STAR's length predictor needs (DESIGN §6):
-
-* **Item count N** — the first token of the answer — is the size word's
-  nominal count with probability :data:`MODE_MASS`, else drawn from a
-  truncated, discretised log-normal with that median (:data:`SIZES`). It is
-  the one decision that fixes most of the length, made by sampling at the
-  first step, and it stays visible: item ``k`` is labelled with the number of
-  items still to come, so a model's hidden state carries "how far to go".
-  The point mass makes greedy decoding pick the nominal count by a wide
-  margin; over a bare log-normal, greedy's argmax over a flat top is decided
-  by noise (and then differs between implementations).
-* **Words per item** (1 to 3) are drawn per item from a topic-dependent
-  distribution (:data:`TOPICS`), so the length keeps a sampled component to
-  the end, and the topic moves the mean by up to 30 %.
-* Words follow a fixed cyclic chain per topic from the start word, so greedy
-  outputs differ between prompts and sampled outputs stay on task.
-
-An answer of N items with w_i words costs Σ (3 + w_i) tokens (label, ".",
-words, newline) plus the end token; N ≤ :data:`N_MAX` keeps every answer under
-about 1,500 tokens, well inside the model's position range.
-
-This module is pure (no torch): it generates prompts and answers, gives the
-exact distributions, the greedy answer under them and a checker for model
-output, for training, tests and the docs' measurements.
+A prompt asks for a list of a topic and a size (``give me a long list of
+animals starting with owl.``); the answer counts its labels down to one, so
+the hidden state carries "how far to go" while the length stays sampled
+(item count N from :data:`SIZES` with :data:`MODE_MASS` on the nominal count,
+words per item from :data:`TOPICS`). Pure (no torch): prompts, answers, the
+exact distributions, the greedy answer and a checker for model output. The
+task's design and its measurements: ``docs/tiny-model.md``.
 """
 
 from __future__ import annotations

@@ -1,33 +1,11 @@
 """``star predictor eval``: accuracy on the test split next to baselines (paper §4.3, Table 4).
 
-Metrics per bucket: MAE (tokens), NMAE (MAE / mean true remaining length in
-the bucket) and Kendall's tau between predicted and true remaining lengths.
-Buckets: all rows; by progress (tokens already generated); by the request's
-true final length; and by progress over the long answers only (final length
->= :data:`LONG`), the paper's Fig. 7, which follows requests of one length
-(30-32K tokens) as they generate. The plain progress buckets hold different
-requests: only long answers reach the late ones.
-
-Predictors in the same table:
-
-* ``mlp-fused``: what the worker serves (``workers/tap.py``): the MLP's
-  predicted final length (R-hat + tokens generated) fused over the request's
-  rounds so far, each round weighted by the MLP's own error scale
-  (:func:`star.predictor.model.fuse_step`; decay and power chosen on the
-  validation split by training), minus the tokens generated now.
-* ``mlp``: the trained MLP on each row alone (the paper's predictor).
-* ``constant``: the training set's mean remaining length, for every row.
-* ``prompt-only``: the MLP's prediction at progress 0 (the last prompt token)
-  kept for the whole request, aged by the tokens generated since
-  (R-hat(g) = max(R-hat(0) - g, 1)): what a predictor that only sees the
-  prompt can know.
-* ``bins:K`` (K = 2, 4, 6): the served prediction quantised to the midpoint of
-  its bin, with the paper's Table 4 edges (fractions of its 32K range) scaled
-  to this data's longest answer (:func:`bin_edges`).
-
-Every predictor is held to the hard bound R-hat <= max_tokens - generated
-(the worker knows each request's ``max_tokens``; :func:`clip`) when the data's
-``max_tokens`` is given; :func:`clip_note` says how many served rows it moved.
+MAE, NMAE and Kendall's tau per bucket (all rows, by progress, by final
+length, and by progress over long answers: the paper's Fig. 7) for
+``mlp-fused`` (what the worker serves), ``mlp``, ``constant``,
+``prompt-only`` and ``bins:K``, each held to R-hat <= max_tokens - generated
+when the data's ``max_tokens`` is known (:func:`clip`). What each predictor
+and bucket is: ``docs/predictor.md``.
 """
 
 from __future__ import annotations
@@ -293,9 +271,7 @@ class Step:
         return "flat"
 
 
-def trend(
-    samples: Samples, pred: FloatArray, rounds: int = 1000, seed: int = 0
-) -> list[Step]:
+def trend(samples: Samples, pred: FloatArray, rounds: int = 1000, seed: int = 0) -> list[Step]:
     """MAE change between consecutive progress buckets, all answers and long ones, with CIs.
 
     Paired: each bootstrap round draws prompts with replacement and measures

@@ -1,29 +1,11 @@
 """The live length predictor's accuracy, scored against how requests really ended.
 
-:class:`AccuracyTracker` keeps, per running request, the R-hat its decode
-workers reported (one point per KV size seen, bounded), and when the proxy's
-``finished`` event gives the request's true length, scores every point:
-``|R-hat - (final - generated)|``, accumulated by tokens generated in the
-progress buckets of ``star predictor eval`` (:mod:`star.predictor.buckets`).
-The scheduler feeds it from the bus and exports the MAE on ``/metrics``;
-:func:`replay` runs the same computation offline over a run's reports and
-events.
-
-Progress is counted from the request's original start across migrations and
-recoveries: a continuation's prompt holds the tokens generated before it, so
-a worker's ``generated`` restarts at 0 there, but N (prompt + generated, the
-report's ``tokens``) does not. A point's progress is N minus the original
-prompt length, which the ``finished`` event carries (``prompt_tokens``; without
-it, the smallest ``tokens - generated`` seen: exact once a first-leg report
-was seen).
-
-Scored: requests that ended with finish reason ``stop`` or ``length``
-(``max_tokens`` reached, ``ignore_eos`` included: the planner saw those R-hat
-too, and the served R-hat is bounded by ``max_tokens``). Not scored: client
-aborts and errors (their end is not the model's), requests never reported
-with a prediction, and points inconsistent with the final length.
-
-Pure: no IO, no clock (``now`` comes from the reports' ``ts`` unless given).
+:class:`AccuracyTracker` keeps the R-hat points the decode workers reported
+per running request and, when the proxy's ``finished`` event gives the true
+length, scores them in the progress buckets of ``star predictor eval``; the
+scheduler exports the MAE on ``/metrics``. :func:`replay` does the same
+offline. Pure (``now`` comes from the reports unless given). How progress is
+counted across migrations and which requests are scored: ``docs/predictor.md``.
 """
 
 from __future__ import annotations
