@@ -183,7 +183,7 @@ class WorkerClient:
         stream_id = getattr(msg, "stream", None)
         if isinstance(msg, Error) and msg.stream < 0:
             log.warning(
-                "worker reported a connection error",
+                "worker_connection_error",
                 address=self.address,
                 code=msg.code,
                 error=msg.message,
@@ -211,7 +211,7 @@ class WorkerClient:
                         break
                     except WireError as exc:
                         log.warning(
-                            "undecodable frame from worker", address=self.address, error=str(exc)
+                            "undecodable_frame_from_worker", address=self.address, error=str(exc)
                         )
                         continue
                     self._route(msg)
@@ -257,7 +257,7 @@ class WorkerPool:
             await client.connect()
             self._clients[address] = client
             log.info(
-                "connected to worker",
+                "connected_to_worker",
                 address=address,
                 instance=client.hello.instance if client.hello else "?",
             )

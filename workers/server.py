@@ -122,7 +122,7 @@ class _Connection:
                 if not self._drain_frames(decoder):
                     break
         except (ConnectionError, asyncio.IncompleteReadError) as exc:
-            self.log.info("connection lost", error=str(exc))
+            self.log.info("connection_lost", error=str(exc))
         finally:
             await self.close()
 
@@ -172,11 +172,11 @@ class _Connection:
             except StopIteration:
                 return True
             except FrameTooLarge as exc:
-                self.log.warning("frame too large, closing", error=str(exc))
+                self.log.warning("frame_too_large_closing", error=str(exc))
                 self.write(Error(CONNECTION_STREAM, ErrorCode.FRAME_TOO_LARGE.value, str(exc)))
                 return False
             except WireError as exc:
-                self.log.warning("bad frame", error=str(exc))
+                self.log.warning("bad_frame", error=str(exc))
                 self.write(Error(CONNECTION_STREAM, ErrorCode.BAD_FRAME.value, str(exc)))
                 continue
             self._handle(msg)
@@ -251,7 +251,7 @@ class _Connection:
             return
         exc = task.exception()
         if exc is not None and not isinstance(exc, ConnectionError):
-            self.log.error("stream task failed", stream=stream.id, error=repr(exc))
+            self.log.error("stream_task_failed", stream=stream.id, error=repr(exc))
 
     def _on_abort(self, stream_id: int) -> None:
         stream = self.streams.get(stream_id)
@@ -321,7 +321,7 @@ class _Connection:
         self.writer.close()
         with contextlib.suppress(ConnectionError, OSError):
             await self.writer.wait_closed()
-        self.log.info("connection closed")
+        self.log.info("connection_closed")
 
 
 class InsecureBind(ValueError):
@@ -422,7 +422,7 @@ class TokenServer:
             self._server = await asyncio.start_server(self._accept, self.host, self.port)
         sock = self._server.sockets[0].getsockname()
         self.port = int(sock[1])
-        log.info("token server listening", address=self.address)
+        log.info("token_server_listening", address=self.address)
 
     async def serve(self) -> None:
         """Start (if needed) and run until :meth:`shutdown`."""
@@ -440,7 +440,7 @@ class TokenServer:
             await conn.close()
             return
         self._connections.add(conn)
-        conn.log.info("connection opened")
+        conn.log.info("connection_opened")
         try:
             await conn.run()
         finally:
@@ -455,7 +455,7 @@ class TokenServer:
             async with deadline(drain_timeout):
                 await self._idle.wait()
         if self.stream_count:
-            log.warning("drain timeout, aborting open streams", streams=self.stream_count)
+            log.warning("drain_timed_out_aborting_streams", streams=self.stream_count)
         for conn in list(self._connections):
             await conn.close()
         for task in list(self._tasks):
