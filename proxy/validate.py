@@ -17,13 +17,41 @@ def parse_object(body: bytes) -> dict[str, Any]:
         raise HttpError(
             400, f"request body is not valid JSON: {exc}", code="invalid_json"
         ) from None
+    except RecursionError:  # json's decoder recurses per nesting level
+        raise HttpError(400, "request body nests too deeply", code="invalid_json") from None
     if not isinstance(data, dict):
         raise HttpError(400, "request body must be a JSON object", code="invalid_json")
+    # An escape such as \ud800 decodes to a lone UTF-16 surrogate, which is no text:
+    # the tokenizer and every UTF-8 encoder refuse it. Raw UTF-8 cannot carry one.
+    if (b"\\ud" in body or b"\\uD" in body) and _has_lone_surrogate(data):
+        raise HttpError(
+            400,
+            "request body has a string with an unpaired UTF-16 surrogate escape (\\ud800-\\udfff)",
+            code="invalid_json",
+        )
     return data
 
 
 def _no_constant(name: str) -> NoReturn:
     raise ValueError(f"{name} is not a valid JSON value")
+
+
+def _has_lone_surrogate(data: Any) -> bool:
+    """Whether a string anywhere in ``data`` (keys too) is not encodable as UTF-8."""
+    stack = [data]  # no recursion: the body may nest as deep as json allowed
+    while stack:
+        value = stack.pop()
+        if isinstance(value, dict):
+            stack.extend(value.keys())
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+        elif isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+    return False
 
 
 def _type_name(value: Any) -> str:

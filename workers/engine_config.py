@@ -18,7 +18,6 @@ import structlog
 from vllm import SamplingParams
 from vllm.config import KVTransferConfig, VllmConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
-from vllm.exceptions import VLLMClientError
 from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from vllm.utils.torch_utils import get_dtype_size, kv_cache_dtype_str_to_dtype
 
@@ -273,7 +272,11 @@ def sampling_params(request: GenerateRequest, role: str) -> SamplingParams:
     ``extra_args`` (as vLLM's OpenAI server passes them).
     """
     kwargs = dict(request.sampling)
-    reserved = [k for k in _RESERVED_SAMPLING if k in kwargs]
+    # vLLM's own bookkeeping fields (``_all_stop_token_ids``) are fields too; set
+    # from outside they break its constructor.
+    reserved = [k for k in _RESERVED_SAMPLING if k in kwargs] + sorted(
+        k for k in kwargs if k.startswith("_")
+    )
     if reserved:
         raise BadRequest(f"sampling may not set {', '.join(reserved)}")
     if kwargs.get("n", 1) != 1:
@@ -282,8 +285,8 @@ def sampling_params(request: GenerateRequest, role: str) -> SamplingParams:
     if isinstance(structured, Mapping):
         try:
             kwargs["structured_outputs"] = StructuredOutputsParams(**structured)
-        except (TypeError, ValueError, VLLMClientError) as exc:
-            raise BadRequest(f"bad structured_outputs: {exc}") from None
+        except Exception as exc:  # as for SamplingParams below
+            raise BadRequest(f"bad structured_outputs: {type(exc).__name__}: {exc}") from None
     kwargs.setdefault("detokenize", bool(kwargs.get("stop")))
     kv = dict(request.kv_transfer_params) if request.kv_transfer_params else {}
     if role == "prefill":
@@ -303,5 +306,8 @@ def sampling_params(request: GenerateRequest, role: str) -> SamplingParams:
             output_kind=RequestOutputKind.DELTA,
             extra_args=extra or None,
         )
-    except (TypeError, ValueError, VLLMClientError) as exc:
-        raise BadRequest(f"bad sampling parameters: {exc}") from None
+    except Exception as exc:
+        # vLLM's constructor is the validator of these values, and a wrong type
+        # fails it with whatever it trips on (an assert on stop, an
+        # AttributeError, a TypeError): each is the request's fault, not ours.
+        raise BadRequest(f"bad sampling parameters: {type(exc).__name__}: {exc}") from None
