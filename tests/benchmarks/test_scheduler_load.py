@@ -10,15 +10,8 @@ import time
 import numpy as np
 import pytest
 
-from benchmarks.scheduler_load import (
-    advance,
-    configure,
-    entry_fields,
-    make_fleet,
-    quantile,
-    report_body,
-    run,
-)
+from benchmarks.emulated_workers import advance, entry_fields, make_fleet, report_body
+from benchmarks.scheduler_load import configure, quantile, run
 from star.bus import Bus
 from star.settings import Settings
 from star.wire import Report, decode_as, encode
