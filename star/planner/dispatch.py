@@ -103,7 +103,7 @@ def least_loaded(load: FloatArray, capacity: FloatArray, new_tokens: float) -> i
     :func:`choose_decode` calls it for ``current-load``; the simulator calls
     it directly on its load view (one number per instance).
     """
-    i = int(np.argmin(load))
+    i = int(load.argmin())
     if load[i] + new_tokens <= capacity[i]:
         return i  # the first least loaded instance fits: it is the answer
     return _least(load, load + new_tokens <= capacity)

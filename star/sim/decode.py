@@ -46,10 +46,14 @@ def steps_until(
     else:
         m = math.ceil(-qc / qb)
     m = min(max(m, 1), cap)
-    # The root is exact up to rounding; settle it against T itself.
-    while m > 1 and duration(m - 1, load, batch, a, b, extra) >= elapsed:
+    # The root is exact up to rounding; settle it against T itself (duration(),
+    # written out: this runs on every event that reads an instance mid-batch).
+    while (
+        m > 1
+        and extra + (m - 1) * a + b * ((m - 1) * load + batch * (m - 1) * (m - 2) / 2.0) >= elapsed
+    ):
         m -= 1
-    while m < cap and duration(m, load, batch, a, b, extra) < elapsed:
+    while m < cap and extra + m * a + b * (m * load + batch * m * (m - 1) / 2.0) < elapsed:
         m += 1
     return m
 

@@ -48,6 +48,7 @@ take part in a migration; ``SimConfig.gate=False`` calls it on every tick.
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from collections.abc import Callable
@@ -74,6 +75,9 @@ FloatArray = npt.NDArray[np.float64]
 # Relative slack of the planner gate: call the planner even when the nearest
 # instance is this close below the overload bound (rounding differences).
 _GATE_SLACK = 1e-6
+
+# Event kinds as plain ints, the heap's second key.
+_WAKE, _MIGRATED, _JOIN, _PREFILLED, _ARRIVAL, _TICK = (int(k) for k in Kind)
 
 
 @lru_cache(maxsize=4)
@@ -175,26 +179,32 @@ class Simulator:
         cfg = self.cfg
         end = cfg.duration_s
         if self.requests.size:
-            self.events.push(float(self.requests.arrival[0]), Kind.ARRIVAL, 0)
-        self.events.push(0.0, Kind.TICK)
-        handlers = {
-            Kind.WAKE: self._on_wake,
-            Kind.MIGRATED: self._on_migrated,
-            Kind.JOIN: self._on_join,
-            Kind.PREFILLED: self._on_prefilled,
-            Kind.ARRIVAL: self._on_arrival,
-            Kind.TICK: self._on_tick,
-        }
+            self.events.push(float(self.requests.arrival[0]), _ARRIVAL, 0)
+        self.events.push(0.0, _TICK)
+        handlers = [
+            self._on_wake,
+            self._on_migrated,
+            self._on_join,
+            self._on_prefilled,
+            self._on_arrival,
+            self._on_tick,
+        ]
+        assert [int(k) for k in Kind] == list(range(len(handlers)))
         reported = 0.0
-        q = self.events
-        while len(q):
-            ev = q.pop()
-            if ev.time > end and not cfg.drain:
+        heap = self.events.heap
+        version = self.fleet.version
+        pop = heapq.heappop
+        drain = cfg.drain
+        while heap:
+            now, kind, _, a, b = pop(heap)
+            if now > end and not drain:
                 break
-            handlers[ev.kind](ev.time, ev.a, ev.b)
-            if progress is not None and ev.kind is Kind.TICK and ev.time - reported >= 10.0:
-                progress(min(ev.time, end) - reported)
-                reported = min(ev.time, end)
+            if kind == _WAKE and b != version[a]:
+                continue  # the instance changed since: a later WAKE replaces this one
+            handlers[kind](now, a, b)
+            if progress is not None and kind == _TICK and now - reported >= 10.0:
+                progress(min(now, end) - reported)
+                reported = min(now, end)
         if progress is not None and reported < end:
             progress(end - reported)
         return self._result(time.perf_counter() - wall, time.process_time() - cpu)
@@ -209,7 +219,12 @@ class Simulator:
         k = f.batch[i]
         s = f.steps[i]
         load = f.tokens_base_sum[i] + k * s
-        f.at[i] += duration(m, load, k, self.step_base_s, self.step_per_token_s, f.extra_s[i])
+        # duration(m, ...), written out (m > 0): the hottest line of the engine.
+        f.at[i] += (
+            f.extra_s[i]
+            + m * self.step_base_s
+            + self.step_per_token_s * (m * load + k * m * (m - 1) / 2.0)
+        )
         f.extra_s[i] = 0.0
         s += m
         f.steps[i] = s
@@ -219,19 +234,22 @@ class Simulator:
         now = f.at[i]
         req = self.requests
         finish_step = req.finish_step
+        tokens_base = req.tokens_base
         keep: list[int] = []
+        retired = 0
         for r in f.running[i]:
             if finish_step[r] <= s:
                 req.finish[r] = now
-                self.open -= 1
-                self.completions += 1
-                f.tokens_base_sum[i] -= int(req.tokens_base[r])
+                retired += 1
+                f.tokens_base_sum[i] -= int(tokens_base[r])
                 req.instance[r] = -1
             else:
                 keep.append(r)
+        self.open -= retired
+        self.completions += retired
         f.running[i] = keep
         f.batch[i] = len(keep)
-        f.first_finish[i] = min((finish_step[r] for r in keep), default=0)
+        f.first_finish[i] = min([finish_step[r] for r in keep]) if keep else 0
 
     def _sync(self, i: int, now: float) -> None:
         """Bring instance i to its first iteration boundary at or after ``now``."""
@@ -241,9 +259,12 @@ class Simulator:
             if f.at[i] < now:
                 f.at[i] = now
             return
+        elapsed = now - f.at[i]
+        if elapsed <= 0.0:
+            return  # at a boundary at or after now already (steps_until: 0)
         load = f.tokens_base_sum[i] + k * f.steps[i]
         m = steps_until(
-            now - f.at[i],
+            elapsed,
             load,
             k,
             self.step_base_s,
@@ -263,11 +284,12 @@ class Simulator:
         req.generated_base[r] = gb
         fin = int(req.output[r]) - gb
         req.finish_step[r] = fin
-        if f.batch[i] == 0 or fin < f.first_finish[i]:
+        k = f.batch[i]
+        if k == 0 or fin < f.first_finish[i]:
             f.first_finish[i] = fin
         f.running[i].append(r)
         f.tokens_base_sum[i] += tb
-        f.batch[i] += 1
+        f.batch[i] = k + 1
         req.instance[r] = i
 
     def _settle(self, i: int) -> None:
@@ -305,7 +327,8 @@ class Simulator:
             if req.recompute[r]:
                 req.recompute[r] = False
                 f.extra_s[i] += need * self.recompute_s_per_token
-        f.version[i] += 1
+        version = f.version[i] + 1
+        f.version[i] = version
         k = f.batch[i]
         if k == 0:
             f.steps_to_event[i] = 0
@@ -313,13 +336,12 @@ class Simulator:
         m = min(f.first_finish[i] - s, (cap - reserved - load) // k)
         f.steps_to_event[i] = m
         at = f.at[i] + duration(m, load, k, self.step_base_s, self.step_per_token_s, f.extra_s[i])
-        self.events.push(at, Kind.WAKE, i, f.version[i])
+        self.events.push(at, _WAKE, i, version)
 
     # -- event handlers ------------------------------------------------------------
 
     def _on_wake(self, now: float, i: int, version: int) -> None:
-        if version != self.fleet.version[i]:
-            return
+        # Stale WAKEs (another version) are dropped by the run loop.
         self._advance(i, self.fleet.steps_to_event[i])
         self._settle(i)
 
@@ -327,17 +349,17 @@ class Simulator:
         req = self.requests
         nxt = r + 1
         if nxt < req.size:
-            self.events.push(float(req.arrival[nxt]), Kind.ARRIVAL, nxt)
+            self.events.push(float(req.arrival[nxt]), _ARRIVAL, nxt)
         prompt = int(req.prompt[r])
         if prompt + int(req.output[r]) + 1 > self.capacity:
             self.rejected += 1  # vLLM rejects what can never fit (max_model_len)
             return
         self.open += 1
         free = self.prefill_free
-        p = min(range(len(free)), key=free.__getitem__)
+        p = free.index(min(free))  # the first that frees up
         done = max(now, free[p]) + self.cfg.prefill_base_s + self.cfg.prefill_per_token_s * prompt
         free[p] = done
-        self.events.push(done, Kind.PREFILLED, r, p)
+        self.events.push(done, _PREFILLED, r, p)
 
     def _on_prefilled(self, now: float, r: int, _: int) -> None:
         req = self.requests
@@ -354,7 +376,7 @@ class Simulator:
         req.held_tokens[r] = prompt + 1
         req.held_generated[r] = 1
         transfer = (prompt + 1) * self.bytes_per_token / self.bandwidth + self.cfg.handoff_latency_s
-        self.events.push(now + transfer, Kind.JOIN, r, i)
+        self.events.push(now + transfer, _JOIN, r, i)
 
     def _on_join(self, now: float, r: int, i: int) -> None:
         self._sync(i, now)
@@ -411,7 +433,7 @@ class Simulator:
         req.instance[r] = dst
         self._settle(dst)
         took = tokens * self.bytes_per_token / self.bandwidth + self.cfg.handoff_latency_s
-        self.events.push(max(start, now) + took, Kind.MIGRATED, r, src)
+        self.events.push(max(start, now) + took, _MIGRATED, r, src)
         self.migration_times.append(now)
         return True
 
@@ -441,7 +463,7 @@ class Simulator:
         self._refresh_view(snap)
         nxt = now + self.cfg.tick_s
         if nxt <= self.cfg.duration_s or (self.cfg.drain and self.open > 0):
-            self.events.push(nxt, Kind.TICK)
+            self.events.push(nxt, _TICK)
 
     def _sample(self, now: float, snap: Snapshot) -> None:
         loads = snap.loads

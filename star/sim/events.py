@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import heapq
+import itertools
 from typing import NamedTuple
 
 
@@ -35,26 +36,31 @@ class Event(NamedTuple):
 
 
 class EventQueue:
-    """A min-heap of :class:`Event` ordered by (time, kind, seq)."""
+    """A min-heap of events ordered by (time, kind, seq).
 
-    __slots__ = ("_heap", "_seq")
+    Entries are plain ``(time, kind, seq, a, b)`` tuples (what :class:`Event`
+    names): the engine's loop pops :attr:`heap` directly, one tuple per event
+    being the cheapest form Python has.
+    """
+
+    __slots__ = ("_count", "heap")
 
     def __init__(self) -> None:
-        self._heap: list[Event] = []
-        self._seq = 0
+        self.heap: list[tuple[float, int, int, int, int]] = []
+        self._count = itertools.count(1)
 
-    def push(self, time: float, kind: Kind, a: int = 0, b: int = 0) -> None:
+    def push(self, time: float, kind: int, a: int = 0, b: int = 0) -> None:
         """Schedule an event; equal (time, kind) pairs pop in push order."""
-        self._seq += 1
-        heapq.heappush(self._heap, Event(time, kind, self._seq, a, b))
+        heapq.heappush(self.heap, (time, kind, next(self._count), a, b))
 
     def pop(self) -> Event:
         """Remove and return the earliest event (IndexError when empty)."""
-        return heapq.heappop(self._heap)
+        time, kind, seq, a, b = heapq.heappop(self.heap)
+        return Event(time, Kind(kind), seq, a, b)
 
     def peek_time(self) -> float:
         """Time of the earliest event (inf when empty)."""
-        return self._heap[0].time if self._heap else float("inf")
+        return self.heap[0][0] if self.heap else float("inf")
 
     def __len__(self) -> int:
-        return len(self._heap)
+        return len(self.heap)
