@@ -10,8 +10,8 @@ import time
 import numpy as np
 import pytest
 
-from benchmarks.emulated_workers import advance, entry_fields, make_fleet, report_body
-from benchmarks.scheduler_load import configure, quantile, run
+from benchmarks.emulated_workers import GenStats, advance, entry_fields, make_fleet, report_body
+from benchmarks.scheduler_load import configure, quantile, run, summarise
 from star.bus import Bus
 from star.settings import Settings
 from star.wire import Report, decode_as, encode
@@ -103,3 +103,46 @@ def test_small_run_of_a_real_scheduler(capsys: pytest.CaptureFixture[str]) -> No
         costs["tick_instances_ms"] + costs["tick_plan_ms"] + costs["tick_load_ms"], abs=0.05
     )
     assert 0 < costs["cpu_demand"] < 1  # 16 instances: a fraction of a core
+
+
+def _verdict(lag_s: list[float], lag: list[int]) -> dict[str, object]:
+    parser = argparse.ArgumentParser()
+    configure(parser)
+    args = parser.parse_args(["--instances", "4", "--duration", "60"])
+    samples = [
+        {
+            "t": 5.0 * (i + 1),
+            "lag_s": s,
+            "lag": n,
+            "pending": 0,
+            "lengths": {"reports": 100, "decisions": 1, "events": 1},
+            "used_memory": 1,
+            "load1": 1.0,
+            "live": 4,
+            "leader": 1,
+        }
+        for i, (s, n) in enumerate(zip(lag_s, lag, strict=True))
+    ]
+    hist = {
+        "buckets": {0.01: 240.0, math.inf: 240.0},
+        "ticks": 240.0,
+        "tick_sum": 1.0,
+        "decided": 3.0,
+    }
+    zero = {"buckets": {}, "ticks": 0.0, "tick_sum": 0.0, "decided": 0.0}
+    return summarise(
+        args, Settings(), zero, hist, samples, 60.0, 1.0, 480, {"redis": 0, "scheduler": 0},
+        {"redis": 1, "scheduler": 6}, GenStats(),
+    )  # fmt: skip
+
+
+def test_lag_verdict() -> None:
+    steady = _verdict([0.01, 0.05, 0.02, 0.04] * 3, [3, 8, 1, 5] * 3)
+    assert not steady["lag_grows"] and steady["tick_p99_ok"] and steady["streams_bounded"]
+    assert steady["scheduler_cpu_pct"] == 10.0 and steady["decisions"] == 3
+    # Falling behind: the lag in seconds grows.
+    assert _verdict([0.1 * i for i in range(12)], [50 * i for i in range(12)])["lag_grows"]
+    # Far behind with MAXLEN trimming unread entries: lag_s shrinks, entries grow.
+    assert _verdict([40.0 - i for i in range(12)], [60_000 + 5000 * i for i in range(12)])[
+        "lag_grows"
+    ]
