@@ -146,3 +146,12 @@ def test_lag_verdict() -> None:
     assert _verdict([40.0 - i for i in range(12)], [60_000 + 5000 * i for i in range(12)])[
         "lag_grows"
     ]
+
+
+def test_registered_as_star_bench_scheduler(capsys: pytest.CaptureFixture[str]) -> None:
+    from star.cli.main import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "scheduler", "--help"])
+    assert exit_.value.code == 0
+    assert "--instances" in capsys.readouterr().out
