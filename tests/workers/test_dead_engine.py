@@ -74,6 +74,7 @@ class DyingEngine:
 
 class IdleServer:
     address = "127.0.0.1:1"
+    refused = 0  # TokenServer.refused: peers that failed the handshake
 
     async def shutdown(self, drain_timeout: float) -> None:
         pass
