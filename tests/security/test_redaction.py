@@ -76,6 +76,14 @@ def test_secret_values_cover_every_secret_and_the_url_password() -> None:
     assert redact_text(f"auth p@ss-word {API_KEY}", values) == "auth *** ***"
 
 
+def test_settings_reprs_show_no_secret() -> None:
+    """A settings object put in a log line or an f-string shows no secret by itself."""
+    settings = load_settings(env=ENV)
+    text = repr(settings) + str(settings.redis) + repr(settings.proxy) + repr(settings.cluster)
+    assert "redis://star:***@127.0.0.1:1/0" in text and "max_streams=" in text
+    assert_clean(text)
+
+
 # -- star config show ----------------------------------------------------------------
 
 
