@@ -46,6 +46,8 @@ def book(
     move_target: IntArray,
     move_known: BoolArray,
     move_active: BoolArray | None = None,
+    *,
+    offsets: IntArray | None = None,
 ) -> Booking:
     """Book the moves in flight on their targets.
 
@@ -56,20 +58,22 @@ def book(
     keeps its instances in flight and its request off the source).
     ``move_active`` (default all): a move that is over but whose source has
     not reported since (the live scheduler's settling moves) is booked the
-    same way but keeps neither instance in flight.
+    same way but keeps neither instance in flight. ``offsets`` (n + 1,), when
+    the caller has them: instance i reports rows ``offsets[i]:offsets[i + 1]``.
     """
     r = owner.size
-    offsets = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(np.bincount(owner, minlength=n), out=offsets[1:])
+    if offsets is None:
+        offsets = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(np.bincount(owner, minlength=n), out=offsets[1:])
+    if move_key.size == 0:  # nothing in flight: every row stays where it is
+        none = np.zeros(n, dtype=np.bool_)
+        return Booking(
+            np.arange(r, dtype=np.int64), offsets, np.zeros(r, dtype=np.bool_), none, none.copy()
+        )
     in_flight = np.zeros(n, dtype=np.bool_)
     active = np.ones(move_key.size, np.bool_) if move_active is None else move_active
     in_flight[move_source[(move_source >= 0) & active]] = True
     in_flight[move_target[(move_target >= 0) & active]] = True
-    if move_key.size == 0:
-        none = np.zeros(n, dtype=np.bool_)
-        return Booking(
-            np.arange(r, dtype=np.int64), offsets, np.zeros(r, dtype=np.bool_), in_flight, none
-        )
     keep = np.ones(r, dtype=np.bool_)
     take = np.zeros(move_key.size, dtype=np.bool_)
     rebooked = np.zeros(n, dtype=np.bool_)

@@ -51,6 +51,7 @@ from __future__ import annotations
 import heapq
 import math
 import time
+from array import array
 from collections.abc import Callable
 from functools import lru_cache
 
@@ -67,7 +68,7 @@ from star.sim.events import EventQueue, Kind
 from star.sim.metrics import RequestLog, Series, SimResult, summarise
 from star.sim.predictor import NoiseState, PriorMedian, noisy_estimate
 from star.sim.snapshot import Snapshot
-from star.sim.state import FleetState, RequestState, numpy_view
+from star.sim.state import FleetState, RequestState
 from star.sim.workload import Workload, poisson_arrivals, synthetic
 
 FloatArray = npt.NDArray[np.float64]
@@ -247,7 +248,7 @@ class Simulator:
                 keep.append(r)
         self.open -= retired
         self.completions += retired
-        f.running[i] = keep
+        f.running[i] = array("q", keep)
         f.batch[i] = len(keep)
         f.first_finish[i] = min([finish_step[r] for r in keep]) if keep else 0
 
@@ -421,7 +422,8 @@ class Simulator:
         f.tokens_base_sum[src] -= int(req.tokens_base[r])
         f.batch[src] -= 1
         if f.batch[src]:
-            f.first_finish[src] = min(req.finish_step[x] for x in running)
+            finish_step = req.finish_step
+            f.first_finish[src] = min([finish_step[x] for x in running])
         f.reserved[src] += tokens
         start = f.at[src]
         self._settle(src)
@@ -468,12 +470,12 @@ class Simulator:
     def _sample(self, now: float, snap: Snapshot) -> None:
         loads = snap.loads
         step_ms = (self.step_base_s + self.step_per_token_s * loads) * 1e3
-        used = (loads + numpy_view(self.fleet.reserved)) / self.capacity
+        used = (loads + self.fleet.views["reserved"]) / self.capacity
         s = self.series
         s.t.append(now)
         s.exec_var_ms2.append(float(step_ms.var()))
         s.kv_max.append(float(used.max()))
-        s.kv_mean.append(float(used.mean()))
+        s.kv_mean.append(float(used.sum()) / used.size)  # = used.mean(), without its wrapper
         s.running.append(int(snap.batch.sum()))
         s.waiting.append(sum(map(len, self.fleet.waiting)))
 
@@ -487,7 +489,7 @@ class Simulator:
         if not self.cfg.gate:
             return True
         work = traces @ self.beta
-        bound = (1.0 + self.params.theta) * float(work.mean())
+        bound = (1.0 + self.params.theta) * (float(work.sum()) / work.size)  # = work.mean()
         free = ~in_flight
         over = work > bound * (1.0 - _GATE_SLACK)
         under = traces[:, 0] < bound * (1.0 + _GATE_SLACK)

@@ -42,6 +42,19 @@ def _floats(n: int) -> array[float]:
     return array("d", bytes(8 * n))
 
 
+_TYPED = (
+    "steps",
+    "at",
+    "batch",
+    "tokens_base_sum",
+    "reserved",
+    "extra_s",
+    "steps_to_event",
+    "first_finish",
+    "version",
+)
+
+
 @dataclass(slots=True)
 class FleetState:
     """Every decode instance, one entry each."""
@@ -60,15 +73,17 @@ class FleetState:
     steps_to_event: array[int]  # iterations to the next internal event (0: idle)
     first_finish: array[int]  # smallest finish_step over the running requests
     version: array[int]  # invalidates stale WAKE events
-    running: list[list[int]]  # requests in the batch, in admission order
+    running: list[array[int]]  # requests in the batch, in admission order (typed: the
+    # tick joins the buffers into one array instead of iterating every request)
     waiting: list[deque[int]]  # admitted FIFO when they fit
     incoming: list[list[int]]  # requests migrating in (booked here), in start order
+    views: dict[str, npt.NDArray[Any]]  # numpy_view of each typed array, by field name
 
     @classmethod
     def empty(cls, n: int, capacity_tokens: int, bytes_per_token: int) -> FleetState:
         """``n`` idle instances at time 0."""
         ids = [f"d{i}" for i in range(n)]
-        return cls(
+        fleet = cls(
             ids=ids,
             index={iid: i for i, iid in enumerate(ids)},
             capacity=np.full(n, float(capacity_tokens)),
@@ -83,10 +98,14 @@ class FleetState:
             steps_to_event=_ints(n),
             first_finish=_ints(n),
             version=_ints(n),
-            running=[[] for _ in range(n)],
+            running=[array("q") for _ in range(n)],
             waiting=[deque() for _ in range(n)],
             incoming=[[] for _ in range(n)],
+            views={},
         )
+        for name in _TYPED:
+            fleet.views[name] = numpy_view(getattr(fleet, name))
+        return fleet
 
     @property
     def size(self) -> int:

@@ -83,3 +83,14 @@ def test_a_settling_move_is_booked_but_keeps_no_instance_in_flight() -> None:
     assert by_instance(got, 3) == [[(1, False)], [(3, True), (2, False)], []]
     assert got.in_flight.tolist() == [False, False, False]
     assert got.rebooked.tolist() == [True, True, False]
+
+
+def test_offsets_given_or_counted_book_the_same() -> None:
+    owner, key = ints(0, 0, 2, 2), ints(1, 2, 3, 4)
+    offsets = ints(0, 2, 2, 4)
+    for moves in ((ints(), ints(), ints(), bools()), (ints(2), ints(0), ints(1), bools(True))):
+        counted = book(3, owner, key, *moves)
+        given = book(3, owner, key, *moves, offsets=offsets)
+        assert by_instance(given, 3) == by_instance(counted, 3)
+        assert given.in_flight.tolist() == counted.in_flight.tolist()
+        assert given.rebooked.tolist() == counted.rebooked.tolist()
