@@ -29,6 +29,7 @@ class DrainingServer:
     """Open streams finish only when ``finish`` is set (a drain in progress)."""
 
     address = "127.0.0.1:1"
+    refused = 0  # TokenServer.refused: peers that failed the handshake
 
     def __init__(self) -> None:
         self.draining = asyncio.Event()
