@@ -149,6 +149,73 @@ def test_nested_values_are_checked() -> None:
         decode(msgpack.packb(m))
 
 
+def _report_map() -> dict[str, typing.Any]:
+    loads = [RequestLoad("r", 1, 0), RequestLoad("s", 2, 1, 3.5)]
+    r = Report("i", "decode", 1, 0.0, "a:1", 10, 1, 2, 0.1, 32, [1.0, 2.0], loads, ["s"])
+    return msgpack.unpackb(encode(r))
+
+
+@pytest.mark.parametrize(
+    ("mutate", "error", "message"),
+    [
+        (
+            lambda m: m["requests"][1].update(extra=1),
+            UnknownField,
+            "report.requests[1]: unknown field(s) 'extra'",
+        ),
+        (
+            lambda m: m["requests"][1].pop("generated"),
+            MissingField,
+            "report.requests[1]: missing field 'generated'",
+        ),
+        (
+            lambda m: m["requests"][1].update(predicted_remaining=True),
+            WrongType,
+            "report.requests[1].predicted_remaining: expected float | None, got bool True",
+        ),
+        (
+            lambda m: m["requests"][0].update(true_remaining=1.5),
+            WrongType,
+            "report.requests[0].true_remaining: expected int | None, got float 1.5",
+        ),
+        (
+            lambda m: m["requests"].__setitem__(1, [1]),
+            WrongType,
+            "report.requests[1]: expected a map, got list",
+        ),
+        (lambda m: m.update(requests={}), WrongType, "report.requests: expected a list, got dict"),
+        (
+            lambda m: m["trace"].__setitem__(1, "2"),
+            WrongType,
+            "report.trace[1]: expected a number, got str '2'",
+        ),
+        (
+            lambda m: m["in_flight"].append(3),
+            WrongType,
+            "report.in_flight[1]: expected str, got int 3",
+        ),
+        (
+            lambda m: m.update(predictor=1),
+            WrongType,
+            "report.predictor: expected bool | None, got int 1",
+        ),
+    ],
+)
+def test_a_bad_report_says_where(mutate: typing.Any, error: type[Exception], message: str) -> None:
+    m = _report_map()
+    mutate(m)
+    with pytest.raises(error) as info:
+        decode_as(msgpack.packb(m), Report)
+    assert type(info.value) is error and str(info.value) == message
+
+
+def test_integer_trace_points_decode_as_floats() -> None:
+    m = _report_map()
+    m["trace"] = [3, 2.5]  # what a worker summing integer token counts may send
+    report = decode_as(msgpack.packb(m), Report)
+    assert report.trace == [3.0, 2.5] and all(type(x) is float for x in report.trace)
+
+
 def test_expect_restricts_kind() -> None:
     raw = encode(Decision("d", "r", "a", "b", 1, -2.0, "current", 1.0))
     with pytest.raises(UnknownKind, match="expected report"):
@@ -198,9 +265,7 @@ def test_report_draining_round_trips_and_defaults_for_older_entries() -> None:
 
 def test_true_remaining_and_predictor_default_for_older_entries() -> None:
     load = RequestLoad("q", 50, 10, 12.5, True, true_remaining=40)
-    r = Report(
-        "i", "decode", 1, 0.0, "a:1", 10, 1, 2, 0.1, 32, [1.0], [load], predictor=False
-    )
+    r = Report("i", "decode", 1, 0.0, "a:1", 10, 1, 2, 0.1, 32, [1.0], [load], predictor=False)
     assert decode_as(encode(r), Report) == r
     older = msgpack.unpackb(encode(r))
     del older["predictor"]  # what a worker from before the fields published

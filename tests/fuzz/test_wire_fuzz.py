@@ -19,7 +19,14 @@ from hypothesis import strategies as st
 from star import wire
 from star.wire import FRAMES, FrameDecoder, FrameTooLarge, Message, WireError, decode, encode
 from tests.fuzz.common import FUZZ, Tally, run_fuzz
-from tests.fuzz.strategies import ANY_VALUE, FRAME_MAPS, VALID_MAPS, broken_map
+from tests.fuzz.strategies import (
+    ANY_VALUE,
+    FRAME_MAPS,
+    VALID_MAPS,
+    broken_map,
+    message_map,
+    plain_map,
+)
 from workers.protocol import (
     GenerateRequest,
     IllegalTransition,
@@ -85,6 +92,53 @@ def test_decode_structurally_broken_messages() -> None:
     @given(broken_map())
     def check(data: Any) -> None:
         tally.run(lambda: _decode(_pack(data)))
+
+    run_fuzz(tally, check)
+
+
+def _nested_broken(report: dict[str, Any], load: dict[str, Any]) -> dict[str, Any]:
+    return {**report, "requests": [*report["requests"], load]}
+
+
+def test_compiled_decoders_agree_with_the_reference_walk() -> None:
+    """Each class's compiled decoder builds what ``wire._build`` builds and accepts
+    nothing it rejects (a rejection falls back to ``_build`` for the typed error);
+    a valid map never needs the fallback."""
+    tally = Tally("wire compiled decoders vs the reference walk")
+
+    def run(data: dict[str, Any], valid: bool) -> str:
+        data = msgpack.unpackb(_pack(data), raw=False, strict_map_key=False)
+        kind = data.get("k")
+        cls = wire._BY_KIND.get(kind) if isinstance(kind, str) else None
+        if cls is None or "v" not in data:
+            return "header rejected"  # decode_plain stops before either builder
+        try:
+            ref: bytes | str = encode(wire._build(cls, data, cls.KIND, skip=wire._HEADER))
+        except WireError as exc:
+            ref = f"{type(exc).__name__}: {exc}"
+        try:
+            fast = encode(wire._DECODERS[cls](data, 2))
+        except Exception:
+            assert not valid, f"a valid {cls.KIND} map fell back to the reference walk"
+            assert isinstance(ref, str), "the compiled decoder rejected what _build accepts"
+            return "rejected by both"
+        assert fast == ref  # compared as encodings: NaN equals nothing
+        return "built by both" + ("" if valid else " (broken map still valid)")
+
+    maps = (
+        VALID_MAPS.map(lambda d: (d, True))
+        | broken_map().map(lambda d: (d, False))
+        | st.builds(
+            _nested_broken,
+            message_map(wire.Report),
+            broken_map(plain_map(wire.RequestLoad)),
+        ).map(lambda d: (d, False))
+    )
+
+    @FUZZ
+    @given(maps)
+    def check(case: tuple[dict[str, Any], bool]) -> None:
+        tally.run(lambda: run(*case))
 
     run_fuzz(tally, check)
 
