@@ -69,7 +69,11 @@ class SimConfig:
     kv_capacity_tokens: int = 200_000
     bytes_per_token: int = 57_344
     bandwidth_gbps: float = 25.0  # D->D migration and P->D transfer
-    handoff_latency_s: float = 0.025
+    handoff_latency_s: float = 0.025  # fixed cost of a P->D transfer (and of D->D, by default)
+    migration_latency_s: float | None = None  # fixed cost of a D->D move; None: handoff_latency_s
+    # KV allocation unit, tokens (vLLM's block). A running request holds on average
+    # (block - 1) / 2 tokens more than its own (its last block's unused part); 1 = exact.
+    kv_block_tokens: int = 1
     prefill_base_s: float = 0.015
     prefill_per_token_s: float = 1.25e-4
     tick_s: float = 1.0
@@ -89,6 +93,7 @@ class SimConfig:
             "decode_instances",
             "predict_every",
             "kv_capacity_tokens",
+            "kv_block_tokens",
             "bytes_per_token",
             "max_output_tokens",
         ):
@@ -114,6 +119,10 @@ class SimConfig:
             value = float(getattr(self, name))
             if not (math.isfinite(value) and value >= 0):
                 raise bad(name, "must be a finite number >= 0")
+        if self.migration_latency_s is not None and not (
+            math.isfinite(self.migration_latency_s) and self.migration_latency_s >= 0
+        ):
+            raise bad("migration_latency_s", "must be a finite number >= 0 (or None)")
         if self.warmup_s >= self.duration_s:
             raise bad("warmup_s", f"must be below duration_s={self.duration_s}")
         if self.dispatch not in DISPATCH_POLICIES:
@@ -162,5 +171,17 @@ class SimConfig:
             self.planner,
             mode=self.parsed_mode,
             bandwidth_bytes_per_s=self.bandwidth_bytes_per_s,
-            handoff_latency_s=self.handoff_latency_s,
+            handoff_latency_s=self.move_latency_s,
         )
+
+    @property
+    def move_latency_s(self) -> float:
+        """A D->D migration's fixed cost."""
+        if self.migration_latency_s is None:
+            return self.handoff_latency_s
+        return self.migration_latency_s
+
+    @property
+    def block_waste_tokens(self) -> int:
+        """Tokens a running request holds beyond its own: half its last block, on average."""
+        return (self.kv_block_tokens - 1) // 2

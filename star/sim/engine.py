@@ -115,6 +115,7 @@ class Simulator:
         )
         self.step_per_token_s = config.step_per_token_s
         self.capacity = config.kv_capacity_tokens
+        self.waste = config.block_waste_tokens
         self.recompute_s_per_token = config.prefill_per_token_s
         self.bytes_per_token = config.bytes_per_token
         self.bandwidth = config.bandwidth_bytes_per_s
@@ -301,8 +302,9 @@ class Simulator:
         s = f.steps[i]
         load = f.tokens_base_sum[i] + f.batch[i] * s
         reserved = f.reserved[i]
+        per = 1 + self.waste  # per running request: the next token, and its last block's rest
         # Room for one more token per running request, else preempt the newest.
-        while f.batch[i] > 0 and load + reserved + f.batch[i] > cap:
+        while f.batch[i] > 0 and load + reserved + f.batch[i] * per > cap:
             r = f.running[i].pop()
             tokens = int(req.tokens_base[r]) + s
             req.held_tokens[r] = tokens
@@ -320,7 +322,7 @@ class Simulator:
         while waiting:
             r = waiting[0]
             need = req.held_tokens[r]
-            if load + reserved + need + f.batch[i] + 1 > cap:
+            if load + reserved + need + (f.batch[i] + 1) * per > cap:
                 break
             waiting.popleft()
             self._admit(i, r)
@@ -334,7 +336,7 @@ class Simulator:
         if k == 0:
             f.steps_to_event[i] = 0
             return
-        m = min(f.first_finish[i] - s, (cap - reserved - load) // k)
+        m = min(f.first_finish[i] - s, (cap - reserved - load - k * self.waste) // k)
         f.steps_to_event[i] = m
         at = f.at[i] + duration(m, load, k, self.step_base_s, self.step_per_token_s, f.extra_s[i])
         self.events.push(at, _WAKE, i, version)
@@ -434,7 +436,7 @@ class Simulator:
         req.held_prediction[r] = remaining if math.isfinite(remaining) else None
         req.instance[r] = dst
         self._settle(dst)
-        took = tokens * self.bytes_per_token / self.bandwidth + self.cfg.handoff_latency_s
+        took = tokens * self.bytes_per_token / self.bandwidth + self.cfg.move_latency_s
         self.events.push(max(start, now) + took, _MIGRATED, r, src)
         self.migration_times.append(now)
         return True
@@ -470,7 +472,7 @@ class Simulator:
     def _sample(self, now: float, snap: Snapshot) -> None:
         loads = snap.loads
         step_ms = (self.step_base_s + self.step_per_token_s * loads) * 1e3
-        used = (loads + self.fleet.views["reserved"]) / self.capacity
+        used = (loads + self.fleet.views["reserved"] + snap.batch * self.waste) / self.capacity
         s = self.series
         s.t.append(now)
         s.exec_var_ms2.append(float(step_ms.var()))

@@ -86,6 +86,28 @@ def test_preemption_when_kv_capacity_is_exceeded() -> None:
     assert res.row["max_kv_usage"] <= 1.0
 
 
+def test_kv_in_blocks_preempts_sooner() -> None:
+    # The same two requests with vLLM-like 128-token blocks: each running request
+    # also holds the rest of its last block, (128 - 1) // 2 = 63 tokens on average,
+    # so the 1,000 tokens run out 63 iterations (2 x 63 tokens at 2 per iteration) sooner.
+    cfg = dataclasses.replace(
+        HAND,
+        decode_instances=1,
+        prefill_instances=2,
+        kv_capacity_tokens=1000,
+        prefill_per_token_s=1e-4,
+        duration_s=20.0,
+    )
+    w = _trace([100, 100], [600, 600], [0.0, 0.001])
+    exact = simulate(cfg, w)
+    blocks = simulate(dataclasses.replace(cfg, kv_block_tokens=128), w)
+    assert blocks.requests.preemptions.tolist() == [0, 1]
+    assert blocks.preemption_times.tolist() == pytest.approx(
+        [exact.preemption_times[0] - 0.63], abs=1e-6
+    )
+    assert blocks.requests.generated.tolist() == [600, 600]
+
+
 def test_requests_that_can_never_fit_are_rejected() -> None:
     cfg = dataclasses.replace(HAND, kv_capacity_tokens=500)
     res = simulate(cfg, _trace([100, 450], [50, 100], [0.0, 0.1]))
@@ -189,6 +211,30 @@ def test_a_migration_pauses_the_request_for_the_transfer() -> None:
     assert transfer - 0.001 <= stall[moved] <= transfer + 0.021
 
 
+def test_a_migration_costs_its_own_latency_and_a_handoff_keeps_its_own() -> None:
+    cfg = dataclasses.replace(
+        HAND,
+        mode="current",
+        bytes_per_token=50_000,
+        handoff_latency_s=0.025,
+        migration_latency_s=0.5,
+        duration_s=30.0,
+    )
+    w = _trace([100, 100, 5000], [1500, 1500, 1500], [0.0, 0.01, 0.02])
+    res = simulate(cfg, w)
+    log = res.requests
+    assert res.row["migrations"] == 1
+    moved = int(np.flatnonzero(log.migrations)[0])
+    handoff = np.array([(p + 1) * 50_000 / 1e9 + 0.025 for p in (100, 100, 5000)])
+    stall = (log.finish - (log.arrival + log.ttft_s + handoff)) - 14.99
+    t_mig = float(res.migration_times[0])
+    start = float(log.arrival[moved] + log.ttft_s[moved] + handoff[moved])
+    tokens = int(w.prompt_tokens[moved]) + 1 + round((t_mig - start) / 0.01)
+    transfer = tokens * 50_000 / 1e9 + 0.5
+    assert transfer - 0.001 <= stall[moved] <= transfer + 0.021
+    assert stall[[i for i in range(3) if i != moved]] == pytest.approx([0.0, 0.0], abs=0.011)
+
+
 @pytest.mark.parametrize(("max_migrations", "margin"), [(1, 0.95), ("auto", 0.99)])
 def test_ordering_of_modes_on_16_instances(
     max_migrations: int | Literal["auto"], margin: float
@@ -267,6 +313,8 @@ def test_length_only_file_workloads_are_sampled_at_the_configured_rate() -> None
         ({"tick_s": 0.0}, "tick_s=0.0: must be a finite number > 0"),
         ({"dispatch": "random"}, "expected one of round-robin"),
         ({"warmup_s": 5000.0}, "must be below duration_s"),
+        ({"migration_latency_s": -1.0}, "migration_latency_s=-1.0: must be a finite number >= 0"),
+        ({"kv_block_tokens": 0}, "kv_block_tokens=0: must be >= 1"),
     ],
 )
 def test_config_errors_quote_the_bad_value(changes: dict[str, Any], message: str) -> None:
