@@ -31,9 +31,11 @@ from benchmarks.e2e.report import (
     MODES,
     Cell,
     aggregate,
+    cell_of,
     live_table,
     load_all,
     load_cell,
+    load_requests,
     row,
     sim_table,
     table,
@@ -164,17 +166,12 @@ def run(args: argparse.Namespace) -> int:
             return 130
         if code:
             return code
-    docs = [
-        d
-        for d in load_all(out)
-        if Cell(
-            d["row"]["regime"], d["row"]["mode"], float(d["row"]["rate"]), int(d["row"]["seed"])
-        )
-        in cells
-    ]
+    docs = [d for d in load_all(out) if cell_of(d) in cells]
     if not docs:
         print(f"bench e2e: no finished cells under {out}", file=sys.stderr)
         return 1
+    if not args.json:
+        _resimulate(docs, out)
     rows = [row(d) for d in docs]
     if args.figures:
         from benchmarks.e2e.figures import draw_all
@@ -190,6 +187,18 @@ def run(args: argparse.Namespace) -> int:
         print()
         print(live_table(docs))
     return 0
+
+
+def _resimulate(docs: list[dict[str, Any]], out: Path) -> None:
+    """Each cell's sim-to-real run again, with the simulator of this tree and one
+    migration stall per regime (the median over all its cells' migrations)."""
+    from benchmarks.e2e.simreal import pooled_stall_s, simulate_cell
+
+    stalls = pooled_stall_s(docs)
+    for d in docs:
+        records = load_requests(out, cell_of(d))
+        if records:
+            d["sim"] = simulate_cell(d, records, stalls.get(d["row"]["regime"]))
 
 
 def _run_cells(args: argparse.Namespace, cells: list[Cell], out: Path) -> int:

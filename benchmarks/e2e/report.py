@@ -83,6 +83,20 @@ def load_cell(out: Path, cell: Cell) -> dict[str, Any] | None:
     return doc
 
 
+def load_requests(out: Path, cell: Cell) -> list[dict[str, Any]]:
+    """A finished cell's ``requests.csv`` rows (strings, as written)."""
+    path = cell.path(out) / "requests.csv"
+    if not path.exists():
+        return []
+    with path.open(newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def cell_of(doc: dict[str, Any]) -> Cell:
+    r = doc["row"]
+    return Cell(r["regime"], r["mode"], float(r["rate"]), int(r["seed"]))
+
+
 def load_all(out: Path) -> list[dict[str, Any]]:
     """Every finished cell under ``out``."""
     return [json.loads(p.read_text()) for p in sorted(out.glob("*/*/rate-*/seed-*/cell.json"))]

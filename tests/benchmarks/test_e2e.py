@@ -419,3 +419,67 @@ def test_each_regime_sweeps_its_own_rates_unless_rates_are_given() -> None:
     }
     with pytest.raises(ValueError, match="--rates takes numbers"):
         _cells(_sweep(rates="fast"))
+
+
+# -- sim-to-real -------------------------------------------------------------------------
+
+
+def _sim_doc(mode: str, stalls_ms: list[float]) -> dict[str, object]:
+    reg = dataclasses.asdict(regime("device", 256))
+    return {
+        "row": {
+            "regime": "device",
+            "mode": mode,
+            "rate": 2.0,
+            "seed": 1,
+            "duration_s": 20.0,
+            "kv_capacity": reg["kv_tokens"],
+        },
+        "config": {"regime": reg, "decode": 3, "prefill": 1, "cap": 256, "bytes_per_token": 1024},
+        "events": [{"event": "resumed", "data": {"stall_ms": s, "pull_ms": s}} for s in stalls_ms]
+        + [{"event": "released", "data": {"tokens": 10}}],
+    }
+
+
+def _sim_records(n: int = 40) -> list[dict[str, str]]:
+    # As requests.csv gives them back: strings.
+    rng = np.random.default_rng(3)
+    return [
+        {
+            "ok": "True",
+            "prompt_tokens": str(int(rng.integers(15, 40))),
+            "output_tokens": str(int(rng.choice([5, 20, 60, 250]))),
+            "sent_s": f"{i * 0.5:.3f}",
+        }
+        for i in range(n)
+    ]
+
+
+def test_sim_to_real_prices_a_migration_at_the_measured_stall() -> None:
+    from benchmarks.e2e.simreal import (
+        DEFAULT_HANDOFF_S,
+        measured_stall_s,
+        pooled_stall_s,
+        simulate_cell,
+    )
+
+    moved = _sim_doc("current", [40.0, 80.0, 300.0])
+    still = _sim_doc("no-migration", [])
+    assert measured_stall_s(moved) == pytest.approx(0.08)
+    assert measured_stall_s(still) is None
+    # One stall per regime, over every migration of its cells, for every mode.
+    assert pooled_stall_s([moved, still, _sim_doc("oracle", [20.0])]) == {
+        "device": pytest.approx(0.06)
+    }
+    sim = simulate_cell(moved, _sim_records())
+    assert sim["migration_latency_s"] == pytest.approx(0.08) and sim["stall_measured"]
+    assert sim["kv_block_tokens"] == 128
+    assert sim["step_model"]["base_s"] == pytest.approx(0.008)  # the device regime's own
+    assert set(sim) >= {"p99_tpot_ms", "preemptions", "exec_time_variance", "migrations"}
+    assert sim["p99_tpot_ms"] >= 8.0  # no token faster than the padded step
+    base = simulate_cell(still, _sim_records())
+    assert base["migration_latency_s"] == DEFAULT_HANDOFF_S and not base["stall_measured"]
+    assert base["migrations"] == 0
+    assert simulate_cell(still, _sim_records(), 0.2)["migration_latency_s"] == 0.2
+    assert simulate_cell(still, _sim_records(), blocks=False)["kv_block_tokens"] == 1
+    assert simulate_cell(still, []) == {}
