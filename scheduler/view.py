@@ -44,6 +44,18 @@ class Seen:
     report: Report
     received: float  # local monotonic time (worker clocks may be skewed)
     stale: bool = False
+    # The report as the planner reads it, converted once when it arrives (a tick
+    # reads every live report): its requests (one it lists in flight is busy),
+    # the ids in flight, the trace.
+    requests: tuple[Request, ...] = field(init=False)
+    busy: frozenset[str] = field(init=False)
+    trace: tuple[float, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        busy = frozenset(self.report.in_flight)
+        self.requests = tuple(to_request(r, busy=r.id in busy) for r in self.report.requests)
+        self.busy = busy
+        self.trace = tuple(self.report.trace)
 
 
 @dataclass(slots=True)
@@ -179,44 +191,63 @@ class ClusterView:
     def instances(self, params: PlannerParams) -> list[Instance]:
         """Live decode instances as the planner sees them, in-flight moves booked
         (:func:`star.planner.flight.book`, the rule the simulator applies too)."""
-        reports = self.live("decode")
-        index = {report.instance: i for i, report in enumerate(reports)}
-        keys: dict[str, int] = {}  # request id -> the integer book() compares
-        reported = [r for report in reports for r in report.requests]
-        owner = np.repeat(
-            np.arange(len(reports), dtype=np.int64), [len(report.requests) for report in reports]
-        )
+        seens = [s for s in self.seen.values() if not s.stale and s.report.role == "decode"]
+        index = {seen.report.instance: i for i, seen in enumerate(seens)}
+        reported = [r for seen in seens for r in seen.requests]
+        counts = [len(seen.requests) for seen in seens]
+        owner = np.repeat(np.arange(len(seens), dtype=np.int64), counts)
+        starts = np.zeros(len(seens) + 1, dtype=np.int64)
+        np.cumsum(counts, out=starts[1:])
         flights: list[InFlight | Settling] = [*self.in_flight.values(), *self.settling.values()]
+        sources = [index.get(f.decision.source, -1) for f in flights]
+        targets = [index.get(f.decision.target, -1) for f in flights]
+        # book() compares a move's request with the rows of its source and target
+        # only: rows elsewhere keep key -1, which no move has.
+        keys: dict[str, int] = {}  # request id -> the integer book() compares
+        key = np.full(len(reported), -1, dtype=np.int64)
+        for i in {*sources, *targets} - {-1}:
+            ids = [r.id for r in seens[i].requests]
+            key[starts[i] : starts[i + 1]] = [keys.setdefault(rid, len(keys)) for rid in ids]
         booking = book(
-            len(reports),
+            len(seens),
             owner,
-            np.array([keys.setdefault(r.id, len(keys)) for r in reported], dtype=np.int64),
+            key,
             np.array([keys.setdefault(f.decision.request, len(keys)) for f in flights], np.int64),
-            np.array([index.get(f.decision.source, -1) for f in flights], dtype=np.int64),
-            np.array([index.get(f.decision.target, -1) for f in flights], dtype=np.int64),
+            np.array(sources, dtype=np.int64),
+            np.array(targets, dtype=np.int64),
             np.array([f.load is not None for f in flights], dtype=np.bool_),
             np.array([isinstance(f, InFlight) for f in flights], dtype=np.bool_),
+            offsets=starts,
         )
-        rows: list[RequestLoad | None] = [*reported, *(f.load for f in flights)]
-        order = booking.rows.tolist()
-        booked = booking.booked.tolist()
+        moved: list[RequestLoad | None] = [f.load for f in flights]
+        rebooked = booking.rebooked.tolist()
+        order = booking.rows.tolist() if any(rebooked) else []
+        booked = booking.booked.tolist() if any(rebooked) else []
         offsets = booking.offsets.tolist()
         out = []
-        for i, report in enumerate(reports):
-            lo, hi = offsets[i], offsets[i + 1]
-            mine = [(rows[q], b) for q, b in zip(order[lo:hi], booked[lo:hi], strict=True)]
-            requests = tuple(
-                to_request(r, busy=b or r.id in report.in_flight) for r, b in mine if r is not None
-            )
+        for i, seen in enumerate(seens):
+            report = seen.report
+            requests, busy = seen.requests, seen.busy
+            if rebooked[i]:  # rows taken off it or booked on it (busy: moving in)
+                lo, hi = offsets[i], offsets[i + 1]
+                mine: list[Request] = []
+                for q, b in zip(order[lo:hi], booked[lo:hi], strict=True):
+                    if q < len(reported):  # its own row: book() moves only the moves' rows
+                        mine.append(reported[q])
+                    elif (load := moved[q - len(reported)]) is not None:
+                        mine.append(to_request(load, busy=b or load.id in seen.busy))
+                        if b:
+                            busy = busy | {load.id}
+                requests = tuple(mine)
             # The worker's pre-simulated trace is only valid when nothing was booked
             # on or off it and it uses the planner's grid.
             trace = None
             if (
-                not booking.rebooked[i]
+                not rebooked[i]
                 and report.delta == params.delta
-                and len(report.trace) == params.horizon + 1
+                and len(seen.trace) == params.horizon + 1
             ):
-                trace = tuple(report.trace)
+                trace = seen.trace
             out.append(
                 Instance(
                     id=report.instance,
@@ -225,8 +256,7 @@ class ClusterView:
                     bytes_per_token=report.bytes_per_token,
                     step_time_s=report.step_time_s,
                     in_flight=bool(booking.in_flight[i]),
-                    busy=frozenset(report.in_flight)
-                    | frozenset(r.id for r, b in mine if b and r is not None),
+                    busy=busy,
                     trace=trace,
                     draining=report.draining,
                 )

@@ -72,6 +72,26 @@ def test_booked_move_counts_on_target_and_marks_both_in_flight() -> None:
     assert loads == {"a": 200, "b": 1050, "c": 60}
 
 
+def test_rows_are_the_reports_requests_converted_and_bystanders_keep_theirs() -> None:
+    v = view()
+    v.apply_report(report("a", [1000, 200], in_flight=["a-r1"]), 0.0)
+    v.apply_report(report("b", [50]), 0.0)
+    c = report("c", [60])
+    c.requests.append(dataclasses.replace(c.requests[0], id="a-r0", tokens=70))  # same id
+    v.apply_report(c, 0.0)
+    first = {i.id: i for i in v.instances(P)}
+    r1 = first["a"].requests[1]
+    assert (r1.id, r1.tokens, r1.generated, r1.predicted_remaining) == ("a-r1", 200, 100, 5000.0)
+    assert r1.migratable is False and first["a"].busy == {"a-r1"}  # the worker lists it in flight
+    assert first["a"].requests[0].migratable is True
+    v.book(decision(), now=0.0)  # a-r0: a -> b
+    by = {i.id: i for i in v.instances(P)}
+    assert [r.id for r in by["a"].requests] == ["a-r1"] and by["a"].busy == {"a-r1"}
+    assert [r.id for r in by["b"].requests] == ["a-r0", "b-r0"] and by["b"].busy == {"a-r0"}
+    assert by["c"].requests == first["c"].requests  # not a party to the move: untouched
+    assert [r.tokens for r in by["c"].requests] == [60, 70] and not by["c"].in_flight
+
+
 def test_target_report_that_already_has_the_request_is_not_double_counted() -> None:
     v = view()
     v.apply_report(report("a", [1000]), 0.0)
