@@ -60,16 +60,20 @@ def test_iteration_time_grows_with_the_batch() -> None:
     assert res.requests.finish[0] == pytest.approx(0.15 + 11e-9 + decode, abs=1e-9)
 
 
+# One decode instance of 1,000 tokens and two 600-token answers: it runs out.
+CRAMPED = dataclasses.replace(
+    HAND,
+    decode_instances=1,
+    prefill_instances=2,
+    kv_capacity_tokens=1000,
+    prefill_per_token_s=1e-4,
+    duration_s=20.0,
+)
+TWO_LONG = _trace([100, 100], [600, 600], [0.0, 0.001])
+
+
 def test_preemption_when_kv_capacity_is_exceeded() -> None:
-    cfg = dataclasses.replace(
-        HAND,
-        decode_instances=1,
-        prefill_instances=2,
-        kv_capacity_tokens=1000,
-        prefill_per_token_s=1e-4,
-        duration_s=20.0,
-    )
-    res = simulate(cfg, _trace([100, 100], [600, 600], [0.0, 0.001]))
+    res = simulate(CRAMPED, TWO_LONG)
     log = res.requests
     eps = 101e-9
     # Prefill 0.11 s each (in parallel); A decodes from 0.16, B joins at A's next
@@ -90,17 +94,8 @@ def test_kv_in_blocks_preempts_sooner() -> None:
     # The same two requests with vLLM-like 128-token blocks: each running request
     # also holds the rest of its last block, (128 - 1) // 2 = 63 tokens on average,
     # so the 1,000 tokens run out 63 iterations (2 x 63 tokens at 2 per iteration) sooner.
-    cfg = dataclasses.replace(
-        HAND,
-        decode_instances=1,
-        prefill_instances=2,
-        kv_capacity_tokens=1000,
-        prefill_per_token_s=1e-4,
-        duration_s=20.0,
-    )
-    w = _trace([100, 100], [600, 600], [0.0, 0.001])
-    exact = simulate(cfg, w)
-    blocks = simulate(dataclasses.replace(cfg, kv_block_tokens=128), w)
+    exact = simulate(CRAMPED, TWO_LONG)
+    blocks = simulate(dataclasses.replace(CRAMPED, kv_block_tokens=128), TWO_LONG)
     assert blocks.requests.preemptions.tolist() == [0, 1]
     assert blocks.preemption_times.tolist() == pytest.approx(
         [exact.preemption_times[0] - 0.63], abs=1e-6
