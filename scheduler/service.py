@@ -33,6 +33,10 @@ from star.wire import Decision, Event, EventKind, Report
 
 log = structlog.get_logger(__name__)
 
+# A batch of reports (up to bus.read_count) is applied this many at a time,
+# yielding to the event loop in between (~0.25 ms of CPU each at 64 requests).
+REPORTS_PER_YIELD = 32
+
 # What a tick's publishing raises while Redis is unreachable.
 REDIS_DOWN: tuple[type[BaseException], ...] = (BusUnavailable, *TRANSIENT)
 
@@ -112,12 +116,15 @@ class SchedulerService(Service):
         # Through a Redis outage of any length the iteration waits (and logs it);
         # meanwhile instances go stale and the planner has nothing to move.
         async for entries in reader:
-            now = time.monotonic()
-            for entry in entries:
-                assert isinstance(entry.msg, Report)
-                if self.view.apply_report(entry.msg, now):
-                    log.info("instance_live", instance=entry.msg.instance, role=entry.msg.role)
-                self.accuracy.observe(entry.msg)
+            for start in range(0, len(entries), REPORTS_PER_YIELD):
+                if start:
+                    await asyncio.sleep(0)  # a tick or the lock renewal may be due
+                now = time.monotonic()
+                for entry in entries[start : start + REPORTS_PER_YIELD]:
+                    assert isinstance(entry.msg, Report)
+                    if self.view.apply_report(entry.msg, now):
+                        log.info("instance_live", instance=entry.msg.instance, role=entry.msg.role)
+                    self.accuracy.observe(entry.msg)
 
     async def _events(self) -> None:
         assert self.bus is not None
