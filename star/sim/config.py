@@ -74,6 +74,9 @@ class SimConfig:
     # KV allocation unit, tokens (vLLM's block). A running request holds on average
     # (block - 1) / 2 tokens more than its own (its last block's unused part); 1 = exact.
     kv_block_tokens: int = 1
+    # Experiment: the planner sees each request's KV as tokens + that block waste
+    # (what a worker counting its last block's unused part would report); False = exact.
+    plan_kv_blocks: bool = False
     prefill_base_s: float = 0.015
     prefill_per_token_s: float = 1.25e-4
     tick_s: float = 1.0
@@ -185,3 +188,9 @@ class SimConfig:
     def block_waste_tokens(self) -> int:
         """Tokens a running request holds beyond its own: half its last block, on average."""
         return (self.kv_block_tokens - 1) // 2
+
+    @property
+    def planned_waste_tokens(self) -> int:
+        """Tokens the planner adds to each request's KV: the block waste with
+        ``plan_kv_blocks``, else 0 (token-exact, as a live worker reports)."""
+        return self.block_waste_tokens if self.plan_kv_blocks else 0

@@ -354,8 +354,10 @@ class Simulator:
         if nxt < req.size:
             self.events.push(float(req.arrival[nxt]), _ARRIVAL, nxt)
         prompt = int(req.prompt[r])
-        if prompt + int(req.output[r]) + 1 > self.capacity:
-            self.rejected += 1  # vLLM rejects what can never fit (max_model_len)
+        # vLLM rejects what can never fit (max_model_len); with blocks a request also
+        # holds its last block's rest, else alone on an instance it preempts itself forever.
+        if prompt + int(req.output[r]) + 1 + self.waste > self.capacity:
+            self.rejected += 1
             return
         self.open += 1
         free = self.prefill_free

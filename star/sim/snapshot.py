@@ -240,6 +240,9 @@ class Snapshot:
             tokens = np.concatenate((tokens, inc.tokens))[rows]
             true = np.concatenate((true, inc.true_remaining))[rows]
             pred = np.concatenate((pred, inc.predicted))[rows]
+        waste = sim.cfg.planned_waste_tokens
+        if waste:  # block-aware planning: traces, c_r and C_mig all see the block footprint
+            tokens = tokens + waste
         out = ClusterArrays(
             offsets=booking.offsets.astype(np.intp),
             tokens=tokens,

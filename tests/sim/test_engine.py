@@ -110,6 +110,52 @@ def test_requests_that_can_never_fit_are_rejected() -> None:
     assert np.isfinite(res.requests.finish[0]) and np.isnan(res.requests.finish[1])
 
 
+def test_with_blocks_a_request_that_only_fits_token_exact_is_rejected() -> None:
+    # 400 + 50 + 1 tokens fit in 500 exactly, not with 63 more for its last block:
+    # admitted, it would preempt itself for ever (a drained run would never end).
+    cfg = dataclasses.replace(HAND, kv_capacity_tokens=500, kv_block_tokens=128)
+    res = simulate(cfg, _trace([100, 400], [50, 50], [0.0, 0.1]))
+    assert res.row["rejected"] == 1 and res.row["preemptions"] == 0
+    assert np.isfinite(res.requests.finish[0]) and np.isnan(res.requests.finish[1])
+
+
+# d0 gets A and C (300-token prompts, 1,500 tokens to go), d1 gets B (900, 400):
+# d0 is the overloaded one, d1 is nearly full until B finishes (4.24 s).
+PACKED = dataclasses.replace(
+    HAND, mode="oracle", kv_capacity_tokens=2000, kv_block_tokens=128, duration_s=30.0
+)
+PACKED_TRACE = _trace([300, 900, 300], [1500, 400, 1500], [0.0, 0.0, 0.0])
+
+
+def test_block_aware_planning_does_not_move_onto_a_target_that_then_preempts() -> None:
+    # At the 1 s tick B holds ~976 tokens with 325 to go, C ~366. Token-exact, C
+    # fits on d1 (976 + 366 + 2 x 320 = 1,982 <= 2,000 at the last grid point
+    # before B ends), so C moves; but each running request also holds 63 tokens
+    # of its last block, and at 3.69 s d1 runs out and preempts C.
+    exact = simulate(PACKED, PACKED_TRACE)
+    assert exact.requests.migrations.tolist() == [0, 0, 1]
+    assert exact.requests.preemptions.tolist() == [0, 0, 1]
+    assert exact.migration_times.tolist() == [1.0]
+    assert exact.preemption_times[0] > exact.migration_times[0]
+    # Seeing 63 more tokens per request (2,108 > 2,000), the planner waits until
+    # B is gone and moves then: nothing is preempted.
+    blocks = simulate(dataclasses.replace(PACKED, plan_kv_blocks=True), PACKED_TRACE)
+    assert blocks.row["migrations"] == 1 and blocks.row["preemptions"] == 0
+    assert blocks.migration_times[0] > blocks.requests.finish[1]
+    assert blocks.requests.generated.tolist() == [1500, 400, 1500]
+
+
+def test_block_aware_planning_changes_nothing_without_blocks() -> None:
+    exact = dataclasses.replace(PACKED, kv_block_tokens=1)
+    a = simulate(exact, PACKED_TRACE)
+    b = simulate(dataclasses.replace(exact, plan_kv_blocks=True), PACKED_TRACE)
+    timing = {"wall_seconds", "cpu_seconds"}
+    assert {k: v for k, v in a.row.items() if k not in timing} == {
+        k: v for k, v in b.row.items() if k not in timing
+    }
+    assert a.requests.finish.tolist() == b.requests.finish.tolist()
+
+
 def _drained(mode: str, **changes: Any) -> tuple[Simulator, SimResult]:
     cfg = SimConfig(
         decode_instances=6,
