@@ -12,6 +12,7 @@ from typing import Any, Self, TypeVar, cast
 import redis.asyncio as aioredis
 import structlog
 from redis.backoff import NoBackoff
+from redis.exceptions import AuthenticationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
@@ -189,7 +190,8 @@ class Connection:
 
         Delays double from ``backoff_base_s`` up to ``backoff_max_s``; each
         failure is logged once; after ``reconnect_timeout_s`` without success
-        :class:`BusUnavailable` is raised.
+        :class:`BusUnavailable` is raised, and at once when Redis refuses the
+        credentials.
         """
         cfg = self.redis_settings
         delay = cfg.backoff_base_s
@@ -200,6 +202,13 @@ class Connection:
         while True:
             try:
                 result = await op()
+            except AuthenticationError as exc:
+                # Refused credentials do not heal by waiting (redis-py counts them
+                # as a connection error): say so at once.
+                raise BusUnavailable(
+                    f"Redis at {redact_url(cfg.url)} refused the credentials during {what}: {exc} "
+                    "(check redis.url, redis.username and redis.password)"
+                ) from exc
             except TRANSIENT as exc:
                 raise_swallowed_cancel(task, cancels)
                 attempt += 1
