@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import shutil
 import socket
 import ssl
@@ -10,6 +11,7 @@ import time
 from pathlib import Path
 
 from star.ports import free_port
+from tests.redis_server import launch, terminate
 from tests.security.certs import Pki
 
 USER = "star"
@@ -60,32 +62,22 @@ class TlsRedisServer:
             "--daemonize", "no",
             "--logfile", str(self.dir / "redis.log"),
         ]  # fmt: skip
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = launch(args, self.dir / "redis.log", self._answers)
+
+    @functools.cached_property
+    def _client_tls(self) -> ssl.SSLContext:
         context = ssl.create_default_context(cafile=str(self.pki.ca))
         context.load_cert_chain(str(self.pki.client_cert), str(self.pki.client_key))
-        deadline = time.monotonic() + 60  # seconds under heavy load
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                log = (self.dir / "redis.log").read_text()[-2000:]
-                raise RuntimeError(f"redis-server exited: {log}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as raw:
-                    with context.wrap_socket(raw, server_hostname="127.0.0.1") as sock:
-                        sock.sendall(f"AUTH {USER} {PASSWORD}\r\nPING\r\n".encode())
-                        time.sleep(0.05)
-                        if b"+PONG" in sock.recv(256):
-                            return
-            except OSError:
-                pass
-            time.sleep(0.05)
-        raise RuntimeError("TLS redis-server did not answer PING within 60 s")
+        return context
+
+    def _answers(self) -> bool:
+        with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as raw:
+            with self._client_tls.wrap_socket(raw, server_hostname="127.0.0.1") as sock:
+                sock.sendall(f"AUTH {USER} {PASSWORD}\r\nPING\r\n".encode())
+                time.sleep(0.05)
+                return b"+PONG" in sock.recv(256)
 
     def stop(self) -> None:
         if self.proc is not None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            terminate(self.proc)
             self.proc = None
