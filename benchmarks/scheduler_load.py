@@ -204,32 +204,14 @@ class Procs:
 
 
 def start_processes(run_dir: Path, prefix: str, args: argparse.Namespace) -> Procs:
-    from star.cli.up import ClusterError, Launcher, _wait_redis
+    from star.cli.up import ClusterError, Launcher, start_private_redis
 
     binary = shutil.which("redis-server")
     if binary is None:
         raise SystemExit("redis-server is not installed (apt-get install redis-server)")
     launcher = Launcher(run_dir, dict(os.environ))
-    port = free_port()
-    url = f"redis://127.0.0.1:{port}/0"
-    redis = launcher.start(
-        "redis",
-        [
-            binary,
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(run_dir),
-        ],
-    )
     try:
-        _wait_redis(url, launcher, 30.0)
+        redis, url = start_private_redis(launcher, binary, run_dir, 30.0)
     except ClusterError:
         launcher.stop()
         raise

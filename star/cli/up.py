@@ -422,26 +422,8 @@ class LocalCluster:
                 raise CliError(
                     f"no Redis answers at {self.requested_redis} and redis-server is not installed"
                 )
-            rport = free_port()
-            self.redis_url = f"redis://127.0.0.1:{rport}/0"
-            self.launcher.start(
-                "redis",
-                [
-                    binary,
-                    "--port",
-                    str(rport),
-                    "--bind",
-                    "127.0.0.1",
-                    "--save",
-                    "",
-                    "--appendonly",
-                    "no",
-                    "--dir",
-                    str(self.run_dir),
-                ],
-            )
             self.private_redis = True
-            _wait_redis(self.redis_url, self.launcher, 15.0)
+            _, self.redis_url = start_private_redis(self.launcher, binary, self.run_dir, 15.0)
         self.env["STAR_REDIS_URL"] = self.redis_url
         star = [sys.executable, "-m", "star.cli.main"]
         model_args = ["--model", self.model] if self.model else []
@@ -546,6 +528,20 @@ class LocalCluster:
         if self._proxy_sock is not None:
             self._proxy_sock.close()
             self._proxy_sock = None
+
+
+def start_private_redis(
+    launcher: Launcher, binary: str, run_dir: Path, timeout_s: float
+) -> tuple[Child, str]:
+    """A ``redis-server`` of one's own on a free loopback port, without persistence,
+    once it answers PING (:class:`ClusterError` if it does not within ``timeout_s``)."""
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
+    argv += ["--appendonly", "no", "--dir", str(run_dir)]
+    child = launcher.start("redis", argv)
+    _wait_redis(url, launcher, timeout_s)
+    return child, url
 
 
 def _wait_redis(url: str, launcher: Launcher, timeout_s: float) -> None:
