@@ -157,18 +157,15 @@ class ClusterView:
                     return flight.decision, "finished"
         return None
 
-    def _reports(self, instance: str, move: Settling) -> bool:
+    def _lists(self, instance: str, request: str) -> bool:
+        """Whether ``instance``'s latest report lists ``request``."""
         seen = self.seen.get(instance)
-        return seen is not None and any(r.id == move.decision.request for r in seen.report.requests)
+        return seen is not None and any(r.id == request for r in seen.report.requests)
 
     def _settle(self, flight: InFlight, ts: float) -> None:
         d = flight.decision
         src = self.seen.get(d.source)
-        if (
-            src is None
-            or src.report.ts >= ts
-            or all(r.id != d.request for r in src.report.requests)
-        ):
+        if src is None or src.report.ts >= ts or not self._lists(d.source, d.request):
             return  # the source has reported since, or never listed it
         self.settling[d.request] = Settling(d, flight.load, ts, flight.deadline)
 
@@ -268,7 +265,8 @@ class ClusterView:
         booked: dict[str, int] = {}
         for flight in [*self.in_flight.values(), *self.settling.values()]:
             if flight.load is not None and not (
-                isinstance(flight, Settling) and self._reports(flight.decision.target, flight)
+                isinstance(flight, Settling)
+                and self._lists(flight.decision.target, flight.decision.request)
             ):
                 booked[flight.decision.target] = (
                     booked.get(flight.decision.target, 0) + flight.load.tokens
