@@ -105,9 +105,12 @@ def simulate_cell(
         np.asarray([float(r["sent_s"]) for r in ok], dtype=np.float64),
     )
     mode = row["mode"]
-    measured = stall_s is not None or measured_stall_s(doc) is not None
     if stall_s is None:
-        stall_s = measured_stall_s(doc) or DEFAULT_HANDOFF_S
+        stall_s = measured_stall_s(doc)
+    measured = stall_s is not None
+    if stall_s is None:
+        stall_s = DEFAULT_HANDOFF_S
+    block = BLOCK if blocks else 1
     config = SimConfig(
         decode_instances=int(cfg["decode"]),
         prefill_instances=int(cfg["prefill"]),
@@ -122,7 +125,7 @@ def simulate_cell(
         bytes_per_token=int(cfg.get("bytes_per_token", 1024)),
         handoff_latency_s=DEFAULT_HANDOFF_S,
         migration_latency_s=stall_s,
-        kv_block_tokens=BLOCK if blocks else 1,
+        kv_block_tokens=block,
         prefill_base_s=0.002,
         prefill_per_token_s=prefill_s,
         tick_s=0.25,
@@ -141,7 +144,7 @@ def simulate_cell(
     }
     out["migration_latency_s"] = stall_s
     out["stall_measured"] = measured
-    out["kv_block_tokens"] = BLOCK if blocks else 1
+    out["kv_block_tokens"] = block
     return out
 
 
