@@ -6,7 +6,10 @@ pipelined requests are answered in order (h11 pauses parsing until the
 current response is complete). The handler gets a whole :class:`Request`
 (bodies are small JSON) and returns a :class:`Response` or a
 :class:`StreamingResponse` whose body is an async iterator of byte chunks,
-sent with chunked transfer encoding and write flow control.
+sent with chunked transfer encoding and write flow control: while the
+transport's buffer is over its high-water mark the body is not pulled, so a
+client that stops reading holds at most one buffer of its stream here, and
+after ``write_stall_timeout_s`` without draining it the stream is cut.
 
 Error responses made here (400 malformed, 413 body too large, 431 head too
 large, 429 too many requests, 503 draining, 500 handler bug) use OpenAI's
@@ -32,6 +35,7 @@ from urllib.parse import urlsplit
 import h11
 import structlog
 
+from star.aio import deadline
 from star.settings import ProxySettings
 
 log = structlog.get_logger()
@@ -503,9 +507,8 @@ class _Connection(asyncio.Protocol):
                     transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
                 else:  # an HTTP/1.0 client: close-delimited body, through h11
                     self._send(h11.Data(data=chunk))
-                if self._write_paused and not self.closed:
-                    self._drain = asyncio.get_running_loop().create_future()
-                    await self._drain
+                if self._write_paused and not self.closed and not await self._drained():
+                    return
                 if self.closed:
                     return
             self._send(h11.EndOfMessage())
@@ -520,6 +523,34 @@ class _Connection(asyncio.Protocol):
             aclose = getattr(body, "aclose", None)
             if aclose is not None:
                 await aclose()
+
+    async def _drained(self) -> bool:
+        """Wait until the client takes the buffered bytes; False: it did not in time, cut.
+
+        The body is not pulled meanwhile, so its producer (the backend stream)
+        waits with it; a client that reads nothing would hold its stream, and
+        the upstream request, for ever.
+        """
+        self._drain = asyncio.get_running_loop().create_future()
+        timeout_s = self.settings.write_stall_timeout_s
+        try:
+            async with deadline(timeout_s):
+                await self._drain
+        except TimeoutError:
+            assert self.transport is not None
+            log.warning(
+                "http_stream_write_stalled",
+                client=self.client,
+                path=self._path,
+                buffered_bytes=self.transport.get_write_buffer_size(),
+                timeout_s=timeout_s,
+                setting="proxy.write_stall_timeout_s",
+            )
+            self.abort()
+            return False
+        finally:
+            self._drain = None
+        return True
 
     def _reject(self, error: HttpError) -> None:
         """Answer a request we will not read to the end, then close."""

@@ -212,6 +212,7 @@ class ProxySettings:
     max_streams: int = _opt(2048, "concurrent requests; more get 429", positive)
     dispatch: str = _opt("current-load", "P->D policy while no scheduler publishes one (a leader's scheduler.dispatch wins)", one_of(*DISPATCH_POLICIES))
     drain_timeout_s: float = _opt(30.0, "on SIGTERM, wait this long for open streams", positive)
+    write_stall_timeout_s: float = _opt(60.0, "cut a stream whose client leaves the proxy's write buffer for it full this long (a client that stopped reading)", positive)
 
 
 @dataclass(frozen=True)
