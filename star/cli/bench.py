@@ -15,6 +15,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "planner": ("benchmarks.planner", "scheduler tick time vs cluster size, next to the naive O(|O||U|RH) rule"),
     "simulator": ("benchmarks.simulator", "simulated seconds per wall second by cluster size"),
     "proxy": ("benchmarks.proxy", "proxy relay throughput and added latency per token"),
+    "proxy-hold": ("benchmarks.proxy_hold", "N SSE streams held open for minutes (+ clients that never read): added latency, proxy RSS and errors per window"),
     "predictor": ("benchmarks.predictor", "length-predictor MLP latency at batch 1/10/64 (CPU, and GPU if present)"),
     "serve": ("benchmarks.serve", "load generator for a live proxy: Poisson arrivals, TTFT/TPOT/E2E, goodput"),
     "migration": ("benchmarks.migration", "D->D handoff stall as the client sees it, KV bytes moved, co-running slowdown"),

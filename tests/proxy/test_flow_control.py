@@ -70,7 +70,12 @@ async def test_a_client_that_stops_reading_is_bounded_does_not_stall_others_and_
             # Meanwhile, other streams are served at their pace.
             started = time.monotonic()
             answers = await asyncio.gather(
-                *(exchange(server.port, request_bytes("GET", "/paced", headers={"connection": "close"})) for _ in range(5))
+                *(
+                    exchange(
+                        server.port, request_bytes("GET", "/paced", headers={"connection": "close"})
+                    )
+                    for _ in range(5)
+                )
             )
             took = time.monotonic() - started
             assert time.monotonic() - t0 < STALL_S, "the check must run while the stream is held"
