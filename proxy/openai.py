@@ -180,7 +180,7 @@ def _messages(f: Fields) -> list[dict[str, Any]]:
         if not isinstance(msg, dict):
             raise HttpError(400, f"'{where}' must be an object", param=where, code="invalid_type")
         role = msg.get("role")
-        if role not in _ROLES:
+        if not isinstance(role, str) or role not in _ROLES:
             raise HttpError(
                 400,
                 f"'{where}.role' must be one of {', '.join(sorted(_ROLES))}; got {role!r}",

@@ -7,6 +7,11 @@ default 5,000 ms: generous, this is a shared CI box) and a hard limit
 (:func:`hard_limit`) that turns a hang into a failure instead of a stuck run.
 Each test prints ``fuzz <name>: N inputs, 0 crashes, 0 hangs`` when it passes
 (to stderr, seen with ``pytest -s``, and appended to ``$STAR_FUZZ_REPORT`` if set).
+
+The suite's run is derandomized (the same inputs every time), so a CI run is
+reproducible and cannot go red on a draw; ``STAR_FUZZ_RANDOM=1`` explores new
+inputs (``STAR_FUZZ_RANDOM=1 STAR_FUZZ_EXAMPLES=20000 pytest tests/fuzz``), and
+whatever it finds becomes a named regression test next to the fuzz test.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from hypothesis import HealthCheck, settings
 
 EXAMPLES = int(os.environ.get("STAR_FUZZ_EXAMPLES", "2000"))
 DEADLINE_MS = int(os.environ.get("STAR_FUZZ_DEADLINE_MS", "5000"))
+RANDOM = os.environ.get("STAR_FUZZ_RANDOM", "") == "1"
 HANG_S = 30.0  # one input taking this long is a hang, whatever the load
 
 FUZZ = settings(
@@ -31,6 +37,7 @@ FUZZ = settings(
     deadline=timedelta(milliseconds=DEADLINE_MS),
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     database=None,  # no example database under the shared checkout
+    derandomize=not RANDOM,
 )
 
 

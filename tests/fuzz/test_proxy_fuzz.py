@@ -405,6 +405,17 @@ def test_inputs_the_fuzzer_found_get_400(card: ModelCard, body: bytes) -> None:
     assert run_exchange(card, [request + body]) == "4xx"
 
 
+@pytest.mark.parametrize("role", [[], {}, ["user"]])
+def test_an_unhashable_role_gets_400(card: ModelCard, role: object) -> None:
+    # CI's fuzz run found {"role": []}: `role not in _ROLES` raised TypeError, a 500.
+    body = json.dumps({"model": "tiny", "messages": [{"role": role}]}).encode()
+    with pytest.raises(HttpError) as caught:
+        parse_chat(body, {MODEL: card})
+    assert caught.value.status == 400 and caught.value.param == "messages[0].role"
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n"
+    assert run_exchange(card, [head % len(body) + body]) == "4xx"
+
+
 def test_a_paired_surrogate_escape_is_text(card: ModelCard) -> None:
     body = b'{"model": "tiny", "prompt": "\\ud83d\\ude00"}'
     assert _parse(parse_completion, card, body) == "parsed"
