@@ -37,6 +37,7 @@ import functools
 import heapq
 import json
 import logging
+import math
 import multiprocessing as mp
 import random
 import socket
@@ -53,7 +54,12 @@ from typing import Any
 from benchmarks.proxy import _CORPUS, _Stream, _tokenizer_dir
 
 _STALL_PROMPT = "stall"
+_STALL_BATCH = 1024  # tokens per batch to a stalled client: its socket buffers fill in a few turns
 _RCVBUF = 4096  # a stalled client's receive buffer: the proxy's flow control shows sooner
+# Added latency goes into a fixed histogram (buckets 1 % wide from 1 µs), not a
+# list: the proxy's RSS is then the proxy's, not the instrument's.
+_H_BASE, _H_STEP = 1e-6, math.log(1.01)
+_H_BUCKETS = int(math.log(1000 / _H_BASE) / _H_STEP) + 1  # up to 1,000 s
 
 
 @dataclass
@@ -84,7 +90,8 @@ class _HoldBackend:
         self.ids = ids
         self.stall_ids = stall_ids
         self.interval_s = interval_s
-        self.lat: array[float] = array("d")
+        self.hist = array("q", bytes(8 * _H_BUCKETS))
+        self.max_s = 0.0
         self.tokens = 0
         self._due: list[tuple[float, int, int]] = []
         self._live: dict[int, asyncio.Queue[float]] = {}
@@ -93,11 +100,12 @@ class _HoldBackend:
     def health(self) -> dict[str, Any]:
         return {"ok": True}
 
-    def take(self) -> tuple[array[float], int]:
-        """The latencies and token count since the last call."""
-        lat, tokens = self.lat, self.tokens
-        self.lat, self.tokens = array("d"), 0
-        return lat, tokens
+    def take(self) -> tuple[bytes, float, int]:
+        """The latency histogram, the largest latency and the token count since the last call."""
+        out = self.hist.tobytes(), self.max_s, self.tokens
+        self.hist[:] = array("q", bytes(8 * _H_BUCKETS))
+        self.max_s, self.tokens = 0.0, 0
+        return out
 
     async def engine(self) -> None:
         """Hand out due tokens every ~millisecond (runs until cancelled)."""
@@ -118,11 +126,12 @@ class _HoldBackend:
 
         n, ids = req.max_tokens, self.ids
         if req.prompt_token_ids == self.stall_ids:
-            for i in range(n):
+            batch = (ids * (_STALL_BATCH // len(ids) + 1))[:_STALL_BATCH]
+            for _ in range(n // _STALL_BATCH):
                 await asyncio.sleep(0)  # a real backend waits on a socket read
-                yield TokenBatch([ids[i % len(ids)]], "length" if i == n - 1 else None)
+                yield TokenBatch(batch)
             return
-        clock = time.perf_counter
+        clock, log, hist, last = time.perf_counter, math.log, self.hist, _H_BUCKETS - 1
         self._seq += 1
         seq, queue = self._seq, asyncio.Queue[float]()
         self._live[seq] = queue
@@ -132,7 +141,10 @@ class _HoldBackend:
                 pushed = await queue.get()
                 self.tokens += 1
                 yield TokenBatch([ids[i % len(ids)]], "length" if i == n - 1 else None)
-                self.lat.append(clock() - pushed)
+                added = clock() - pushed
+                hist[min(last, int(log(max(added, _H_BASE) / _H_BASE) / _H_STEP))] += 1
+                if added > self.max_s:
+                    self.max_s = added
         finally:
             del self._live[seq]
 
@@ -188,20 +200,21 @@ async def _serve(conn: Connection, scratch: Path, interval_s: float, stall_s: fl
             conn.send(cut_clients[:])
             cut_clients.clear()
         elif cmd == "window":
-            lat, tokens = backend.take()
+            hist, max_s, tokens = backend.take()
             buffered = sum(
                 c.transport.get_write_buffer_size()
                 for c in list(server._connections)
                 if c.transport is not None and not c.transport.is_closing()
             )
             reply = {
-                "lat": lat.tobytes(),
+                "hist": hist,
+                "max_s": max_s,
                 "tokens": tokens,
                 "buffered": buffered,
                 "open": server.active,
                 "warnings": dict(warnings),
             }
-            await loop.run_in_executor(None, conn.send, reply)  # a few MB: off the loop
+            conn.send(reply)
         else:
             break
     await server.shutdown(timeout_s=2.0)
@@ -241,7 +254,7 @@ class _Hold:
         self.errors = 0
         self.error_samples: list[str] = []
         self.rss: list[int] = []
-        self.lat_ms: list[array[float]] = []
+        self.hist = _Hist()
         self.warnings: dict[str, int] = {}
         self.stalled_opened = 0
 
@@ -333,12 +346,11 @@ class _Hold:
                         raise task.exception()  # type: ignore[misc]
                 stats = await self.ask("window")
                 rss, self.rss = self.rss or [_rss_kib(self.pid)], []
-                lat = array("d")
-                lat.frombytes(stats["lat"])
-                self.lat_ms.append(lat)
+                hist = _Hist(stats["hist"], stats["max_s"])
+                self.hist.add(hist)
                 self.warnings = stats["warnings"]
                 cut = self.warnings.get("http_stream_write_stalled", 0)
-                p50, p99, top = _percentiles(lat)
+                p50, p99, top = hist.percentiles()
                 windows.append(
                     Window(
                         end_s=round(time.perf_counter() - t0, 1),
@@ -365,21 +377,36 @@ class _Hold:
         return windows
 
 
-def _percentiles(lat: array[float]) -> tuple[float, float, float]:
-    import numpy as np
+class _Hist:
+    """Added latencies as counts per 1 % bucket (the proxy's histogram), and the largest."""
 
-    if not lat:
-        return float("nan"), float("nan"), float("nan")
-    ms = np.frombuffer(lat, dtype=np.float64) * 1000
-    p50, p99 = np.percentile(ms, [50, 99])
-    return round(float(p50), 3), round(float(p99), 3), round(float(ms.max()), 3)
+    def __init__(self, raw: bytes = b"", max_s: float = 0.0) -> None:
+        import numpy as np
+
+        self.counts = np.frombuffer(raw, dtype=np.int64) if raw else np.zeros(_H_BUCKETS, np.int64)
+        self.max_s = max_s
+
+    def add(self, other: _Hist) -> None:
+        self.counts = self.counts + other.counts
+        self.max_s = max(self.max_s, other.max_s)
+
+    def percentiles(self) -> tuple[float, float, float]:
+        """p50, p99 (a bucket's geometric middle: within 0.5 %) and the max, in ms."""
+        import numpy as np
+
+        total = int(self.counts.sum())
+        if not total:
+            return float("nan"), float("nan"), float("nan")
+        cum = np.cumsum(self.counts)
+        out = []
+        for q in (0.50, 0.99):
+            i = int(np.searchsorted(cum, q * total))
+            out.append(round(_H_BASE * math.exp((i + 0.5) * _H_STEP) * 1000, 3))
+        return out[0], out[1], round(self.max_s * 1000, 3)
 
 
 def _summary(hold: _Hold, windows: list[Window]) -> dict[str, Any]:
-    lat = array("d")
-    for part in hold.lat_ms:
-        lat.extend(part)
-    p50, p99, top = _percentiles(lat)
+    p50, p99, top = hold.hist.percentiles()
     first, last = windows[0], windows[-1]
     minutes = (last.end_s - first.end_s) / 60
     return {

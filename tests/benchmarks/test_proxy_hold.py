@@ -18,7 +18,7 @@ def test_quick_hold_has_no_errors_and_cuts_the_clients_that_never_read(
     parser = argparse.ArgumentParser()
     bench.configure(parser)
     args = parser.parse_args(
-        ["--quick", "--hold-s", "12", "--window-s", "4", "--write-stall-s", "3", "--json"]
+        ["--quick", "--hold-s", "15", "--window-s", "5", "--write-stall-s", "3", "--json"]
     )
     started = time.monotonic()
     assert bench.run(args) == 0
