@@ -1,0 +1,294 @@
+"""A STAR fleet spread over simulated hosts (:mod:`benchmarks.chaos.netns`).
+
+Each process runs in its own namespace and is configured the way an
+operator configures separate hosts: Redis binds its host's address and
+wants a password, every worker binds and advertises its host's address
+(token protocol and NIXL's side channel), the proxy listens on its host's
+address, and the cluster secret authenticates the token protocol (required
+beyond loopback). UCX is held to TCP (``UCX_TLS=tcp``), so KV pulls cross
+the links too (namespaces share memory, and UCX would otherwise move the
+blocks through shared memory, past every network fault).
+
+Hosts: ``redis``, ``sched0``, ``sched1`` (two schedulers, one leader),
+``proxy``, ``p0`` (prefill-0), ``d0``.. (decode-0..). Every process can be
+SIGKILLed (:meth:`NetFleet.kill`) and started again with the same argv and
+address (:meth:`NetFleet.restart`), as systemd's ``Restart=always`` would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import shutil
+import signal
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from benchmarks.chaos.netns import Network
+from star.cli.up import Child, Launcher, group_members
+from star.settings import env_key
+
+SECRET_ENV = env_key("cluster.secret")
+MODEL = "star-tiny"
+WORKER_PORT = 7100
+PROXY_PORT = 8000
+REDIS_PORT = 6379
+
+
+def host_names(decode: int, schedulers: int = 2) -> list[str]:
+    """The namespaces a fleet of ``decode`` decode workers needs."""
+    return [
+        "redis",
+        *(f"sched{i}" for i in range(schedulers)),
+        "proxy",
+        "p0",
+        *(f"d{i}" for i in range(decode)),
+    ]
+
+
+class NetFleet:
+    """Redis, schedulers, proxy and workers, each on its own host of ``net``.
+
+    ``persist`` runs Redis with its append-only file (``appendfsync always``),
+    so a killed Redis comes back with the streams and the leader lock.
+    ``env`` is the base environment of every process (``STAR_*`` settings).
+    """
+
+    def __init__(
+        self,
+        net: Network,
+        run_dir: Path,
+        *,
+        decode: int = 2,
+        schedulers: int = 2,
+        env: dict[str, str] | None = None,
+        worker_args: list[str] | None = None,
+        persist: bool = False,
+    ) -> None:
+        self.net = net
+        self.run_dir = run_dir
+        self.decode = decode
+        self.schedulers = schedulers
+        self.persist = persist
+        self.password = secrets.token_hex(16)
+        base = dict(os.environ if env is None else env)
+        base.pop("STAR_CONFIG", None)
+        base.setdefault(SECRET_ENV, secrets.token_hex(32))
+        base.setdefault("STAR_LOG_FORMAT", "json")
+        base["STAR_REDIS_URL"] = self.redis_url
+        base["UCX_TLS"] = "tcp"
+        base["UCX_NET_DEVICES"] = "eth0"
+        self.env = base
+        self.worker_args = list(worker_args or [])
+        self.launcher = Launcher(run_dir, base)
+        self._argv: dict[str, tuple[list[str], dict[str, str]]] = {}
+
+    # -- addresses ------------------------------------------------------------
+
+    def ip(self, host: str) -> str:
+        return self.net.hosts[host].ip
+
+    @property
+    def redis_url(self) -> str:
+        return f"redis://:{self.password}@{self.ip('redis')}:{REDIS_PORT}/0"
+
+    @property
+    def url(self) -> str:
+        """The proxy's base URL (reachable from the root namespace)."""
+        return f"http://{self.ip('proxy')}:{PROXY_PORT}"
+
+    @property
+    def decode_names(self) -> list[str]:
+        return [f"decode-{i}" for i in range(self.decode)]
+
+    @property
+    def argv_names(self) -> list[str]:
+        """Every process this fleet started (by name)."""
+        return list(self._argv)
+
+    @property
+    def worker_names(self) -> list[str]:
+        return ["prefill-0", *self.decode_names]
+
+    def host_of(self, name: str) -> str:
+        """The host a process runs on (``decode-1`` → ``d1``)."""
+        if name.startswith(("decode-", "prefill-")):
+            return name[0] + name.split("-")[1]
+        if name.startswith("scheduler-"):
+            return "sched" + name.split("-")[1]
+        return name
+
+    # -- processes ------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start every process (returns at once; see :meth:`wait_ready`)."""
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server is not installed")
+        data = self.run_dir / "redis"
+        data.mkdir(exist_ok=True)
+        self._spawn(
+            "redis",
+            [
+                binary, "--bind", self.ip("redis"), "--port", str(REDIS_PORT),
+                "--requirepass", self.password, "--save", "",
+                "--appendonly", "yes" if self.persist else "no", "--appendfsync", "always",
+                "--dir", str(data), "--protected-mode", "no",
+            ],
+        )  # fmt: skip
+        self._wait_redis(30)
+        star = [sys.executable, "-m", "star.cli.main"]
+        workers = [("prefill", 0)] + [("decode", i) for i in range(self.decode)]
+        for n, (role, i) in enumerate(workers):
+            name = f"{role}-{i}"
+            host = self.host_of(name)
+            cpus = sorted(os.sched_getaffinity(0))
+            self._spawn(
+                name,
+                [
+                    *star, "worker", "--role", role, "--instance", name,
+                    "--host", self.ip(host), "--port", str(WORKER_PORT), *self.worker_args,
+                ],
+                {"VLLM_CPU_OMP_THREADS_BIND": str(cpus[n % len(cpus)]),
+                 "STAR_WORKER_CPU_THREADS": "1"},
+            )  # fmt: skip
+        for i in range(self.schedulers):
+            self._spawn(
+                f"scheduler-{i}",
+                [*star, "scheduler", "--node", f"scheduler-{i}", "--metrics-port", "0"],
+            )
+        self._spawn(
+            "proxy",
+            [
+                *star, "proxy", "--host", self.ip("proxy"), "--port", str(PROXY_PORT),
+                "--served-model-name", MODEL,
+            ],
+        )  # fmt: skip
+
+    def _spawn(self, name: str, argv: list[str], extra: dict[str, str] | None = None) -> Child:
+        self._argv[name] = (argv, dict(extra or {}))
+        return self.launcher.start(name, self.net.argv(self.host_of(name), argv), extra)
+
+    def restart(self, name: str) -> None:
+        """Start ``name`` again with its argv (after :meth:`kill`)."""
+        argv, extra = self._argv[name]
+        self._spawn(name, argv, extra)
+        if name == "redis":
+            self._wait_redis(30)
+
+    async def persistence(self, on: bool) -> None:
+        """Turn Redis' append-only file on (or off) now and for every restart."""
+        import redis.asyncio as aioredis
+
+        client = aioredis.Redis.from_url(self.redis_url, socket_timeout=5)
+        try:
+            await client.config_set("appendfsync", "always")
+            await client.config_set("appendonly", "yes" if on else "no")
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:  # the first rewrite writes the file
+                info = await client.info("persistence")
+                if int(info.get("aof_enabled", 0)) == on and not int(
+                    info.get("aof_rewrite_in_progress", 0)
+                ):
+                    break
+                await asyncio.sleep(0.1)
+        finally:
+            await client.aclose()
+        argv = self._argv["redis"][0]
+        at = argv.index("--appendonly")
+        argv[at + 1] = "yes" if on else "no"
+        self.persist = on
+
+    def pid(self, name: str) -> int:
+        """The latest process started as ``name``."""
+        for child in reversed(self.launcher.children):
+            if child.name == name and child.proc is not None:
+                return child.proc.pid
+        raise KeyError(name)
+
+    def alive(self, name: str) -> bool:
+        for child in reversed(self.launcher.children):
+            if child.name == name and child.proc is not None:
+                return child.proc.poll() is None
+        return False
+
+    def kill(self, name: str) -> None:
+        """SIGKILL ``name``'s whole process group (vLLM's engine processes too)."""
+        pid = self.pid(name)
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + 30
+        while group_members({pid}) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for child in self.launcher.children:
+            if child.name == name and child.proc is not None:
+                child.proc.poll()
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        self.launcher.stop(timeout_s)
+
+    def leftovers(self) -> list[tuple[int, int, str]]:
+        """Processes of any group this fleet started that are still there."""
+        return group_members({c.proc.pid for c in self.launcher.children if c.proc is not None})
+
+    def log(self, name: str) -> Path:
+        return self.run_dir / f"{name}.log"
+
+    # -- readiness ------------------------------------------------------------
+
+    def health(self) -> dict[str, Any] | None:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
+                doc = json.loads(resp.read())
+                return doc if isinstance(doc, dict) else None
+        except (OSError, ValueError):
+            return None
+
+    def ready(self) -> bool:
+        health = self.health()
+        if not health or not health.get("ok"):
+            return False
+        return len(health.get("prefill", [])) >= 1 and len(health.get("decode", [])) >= self.decode
+
+    def wait_ready(self, timeout_s: float) -> float:
+        """Wait until the proxy sees every worker; raise (naming a dead process) if not."""
+        started = time.monotonic()
+        while not self.ready():
+            dead = self.launcher.dead()
+            if dead is not None and self.alive(dead.name) is False and dead.name in self._argv:
+                latest = self.pid(dead.name)
+                if dead.proc is not None and dead.proc.pid == latest:
+                    raise RuntimeError(f"{dead.name} exited; see {dead.log}")
+            if time.monotonic() - started > timeout_s:
+                raise RuntimeError(
+                    f"fleet not ready after {timeout_s:.0f} s (health {self.health()}); logs in {self.run_dir}"
+                )
+            time.sleep(0.5)
+        return time.monotonic() - started
+
+    def _wait_redis(self, timeout_s: float) -> None:
+        import redis
+
+        client = redis.Redis(
+            host=self.ip("redis"), port=REDIS_PORT, password=self.password, socket_timeout=1
+        )
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                try:
+                    if client.ping():
+                        return
+                except redis.RedisError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"redis did not answer within {timeout_s:.0f} s")
+                time.sleep(0.1)
+        finally:
+            client.close()

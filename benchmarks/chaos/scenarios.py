@@ -1,0 +1,313 @@
+"""The faults: each one injected into a fleet while the steady load flows.
+
+A scenario is an async function of a :class:`Ctx`; it calls ``ctx.fault()``
+when the fault starts and ``ctx.healed()`` when it is over (the process is
+started again, the partition lifted), and may add measurements to
+``ctx.extra``. The runner (:mod:`benchmarks.chaos.run`) starts the load,
+calls the scenario a few seconds in, then checks what every client got.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from benchmarks.chaos.fleet import NetFleet
+from star.bus import Bus
+from star.cli.migrate import manual_decision
+from star.settings import BusSettings, RedisSettings
+from star.wire import EventKind
+
+_NOT_MOVED = {EventKind.REFUSED, EventKind.FINISHED, EventKind.ABORTED, EventKind.EXPIRED}
+PARTITION_S = 10.0  # how long a partition lasts
+SHAPED_S = 15.0  # how long a link stays delayed or lossy
+REDIS_DOWN_S = 3.0  # how long Redis stays dead before it is started again
+
+
+@dataclass
+class Ctx:
+    fleet: NetFleet
+    fault_at: float = 0.0
+    healed_at: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+    background: list[asyncio.Task[None]] = field(default_factory=list)
+
+    def fault(self) -> None:
+        self.fault_at = time.monotonic()
+
+    def healed(self) -> None:
+        self.healed_at = time.monotonic()
+
+    def since_fault(self) -> float:
+        return round(time.monotonic() - self.fault_at, 2)
+
+    async def bus_call(self, call: Callable[[Bus], Awaitable[Any]], within_s: float = 5.0) -> Any:
+        """One bus query on a fresh connection (Redis may have been restarted)."""
+        bus = Bus.from_settings(RedisSettings(url=self.fleet.redis_url), BusSettings())
+        try:
+            return await asyncio.wait_for(call(bus), within_s)
+        finally:
+            with contextlib.suppress(Exception):
+                await bus.close()
+
+    async def running(self, min_left: int = 60, within_s: float = 20.0) -> tuple[str, str, str]:
+        """A request decoding with ``min_left`` tokens to go: (request, its instance, another)."""
+        names = self.fleet.decode_names
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            reports = await self.bus_call(lambda b: b.latest_reports())
+            for name in names:
+                report = reports.get(name)
+                for r in report.requests if report is not None else []:
+                    if r.migratable and (r.true_remaining or 0) >= min_left:
+                        return r.id, name, next(n for n in names if n != name)
+            await asyncio.sleep(0.2)
+        raise RuntimeError(f"no request with {min_left} tokens to go on any decode instance")
+
+    async def move(self, attempts: int = 5) -> tuple[str, str, str]:
+        """Start a move of a running request; returns once the proxy acts on it (``migrating``).
+
+        A decision can be refused (the request finished meanwhile, or is not
+        releasable yet): then another request is tried. Returns (request,
+        source, target).
+        """
+        seen: list[str] = []
+        for _ in range(attempts):
+            request, source, target = await self.running()
+            decision = manual_decision(request, source, target)
+            await self.bus_call(lambda b, d=decision: b.publish("decisions", d))
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                events = await self.bus_call(lambda b, r=request: b.request_events(r))
+                kinds = {e.event for e in events}
+                if EventKind.MIGRATING in kinds:
+                    return request, source, target
+                ended = [e for e in events if e.event in _NOT_MOVED]
+                if ended:
+                    seen.append(f"{ended[-1].event.value} {ended[-1].detail}".strip())
+                    break
+                await asyncio.sleep(0.02)
+            else:
+                seen.append("no answer in 20 s")
+        raise RuntimeError(f"no move started in {attempts} tries: {seen}")
+
+    async def leader(self) -> str:
+        """The node holding the scheduler's leader lock ('' if none)."""
+        client = aioredis.Redis.from_url(self.fleet.redis_url, socket_timeout=2)
+        try:
+            value = await client.get(f"{BusSettings().prefix}:leader")
+        except (aioredis.RedisError, OSError):
+            return ""
+        finally:
+            await client.aclose()
+        return value.decode().split("|")[0] if value else ""
+
+    async def wait_leader(self, not_node: str, within_s: float = 60.0) -> float | None:
+        """Seconds from the fault until a node other than ``not_node`` leads."""
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            node = await self.leader()
+            if node and node != not_node:
+                return self.since_fault()
+            await asyncio.sleep(0.1)
+        return None
+
+    async def reports_resumed(self, instances: list[str], within_s: float = 90.0) -> float | None:
+        """Seconds from the heal until each of ``instances`` has reported since."""
+        since = time.time() - (time.monotonic() - self.healed_at)
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            with contextlib.suppress(Exception):
+                reports = await self.bus_call(lambda b: b.latest_reports())
+                if all(n in reports and reports[n].ts > since for n in instances):
+                    return round(time.monotonic() - self.healed_at, 2)
+            await asyncio.sleep(0.2)
+        return None
+
+    def restart(self, name: str) -> None:
+        """Start ``name`` again; note in ``extra`` how long until it serves again.
+
+        A worker is back when it reports again, the proxy when it answers
+        ``/health``; Redis is waited for by :meth:`NetFleet.restart` itself.
+        """
+        self.fleet.restart(name)
+        started = time.monotonic()
+        since = time.time()
+
+        async def serving() -> bool:
+            if name in self.fleet.worker_names:
+                reports = await self.bus_call(lambda b: b.latest_reports())
+                return name in reports and reports[name].ts > since
+            if name == "proxy":
+                return await asyncio.to_thread(self.fleet.health) is not None
+            return True
+
+        async def back() -> None:
+            while time.monotonic() - started < 300:
+                with contextlib.suppress(Exception):
+                    if await serving():
+                        self.extra[f"{name}_back_s"] = round(time.monotonic() - started, 1)
+                        return
+                await asyncio.sleep(0.5)
+
+        if name in self.fleet.worker_names or name == "proxy":
+            self.background.append(asyncio.create_task(back()))
+
+
+Scenario = Callable[[Ctx], Awaitable[None]]
+
+
+async def nothing(ctx: Ctx) -> None:
+    """No fault: the reference repeated (what an unfaulted run measures)."""
+    ctx.fault()
+    ctx.healed()
+
+
+async def decode_kill(ctx: Ctx) -> None:
+    """SIGKILL decode-0 (worker and engine) mid-stream; systemd starts it again."""
+    ctx.fault()
+    ctx.fleet.kill("decode-0")
+    ctx.healed()
+    ctx.restart("decode-0")
+
+
+async def decode_kill_mid_handoff(ctx: Ctx) -> None:
+    """A move between decode instances in progress; SIGKILL its source as the proxy acts on it."""
+    _request, source, _target = await ctx.move()
+    ctx.fault()
+    ctx.fleet.kill(source)
+    ctx.healed()
+    ctx.extra["killed"] = source
+    ctx.restart(source)
+
+
+async def prefill_kill(ctx: Ctx) -> None:
+    """SIGKILL the only prefill worker; started again at once (new requests wait for it)."""
+    ctx.fault()
+    ctx.fleet.kill("prefill-0")
+    ctx.healed()
+    ctx.restart("prefill-0")
+
+
+async def proxy_kill(ctx: Ctx) -> None:
+    """SIGKILL the proxy (every open stream is cut); started again after 1 s."""
+    ctx.fault()
+    ctx.fleet.kill("proxy")
+    await asyncio.sleep(1.0)
+    ctx.healed()
+    ctx.restart("proxy")
+
+
+async def scheduler_kill(ctx: Ctx) -> None:
+    """SIGKILL the scheduler leader; the standby takes over."""
+    leader = await ctx.leader()
+    if not leader:
+        raise RuntimeError("no scheduler leads")
+    ctx.fault()
+    ctx.fleet.kill(leader)
+    ctx.healed()
+    ctx.extra["new_leader_s"] = await ctx.wait_leader(leader)
+    ctx.restart(leader)
+
+
+async def redis_kill(ctx: Ctx) -> None:
+    """SIGKILL Redis (no persistence: streams and keys are gone); started again after 3 s."""
+    await _redis_kill(ctx)
+
+
+async def redis_kill_persistent(ctx: Ctx) -> None:
+    """SIGKILL Redis running with its append-only file; it comes back with its data."""
+    await ctx.fleet.persistence(True)
+    await _redis_kill(ctx)
+
+
+async def _redis_kill(ctx: Ctx) -> None:
+    ctx.fault()
+    ctx.fleet.kill("redis")
+    await asyncio.sleep(REDIS_DOWN_S)
+    ctx.fleet.restart("redis")
+    ctx.healed()
+    ctx.extra["reports_resumed_s"] = await ctx.reports_resumed(ctx.fleet.worker_names)
+    ctx.extra["leader_s"] = await ctx.wait_leader("")
+
+
+async def partition_worker_redis(ctx: Ctx) -> None:
+    """decode-0 cut from Redis for 10 s (its streams to the proxy go on)."""
+    await _partition(ctx, "d0", "redis")
+    ctx.extra["reports_resumed_s"] = await ctx.reports_resumed(["decode-0"])
+
+
+async def partition_proxy_decode(ctx: Ctx) -> None:
+    """The proxy cut from decode-0 for 10 s, mid-stream."""
+    await _partition(ctx, "proxy", "d0")
+
+
+async def partition_decode_pull(ctx: Ctx) -> None:
+    """Two decode instances cut from each other as a KV pull between them starts."""
+    _request, source, target = await ctx.move()
+    await _partition(ctx, ctx.fleet.host_of(source), ctx.fleet.host_of(target))
+
+
+async def partition_scheduler_redis(ctx: Ctx) -> None:
+    """The scheduler leader's host cut from Redis for 10 s; the standby takes over."""
+    leader = await ctx.leader()
+    if not leader:
+        raise RuntimeError("no scheduler leads")
+    host = ctx.fleet.host_of(leader)
+    ctx.fleet.net.partition(host, "redis")
+    ctx.fault()
+    ctx.extra["new_leader_s"] = await ctx.wait_leader(leader)
+    await asyncio.sleep(max(0.0, PARTITION_S - (time.monotonic() - ctx.fault_at)))
+    ctx.fleet.net.heal()
+    ctx.healed()
+
+
+async def link_delay(ctx: Ctx) -> None:
+    """50 ms each way on the proxy's link (to the workers and the clients) for 15 s."""
+    await _shaped(ctx, delay_ms=50)
+
+
+async def link_loss(ctx: Ctx) -> None:
+    """5 % of frames dropped each way on the proxy's link for 15 s."""
+    await _shaped(ctx, loss_pct=5)
+
+
+async def _shaped(ctx: Ctx, delay_ms: float = 0.0, loss_pct: float = 0.0) -> None:
+    ctx.fleet.net.shape("proxy", delay_ms=delay_ms, loss_pct=loss_pct)
+    ctx.fault()
+    await asyncio.sleep(SHAPED_S)
+    ctx.fleet.net.shape("proxy")
+    ctx.healed()
+
+
+async def _partition(ctx: Ctx, a: str, b: str) -> None:
+    ctx.fleet.net.partition(a, b)
+    ctx.fault()
+    await asyncio.sleep(PARTITION_S)
+    ctx.fleet.net.heal()
+    ctx.healed()
+
+
+# name -> (scenario, in --quick)
+SCENARIOS: dict[str, tuple[Scenario, bool]] = {
+    "none": (nothing, True),
+    "decode-kill": (decode_kill, True),
+    "decode-kill-mid-handoff": (decode_kill_mid_handoff, False),
+    "prefill-kill": (prefill_kill, False),
+    "proxy-kill": (proxy_kill, False),
+    "scheduler-kill": (scheduler_kill, True),
+    "redis-kill": (redis_kill, False),
+    "redis-kill-persistent": (redis_kill_persistent, False),
+    "partition-worker-redis": (partition_worker_redis, False),
+    "partition-proxy-decode": (partition_proxy_decode, True),
+    "partition-decode-pull": (partition_decode_pull, False),
+    "partition-scheduler-redis": (partition_scheduler_redis, False),
+    "link-delay-50ms": (link_delay, False),
+    "link-loss-5pct": (link_loss, True),
+}

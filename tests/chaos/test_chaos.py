@@ -1,0 +1,60 @@
+"""The quick chaos suite on a fleet spread over network namespaces (``star bench chaos --quick``).
+
+Every process on its own simulated host, real engines, NIXL over TCP; the
+faults of the quick set injected under load. Skipped, with the reason, where
+network namespaces cannot be made (not root, no iproute2).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.chaos.netns import unavailable
+from benchmarks.chaos.scenarios import SCENARIOS
+from tests.procs import cluster_env, reaper
+
+QUICK = {name for name, (_, quick) in SCENARIOS.items() if quick}
+
+
+def test_quick_chaos_suite_loses_nothing(tmp_path: Path) -> None:
+    reason = unavailable()
+    if reason is not None:
+        pytest.skip(f"chaos suite not run: {reason}")
+    out = tmp_path / "rows.json"
+    before = _namespaces()
+    with reaper(str(tmp_path)) as mark:
+        done = subprocess.run(
+            [sys.executable, "-m", "benchmarks.chaos.run", "--quick", "--tokens", "600",
+             "--out", str(out)],
+            env=cluster_env(**mark),
+            cwd=Path(__file__).resolve().parents[2],
+            capture_output=True,
+            text=True,
+            timeout=1500,
+        )  # fmt: skip
+    assert out.exists(), f"no rows (exit {done.returncode}):\n{done.stderr[-3000:]}"
+    rows = {row["scenario"]: row for row in json.loads(out.read_text())}
+    assert set(rows) == QUICK, done.stderr[-3000:]
+    for name, row in rows.items():
+        assert "scenario_failed" not in row, (name, row)
+        # Every client got its whole, correct stream (no fault here is allowed to cut one).
+        assert row["ok"] == row["streams"], (name, row)
+        assert row["lost"] == row["duplicated"] == row["wrong"] == 0, (name, row)
+        assert row["leaked_kv_tokens"] == 0, (name, row)
+        assert row["recovery_s"] is not None, (name, row)
+    assert rows["scheduler-kill"]["new_leader_s"] is not None
+    assert rows["scheduler-kill"]["new_leader_s"] < 15
+    assert rows["decode-kill"].get("decode-0_back_s") is not None
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert not [line for line in done.stderr.splitlines() if "left behind" in line]
+    assert _namespaces() <= before, "the run left network namespaces behind"
+
+
+def _namespaces() -> set[str]:
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in listed.splitlines() if line.startswith("star")}
