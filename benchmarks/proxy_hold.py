@@ -285,8 +285,12 @@ class _Hold:
                 self.done += 1
             except (OSError, RuntimeError, TimeoutError) as exc:
                 self.errors += 1
+                if isinstance(exc, TimeoutError):
+                    why = f"a {tokens}-token stream not done in {tokens * interval * 2 + 30:.0f} s"
+                else:
+                    why = f"{type(exc).__name__}: {exc}"
                 if len(self.error_samples) < 5:
-                    self.error_samples.append(f"{type(exc).__name__}: {exc}")
+                    self.error_samples.append(why)
             finally:
                 if transport is not None:
                     transport.abort()  # a no-op after [DONE]; the hold's end otherwise
