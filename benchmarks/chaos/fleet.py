@@ -175,7 +175,11 @@ class NetFleet:
         return self.launcher.start(name, self.net.argv(self.host_of(name), argv), extra)
 
     def restart(self, name: str) -> None:
-        """Start ``name`` again with its argv (after :meth:`kill`)."""
+        """Start ``name`` again with its argv (after :meth:`kill`); its last log is kept."""
+        log = self.log(name)
+        lives = sum(1 for c in self.launcher.children if c.name == name)
+        if log.exists():
+            log.rename(log.with_suffix(f".{lives}.log"))
         argv, extra = self._argv[name]
         self._spawn(name, argv, extra)
         if name == "redis":

@@ -174,6 +174,11 @@ async def _scenario(
     for task in ctx.background:
         await task
     used = await _idle_kv(fleet, TTL_S + 45)
+    if moved := ctx.extra.pop("moved", None):  # what became of the request a scenario moved
+        events = await ctx.bus_call(lambda b: b.request_events(moved))
+        ctx.extra["moved_request"] = " > ".join(
+            f"{e.event.value}{' ' + e.detail if e.detail else ''}@{e.instance}" for e in events
+        )
     counts = load.summary(streams, refs, tokens)
     stalls = [
         max((b - a for a, b in zip(s.times, s.times[1:], strict=False)), default=0.0)

@@ -179,7 +179,8 @@ async def decode_kill(ctx: Ctx) -> None:
 
 async def decode_kill_mid_handoff(ctx: Ctx) -> None:
     """A move between decode instances in progress; SIGKILL its source as the proxy acts on it."""
-    _request, source, _target = await ctx.move()
+    request, source, _target = await ctx.move()
+    ctx.extra["moved"] = request
     ctx.fault()
     ctx.fleet.kill(source)
     ctx.healed()
@@ -250,7 +251,8 @@ async def partition_proxy_decode(ctx: Ctx) -> None:
 
 async def partition_decode_pull(ctx: Ctx) -> None:
     """Two decode instances cut from each other as a KV pull between them starts."""
-    _request, source, target = await ctx.move()
+    request, source, target = await ctx.move()
+    ctx.extra["moved"] = request
     await _partition(ctx, ctx.fleet.host_of(source), ctx.fleet.host_of(target))
 
 
