@@ -85,7 +85,6 @@ class Network:
     hosts: dict[str, Host] = field(default_factory=dict)
     subnet: str = ""
     bridge: str = ""
-    _partitions: set[tuple[str, str]] = field(default_factory=set)
     _relays: dict[str, subprocess.Popen[str]] = field(default_factory=dict)
 
     def __enter__(self) -> Network:
@@ -164,12 +163,8 @@ class Network:
         for src, dst in ((a, b), (b, a)):
             host = self.hosts[src]
             self._drop_band(host)
-            self._in(
-                host, "tc", "filter", "add", "dev", "eth0", "parent", "1:", "protocol",
-                "ip", "prio", "1", "u32", "match", "ip", "dst", f"{self.hosts[dst].ip}/32",
-                "flowid", "1:20",
-            )  # fmt: skip
-        self._partitions.add((a, b))
+            rule = f"filter add dev eth0 parent 1: protocol ip prio 1 u32 match ip dst {self.hosts[dst].ip}/32 flowid 1:20"
+            self._in(host, "tc", *rule.split())
 
     def heal(self) -> None:
         """Undo every partition; bring every link up."""
@@ -178,7 +173,6 @@ class Network:
         for host in self.hosts.values():
             self._in(host, "tc", "qdisc", "del", "dev", "eth0", "root", check=False)
             self.link(host.name, up=True)
-        self._partitions.clear()
 
     def shape(self, host: str, delay_ms: float = 0.0, loss_pct: float = 0.0) -> None:
         """Delay and random loss on both directions of a shaped host's link (0: none)."""
@@ -204,72 +198,13 @@ class Network:
         shown = self._in(host, "tc", "qdisc", "show", "dev", "eth0").stdout
         if "htb 1:" in shown:
             return
-        tc = ("tc",)
-        self._in(
-            host,
-            *tc,
-            "qdisc",
-            "replace",
-            "dev",
-            "eth0",
-            "root",
-            "handle",
-            "1:",
-            "htb",
-            "default",
-            "10",
-        )
-        self._in(
-            host,
-            *tc,
-            "class",
-            "add",
-            "dev",
-            "eth0",
-            "parent",
-            "1:",
-            "classid",
-            "1:10",
-            "htb",
-            "rate",
-            "100gbit",
-        )
-        self._in(
-            host,
-            *tc,
-            "class",
-            "add",
-            "dev",
-            "eth0",
-            "parent",
-            "1:",
-            "classid",
-            "1:20",
-            "htb",
-            "rate",
-            "8bit",
-            "ceil",
-            "8bit",
-            "burst",
-            "1b",
-            "cburst",
-            "1b",
-        )
-        self._in(
-            host,
-            *tc,
-            "qdisc",
-            "add",
-            "dev",
-            "eth0",
-            "parent",
-            "1:20",
-            "handle",
-            "20:",
-            "pfifo",
-            "limit",
-            "0",
-        )
+        for rule in (
+            "qdisc replace dev eth0 root handle 1: htb default 10",
+            "class add dev eth0 parent 1: classid 1:10 htb rate 100gbit",
+            "class add dev eth0 parent 1: classid 1:20 htb rate 8bit ceil 8bit burst 1b cburst 1b",
+            "qdisc add dev eth0 parent 1:20 handle 20: pfifo limit 0",
+        ):
+            self._in(host, "tc", *rule.split())
 
 
 def _relay(inner: str, outer: str) -> subprocess.Popen[str]:
