@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import json
 import math
 import os
@@ -45,7 +46,8 @@ import numpy.typing as npt
 from benchmarks.emulated_workers import Emulated, GenStats, generate, make_fleet, report_body
 from star.bus import Bus
 from star.ports import free_port
-from star.settings import BusSettings, RedisSettings, Settings, load_settings
+from star.process import set_gc_gen0_threshold
+from star.settings import BusSettings, RedisSettings, Settings, load_settings, parse_assignment
 from star.wire import Report
 
 FloatArray = npt.NDArray[np.float64]
@@ -132,7 +134,9 @@ async def sample_redis(bus: Bus, group: str) -> dict[str, Any]:
         newest = id_ms(_get(stream, "last-generated-id"))
         delivered = id_ms(_get(mine, "last-delivered-id"))
         lag = _get(mine, "lag")
+        read = _get(mine, "entries-read")  # entries delivered to the group (Redis 7)
         out.update(
+            entries_read=None if read is None else int(read),
             lag=None if lag is None else int(lag),
             pending=int(_get(mine, "pending")),
             lag_s=max(0.0, (newest - delivered) / 1000),
@@ -146,14 +150,27 @@ def cpu_costs(args: argparse.Namespace, settings: Settings, ticks: int = 3) -> d
     and one tick's view -> plan -> load view. ``demand`` is the CPU seconds per
     second the scheduler needs at the target report rate; above 1 no single
     core keeps up, whatever the load."""
-    from scheduler.view import ClusterView
-    from star.planner import plan
     from star.planner.kernels import warm
-    from star.planner.types import PlannerParams
-    from star.wire import decode_as, encode
 
     warm()
     fleet = make_fleet(args.instances, args.requests, args.step_ms, settings, args.seed)
+    cfg = settings.scheduler
+    before = gc.get_threshold()
+    set_gc_gen0_threshold(cfg.gc_gen0_threshold)  # as the scheduler process does
+    try:
+        return _cpu_costs(args, settings, fleet, ticks)
+    finally:
+        gc.set_threshold(*before)
+
+
+def _cpu_costs(
+    args: argparse.Namespace, settings: Settings, fleet: Any, ticks: int
+) -> dict[str, float]:
+    from scheduler.view import ClusterView
+    from star.planner import plan
+    from star.planner.types import PlannerParams
+    from star.wire import decode_as, encode
+
     cfg = settings.scheduler
     view = ClusterView(cfg.staleness_s, cfg.decision_timeout_s)
     bodies = [report_body(fleet, inst, time.time())[0] for inst in fleet.instances]
@@ -233,6 +250,8 @@ def start_processes(run_dir: Path, prefix: str, args: argparse.Namespace) -> Pro
         argv += ["--mode", args.mode]
     if args.interval:
         argv += ["--interval", str(args.interval)]
+    for assignment in args.scheduler_set:
+        argv += ["--set", assignment]
     sched = launcher.start(
         "scheduler",
         argv,
@@ -292,6 +311,7 @@ async def measure(
         all_seen = await wait_for(all_live, args.warmup_s, procs)
         warmup_s = time.monotonic() - warm_started
         base = await metrics()
+        base["entries_read"] = (await sample_redis(bus, group)).get("entries_read")
         sent0, t0 = gen.sent, time.monotonic()
         cpu0 = {"redis": proc_cpu_s(procs.redis_pid), "scheduler": proc_cpu_s(procs.scheduler_pid)}
         samples: list[dict[str, Any]] = []
@@ -370,6 +390,14 @@ def summarise(
     # group never read, lag_s is capped by the stream's window but this keeps growing.
     entries_slope = slope(ts, [float(s.get("lag") or 0) for s in lags]) * 60
     tick_p99 = quantile(buckets, 0.99)
+    # Reports the scheduler read, and its CPU per report read: comparable
+    # between runs even when the machine's load decides how much CPU it got.
+    first_read, last_read = (
+        base.get("entries_read"),
+        samples[-1].get("entries_read") if samples else None,
+    )
+    read = last_read - first_read if first_read is not None and last_read is not None else None
+    sched_cpu = cpu1["scheduler"] - cpu0["scheduler"]
     result = {
         "instances": args.instances,
         "requests_per_instance": args.requests,
@@ -398,7 +426,9 @@ def summarise(
         "lag_s_slope_per_min": round(lag_slope, 4),
         "lag_entries_slope_per_min": round(entries_slope, 1),
         "redis_cpu_pct": round(100 * (cpu1["redis"] - cpu0["redis"]) / wall, 1),
-        "scheduler_cpu_pct": round(100 * (cpu1["scheduler"] - cpu0["scheduler"]) / wall, 1),
+        "scheduler_cpu_pct": round(100 * sched_cpu / wall, 1),
+        "reports_read_per_s": None if read is None else round(read / wall, 1),
+        "scheduler_cpu_ms_per_report_read": (round(1000 * sched_cpu / read, 3) if read else None),
         "generator_cpu_pct": round(100 * gen.cpu_s / (wall + warmup_s), 1),
         "redis_used_memory_mib_max": round(
             max((s["used_memory"] for s in samples), default=0) / 2**20, 1
@@ -455,6 +485,11 @@ def print_table(r: dict[str, Any]) -> None:
             "",
         ),
         (
+            "reports read/s; scheduler CPU ms per report read",
+            f"{r['reports_read_per_s']}; {r['scheduler_cpu_ms_per_report_read']}",
+            "",
+        ),
+        (
             "CPU % redis / scheduler / generator",
             f"{r['redis_cpu_pct']} / {r['scheduler_cpu_pct']} / {r['generator_cpu_pct']}",
             "",
@@ -508,6 +543,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--interval", type=float, help="scheduler tick interval (default scheduler.interval_s)"
     )
     parser.add_argument(
+        "--scheduler-set",
+        action="append",
+        default=[],
+        metavar="AREA.KEY=VALUE",
+        help="a setting for the scheduler process, passed as its --set (repeatable); "
+        "the in-process CPU costs use it too, e.g. scheduler.gc_gen0_threshold=700",
+    )
+    parser.add_argument(
         "--warmup-s",
         type=float,
         default=60.0,
@@ -525,7 +568,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark described by ``args``; print a table or ``--json``."""
-    settings = load_settings()
+    settings = load_settings(overrides=dict(map(parse_assignment, args.scheduler_set)))
     prefix = f"bench-sched-{os.getpid()}"
     run_dir = Path(tempfile.mkdtemp(prefix="star-bench-scheduler-"))
     costs = cpu_costs(args, settings)  # before the processes start: nothing else runs here
@@ -533,6 +576,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = asyncio.run(measure(args, procs, prefix, settings))
         result["cpu_costs"] = costs
+        result["scheduler_set"] = args.scheduler_set
     finally:
         procs.launcher.stop()
         if not args.keep:

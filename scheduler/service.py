@@ -27,7 +27,7 @@ from star.bus import TRANSIENT, Bus, BusUnavailable, GroupReader, Outage, Subscr
 from star.planner import plan
 from star.planner.types import Instance, ModeKind, PlannerParams
 from star.predictor.live import AccuracyTracker
-from star.process import Service
+from star.process import Service, set_gc_gen0_threshold
 from star.settings import Settings
 from star.wire import Decision, Event, EventKind, Report
 
@@ -75,6 +75,7 @@ class SchedulerService(Service):
         from star.planner.kernels import warm as warm_planner
 
         warm_s = warm_planner()
+        gc_thresholds = set_gc_gen0_threshold(self.settings.scheduler.gc_gen0_threshold)
         log.info("planner_kernels_ready", seconds=round(warm_s, 3))
         self.bus = Bus.from_settings(self.settings.redis, self.settings.bus)
         await self.bus.retrying("PING", self.bus.redis.ping)
@@ -82,7 +83,13 @@ class SchedulerService(Service):
         cfg = self.settings.scheduler
         if cfg.metrics_port:
             self._metrics_server = self.metrics.serve(cfg.metrics_host, cfg.metrics_port)
-        log.info("scheduler_ready", node=self.node, mode=cfg.mode, interval_s=cfg.interval_s)
+        log.info(
+            "scheduler_ready",
+            node=self.node,
+            mode=cfg.mode,
+            interval_s=cfg.interval_s,
+            gc_thresholds=list(gc_thresholds),
+        )
 
     async def main(self) -> None:
         self.spawn(self._reports(), "reports")

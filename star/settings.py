@@ -175,6 +175,7 @@ class SchedulerSettings:
     group: str = _opt("scheduler", "consumer group on <prefix>:reports")
     metrics_host: str = _opt("127.0.0.1", "address of the Prometheus /metrics endpoint")
     metrics_port: int = _opt(9464, "port of /metrics (0 = disabled)", port)
+    gc_gen0_threshold: int = _opt(50_000, "allocations between the garbage collector's young collections in the scheduler process (Python's default 700; 0 = leave the interpreter's setting). The view holds ~64 request objects per instance and replaces them with every report, so at 700 the collector runs thousands of times a second and promotes them into full collections; 50,000 costs a few MB of cycles collected later (docs/scheduler-at-scale.md)", non_negative)
 
 
 @dataclass(frozen=True)

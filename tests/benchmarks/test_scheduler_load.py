@@ -80,7 +80,10 @@ def test_small_run_of_a_real_scheduler(capsys: pytest.CaptureFixture[str]) -> No
     parser = argparse.ArgumentParser()
     configure(parser)
     args = parser.parse_args(
-        ["--instances", "16", "--duration", "10", "--sample-s", "2", "--json", "--no-progress"]
+        [
+            *("--instances", "16", "--duration", "10", "--sample-s", "2", "--json"),
+            *("--no-progress", "--scheduler-set", "scheduler.gc_gen0_threshold=20000"),
+        ]
     )
     assert run(args) == 0
     r = json.loads(capsys.readouterr().out)
@@ -95,6 +98,8 @@ def test_small_run_of_a_real_scheduler(capsys: pytest.CaptureFixture[str]) -> No
     assert r["streams_bounded"] and not r["lag_grows"]
     assert r["redis_used_memory_mib_max"] > 0 and r["redis_cpu_pct"] > 0
     assert r["scheduler_cpu_pct"] > 0
+    assert r["scheduler_set"] == ["scheduler.gc_gen0_threshold=20000"]
+    assert r["reports_read_per_s"] > 0 and r["scheduler_cpu_ms_per_report_read"] > 0
     assert len(r["samples"]) >= 4 and all("lag_s" in s for s in r["samples"])
     assert np.isfinite(r["lag_s_slope_per_min"])
     costs = r["cpu_costs"]
@@ -114,6 +119,7 @@ def _verdict(lag_s: list[float], lag: list[int]) -> dict[str, object]:
             "t": 5.0 * (i + 1),
             "lag_s": s,
             "lag": n,
+            "entries_read": 1000 + 8 * (i + 1) * 5,  # 8 reports/s read
             "pending": 0,
             "lengths": {"reports": 100, "decisions": 1, "events": 1},
             "used_memory": 1,
@@ -129,7 +135,7 @@ def _verdict(lag_s: list[float], lag: list[int]) -> dict[str, object]:
         "tick_sum": 1.0,
         "decided": 3.0,
     }
-    zero = {"buckets": {}, "ticks": 0.0, "tick_sum": 0.0, "decided": 0.0}
+    zero = {"buckets": {}, "ticks": 0.0, "tick_sum": 0.0, "decided": 0.0, "entries_read": 1000}
     return summarise(
         args, Settings(), zero, hist, samples, 60.0, 1.0, 480, {"redis": 0, "scheduler": 0},
         {"redis": 1, "scheduler": 6}, GenStats(),
@@ -140,6 +146,10 @@ def test_lag_verdict() -> None:
     steady = _verdict([0.01, 0.05, 0.02, 0.04] * 3, [3, 8, 1, 5] * 3)
     assert not steady["lag_grows"] and steady["tick_p99_ok"] and steady["streams_bounded"]
     assert steady["scheduler_cpu_pct"] == 10.0 and steady["decisions"] == 3
+    # 480 reports read in 60 s on 6 CPU-s: the scheduler's cost per report,
+    # whatever share of a core the machine's load left it.
+    assert steady["reports_read_per_s"] == 8.0
+    assert steady["scheduler_cpu_ms_per_report_read"] == 12.5
     # Falling behind: the lag in seconds grows.
     assert _verdict([0.1 * i for i in range(12)], [50 * i for i in range(12)])["lag_grows"]
     # Far behind with MAXLEN trimming unread entries: lag_s shrinks, entries grow.

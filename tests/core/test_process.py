@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from star.process import Service, sd_notify, watchdog_interval
+from star.process import Service, sd_notify, set_gc_gen0_threshold, watchdog_interval
 
 
 def start(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
@@ -172,3 +172,14 @@ async def test_start_up_heap_is_frozen_before_main() -> None:
         assert svc.frozen_at_main >= len(svc.loaded)
     finally:
         gc.unfreeze()
+
+
+def test_gc_gen0_threshold_raises_young_collections_only() -> None:
+    before = gc.get_threshold()
+    try:
+        gc.set_threshold(700, 10, 10)
+        assert set_gc_gen0_threshold(50_000) == (50_000, 10, 10)  # older generations kept
+        assert gc.get_threshold() == (50_000, 10, 10)
+        assert set_gc_gen0_threshold(0) == (50_000, 10, 10)  # 0 leaves it as it is
+    finally:
+        gc.set_threshold(*before)
