@@ -273,3 +273,43 @@ def test_true_remaining_and_predictor_default_for_older_entries() -> None:
     back = decode_as(msgpack.packb(older), Report)
     assert back.predictor is None  # not said: neither warned about nor counted
     assert back.requests[0].true_remaining is None  # not known: oracle reads it as unknown
+
+
+def test_compiled_decoder_builds_the_constructors_frozen_objects() -> None:
+    # The compiled decoder fills a frozen slots dataclass through its slots
+    # instead of calling __init__: the result must be what the constructor
+    # builds (same type, fields, equality, hash) and still frozen.
+    load = RequestLoad("q", 50, 10, 12.5, False, true_remaining=40)
+    r = Report("i", "decode", 3, 1.5, "a:1", 10, 1, 2, 0.1, 32, [1.0, 2], [load], ["q"])
+    back = decode_as(encode(r), Report)
+    assert back == r and type(back) is Report and type(back.requests[0]) is RequestLoad
+    assert hash(back.requests[0]) == hash(load)
+    assert [getattr(back, f.name) for f in dataclasses.fields(Report)] == [
+        getattr(r, f.name) for f in dataclasses.fields(Report)
+    ]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        back.requests[0].tokens = 1  # type: ignore[misc]
+    # Omitted optional fields get the constructor's defaults.
+    plain = msgpack.unpackb(encode(r))
+    del plain["requests"][0]["migratable"], plain["requests"][0]["true_remaining"]
+    assert decode_as(msgpack.packb(plain), Report).requests[0] == RequestLoad("q", 50, 10, 12.5)
+
+
+def test_classes_whose_init_does_more_are_built_by_their_constructor() -> None:
+    @dataclasses.dataclass(frozen=True, slots=True)
+    class Checked:
+        n: int
+
+        def __post_init__(self) -> None:
+            if self.n < 0:
+                raise ValueError("negative")
+
+    @dataclasses.dataclass(frozen=True)
+    class NoSlots:
+        n: int
+
+    assert wire._slot_setters(Checked) is None
+    assert wire._slot_setters(NoSlots) is None
+    assert wire._slot_setters(RequestLoad) is not None
+    with pytest.raises(ValueError):
+        wire._compile(Checked)({"n": -1})
