@@ -23,6 +23,7 @@ from vllm.utils.torch_utils import get_dtype_size, kv_cache_dtype_str_to_dtype
 
 from star.settings import WorkerSettings
 from workers.extension import QUALNAME as WORKER_EXTENSION
+from workers.nixl_auth import SECRET_ENV as NIXL_SECRET_ENV
 from workers.protocol import (
     BadRequest,
     GenerateRequest,
@@ -52,7 +53,8 @@ class EngineSpec:
     ``engine_args`` are extra ``AsyncEngineArgs`` fields (``enforce_eager``,
     ``dtype``, ``block_size``, ...) and win over the values derived here.
     ``nixl_port`` is NIXL's side-channel port (0 = a free one) and
-    ``nixl_host`` the address other instances reach it at. ``device`` is
+    ``nixl_host`` the address other instances reach it at; ``nixl_secret``
+    (``cluster.secret``) keys that side channel's CURVE. ``device`` is
     ``"auto"`` (vLLM's platform), ``"cpu"`` or ``"cuda"``.
     """
 
@@ -66,6 +68,7 @@ class EngineSpec:
     nixl_port: int = 0
     device: str = "auto"
     cpu_threads: int = 0
+    nixl_secret: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -208,6 +211,9 @@ def vllm_environment(
 
     * ``VLLM_NIXL_SIDE_CHANNEL_HOST/PORT``: NIXL's handshake listener; one port
       per engine on a host.
+    * ``STAR_CLUSTER_SECRET`` when ``spec.nixl_secret`` is set (a secret from a
+      config file too): the engine puts that listener under CURVE
+      (:mod:`workers.nixl_auth`).
     * ``VLLM_CPU_KVCACHE_SPACE``: vLLM reads it as whole GiB and lets it
       override ``kv_cache_memory_bytes``; it is set to the same size when whole,
       else removed (None) so the exact byte count stands ("" crashes vLLM's
@@ -235,6 +241,8 @@ def vllm_environment(
         "VLLM_NIXL_SIDE_CHANNEL_HOST": spec.nixl_host,
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(nixl_port),
     }
+    if spec.nixl_secret:
+        out[NIXL_SECRET_ENV] = spec.nixl_secret
     if cpu:
         gib = spec.kv_cache_space_gib
         out["VLLM_CPU_KVCACHE_SPACE"] = str(int(gib)) if float(gib).is_integer() else None

@@ -23,6 +23,7 @@ from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
+from workers.nixl_auth import SECRET_ENV, secure_nixl_side_channel
 from workers.parent import end_with_parent
 
 RELEASE_PREFIX = "star-release:"
@@ -206,10 +207,12 @@ class StarNixlConnector(NixlPullConnector):
     Also paces NIXL's progress thread (:func:`pace_nixl_progress_thread`,
     ``STAR_NIXL_PROGRESS_DELAY_US``, default 1000) before vLLM creates the agent,
     and undoes the CPU pin vLLM's NIXL worker puts on the thread creating it
-    (:func:`keep_cpu_affinity`).
+    (:func:`keep_cpu_affinity`), and, with ``cluster.secret`` in its environment,
+    puts NIXL's side channel under CURVE (:func:`workers.nixl_auth.secure_nixl_side_channel`).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        secure_nixl_side_channel(os.environ.get(SECRET_ENV, ""))
         pace_nixl_progress_thread(
             int(os.environ.get(PROGRESS_DELAY_ENV, DEFAULT_PROGRESS_DELAY_US))
         )
