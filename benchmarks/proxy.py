@@ -348,11 +348,16 @@ _COLUMNS = (
 )
 
 
-def _print_row(row: Row, header: bool) -> None:
+def print_columns(columns: Sequence[tuple[str, str, int]], item: Any, header: bool) -> None:
+    """One dataclass as a line of right-aligned columns (key, title, width), the titles first."""
     if header:
-        print("  ".join(title.rjust(w) for _, title, w in _COLUMNS))
-    values = asdict(row)
-    print("  ".join(str(values[key]).rjust(w) for key, _, w in _COLUMNS), flush=True)
+        print("  ".join(title.rjust(w) for _, title, w in columns))
+    values = asdict(item)
+    print("  ".join(str(values[key]).rjust(w) for key, _, w in columns), flush=True)
+
+
+def _print_row(row: Row, header: bool) -> None:
+    print_columns(_COLUMNS, row, header)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

@@ -51,7 +51,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from benchmarks.proxy import _CORPUS, _Stream, _tokenizer_dir
+from benchmarks.proxy import _CORPUS, _Stream, _tokenizer_dir, print_columns
 
 _STALL_PROMPT = "stall"
 _STALL_BATCH = 1024  # tokens per batch to a stalled client: its socket buffers fill in a few turns
@@ -450,10 +450,7 @@ _COLUMNS = (
 
 
 def _print_window(window: Window, header: bool) -> None:
-    if header:
-        print("  ".join(title.rjust(w) for _, title, w in _COLUMNS))
-    values = asdict(window)
-    print("  ".join(str(values[key]).rjust(w) for key, _, w in _COLUMNS), flush=True)
+    print_columns(_COLUMNS, window, header)
 
 
 def _print_summary(summary: dict[str, Any]) -> None:
