@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +23,7 @@ import redis.asyncio as aioredis
 from benchmarks.chaos.fleet import NetFleet
 from star.bus import Bus
 from star.cli.migrate import manual_decision
+from star.cli.up import group_members
 from star.settings import BusSettings, RedisSettings
 from star.wire import EventKind
 
@@ -56,13 +59,20 @@ class Ctx:
             with contextlib.suppress(Exception):
                 await bus.close()
 
-    async def running(self, min_left: int = 60, within_s: float = 20.0) -> tuple[str, str, str]:
-        """A request decoding with ``min_left`` tokens to go: (request, its instance, another)."""
+    async def running(
+        self, min_left: int = 60, within_s: float = 20.0, avoid: str | None = None
+    ) -> tuple[str, str, str]:
+        """A request decoding with ``min_left`` tokens to go: (request, its instance, another).
+
+        ``avoid``: an instance whose requests are not picked (a paused one).
+        """
         names = self.fleet.decode_names
         deadline = time.monotonic() + within_s
         while time.monotonic() < deadline:
             reports = await self.bus_call(lambda b: b.latest_reports())
             for name in names:
+                if name == avoid:
+                    continue
                 report = reports.get(name)
                 for r in report.requests if report is not None else []:
                     if r.migratable and (r.true_remaining or 0) >= min_left:
@@ -70,16 +80,18 @@ class Ctx:
             await asyncio.sleep(0.2)
         raise RuntimeError(f"no request with {min_left} tokens to go on any decode instance")
 
-    async def move(self, attempts: int = 5) -> tuple[str, str, str]:
+    async def move(self, hold: Hold | None = None, attempts: int = 5) -> tuple[str, str, str]:
         """Start a move of a running request; returns once the proxy acts on it (``migrating``).
 
         A decision can be refused (the request finished meanwhile, or is not
-        releasable yet): then another request is tried. Returns (request,
-        source, target).
+        releasable yet): then another request is tried. With ``hold``, the
+        target is the held (paused) instance. Returns (request, source, target).
         """
         seen: list[str] = []
         for _ in range(attempts):
-            request, source, target = await self.running()
+            request, source, target = await self.running(avoid=hold.name if hold else None)
+            if hold is not None:
+                target = hold.name
             decision = manual_decision(request, source, target)
             await self.bus_call(lambda b, d=decision: b.publish("decisions", d))
             deadline = time.monotonic() + 20
@@ -96,6 +108,33 @@ class Ctx:
             else:
                 seen.append("no answer in 20 s")
         raise RuntimeError(f"no move started in {attempts} tries: {seen}")
+
+    async def wait_event(self, request: str, kind: EventKind, within_s: float = 30.0) -> None:
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            events = await self.bus_call(lambda b: b.request_events(request))
+            if any(e.event is kind for e in events):
+                return
+            await asyncio.sleep(0.02)
+        raise RuntimeError(f"no {kind.value} event for {request} within {within_s} s")
+
+    @contextlib.contextmanager
+    def paused_target(self) -> Iterator[Hold]:
+        """The last decode instance's engine processes stopped (SIGSTOP) for the block.
+
+        Its worker still takes connections and handoffs, but its engine
+        neither steps nor pulls KV until the block ends (SIGCONT, always).
+        """
+        name = self.fleet.decode_names[-1]
+        leader = self.fleet.pid(name)
+        pids = [pid for pid, _g, _n in group_members({leader}) if pid != leader]
+        if not pids:
+            raise RuntimeError(f"{name} has no engine processes")
+        _signal(pids, signal.SIGSTOP)
+        try:
+            yield Hold(name, pids)
+        finally:
+            _signal(pids, signal.SIGCONT)
 
     async def leader(self) -> str:
         """The node holding the scheduler's leader lock ('' if none)."""
@@ -160,6 +199,20 @@ class Ctx:
             self.background.append(asyncio.create_task(back()))
 
 
+@dataclass(frozen=True)
+class Hold:
+    """A decode instance whose engine is paused (:meth:`Ctx.paused_target`)."""
+
+    name: str
+    pids: list[int]
+
+
+def _signal(pids: list[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
 Scenario = Callable[[Ctx], Awaitable[None]]
 
 
@@ -178,11 +231,18 @@ async def decode_kill(ctx: Ctx) -> None:
 
 
 async def decode_kill_mid_handoff(ctx: Ctx) -> None:
-    """A move between decode instances in progress; SIGKILL its source as the proxy acts on it."""
-    request, source, _target = await ctx.move()
-    ctx.extra["moved"] = request
-    ctx.fault()
-    ctx.fleet.kill(source)
+    """A move between decode instances held mid-handoff; SIGKILL its source, then let it go on.
+
+    The target's engine is paused (SIGSTOP) before the decision, so the
+    source releases and hands off but the target cannot pull yet: the
+    source dies holding the blocks the target was about to read.
+    """
+    with ctx.paused_target() as hold:
+        request, source, _target = await ctx.move(hold)
+        await ctx.wait_event(request, EventKind.RELEASED)
+        ctx.extra["moved"] = request
+        ctx.fault()
+        ctx.fleet.kill(source)
     ctx.healed()
     ctx.extra["killed"] = source
     ctx.restart(source)
@@ -250,10 +310,20 @@ async def partition_proxy_decode(ctx: Ctx) -> None:
 
 
 async def partition_decode_pull(ctx: Ctx) -> None:
-    """Two decode instances cut from each other as a KV pull between them starts."""
-    request, source, target = await ctx.move()
-    ctx.extra["moved"] = request
-    await _partition(ctx, ctx.fleet.host_of(source), ctx.fleet.host_of(target))
+    """Two decode hosts cut from each other while a KV pull between them is due.
+
+    The target's engine is held (SIGSTOP) until the source has released and
+    the partition is in place, so the pull itself runs into the partition.
+    """
+    with ctx.paused_target() as hold:
+        request, source, target = await ctx.move(hold)
+        await ctx.wait_event(request, EventKind.RELEASED)
+        ctx.extra["moved"] = request
+        ctx.fleet.net.partition(ctx.fleet.host_of(source), ctx.fleet.host_of(target))
+        ctx.fault()
+    await asyncio.sleep(PARTITION_S)
+    ctx.fleet.net.heal()
+    ctx.healed()
 
 
 async def partition_scheduler_redis(ctx: Ctx) -> None:
