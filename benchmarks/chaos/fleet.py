@@ -208,18 +208,23 @@ class NetFleet:
         argv[at + 1] = "yes" if on else "no"
         self.persist = on
 
+    def _latest(self, name: str) -> Child | None:
+        """The latest process started as ``name`` (earlier ones were killed)."""
+        for child in reversed(self.launcher.children):
+            if child.name == name and child.proc is not None:
+                return child
+        return None
+
     def pid(self, name: str) -> int:
         """The latest process started as ``name``."""
-        for child in reversed(self.launcher.children):
-            if child.name == name and child.proc is not None:
-                return child.proc.pid
-        raise KeyError(name)
+        child = self._latest(name)
+        if child is None or child.proc is None:
+            raise KeyError(name)
+        return child.proc.pid
 
     def alive(self, name: str) -> bool:
-        for child in reversed(self.launcher.children):
-            if child.name == name and child.proc is not None:
-                return child.proc.poll() is None
-        return False
+        child = self._latest(name)
+        return child is not None and child.proc is not None and child.proc.poll() is None
 
     def kill(self, name: str) -> None:
         """SIGKILL ``name``'s whole process group (vLLM's engine processes too)."""
@@ -265,11 +270,11 @@ class NetFleet:
         """Wait until the proxy sees every worker; raise (naming a dead process) if not."""
         started = time.monotonic()
         while not self.ready():
-            dead = self.launcher.dead()
-            if dead is not None and self.alive(dead.name) is False and dead.name in self._argv:
-                latest = self.pid(dead.name)
-                if dead.proc is not None and dead.proc.pid == latest:
-                    raise RuntimeError(f"{dead.name} exited; see {dead.log}")
+            # Killed incarnations stay among the launcher's children: only a
+            # name's latest process counts.
+            dead = [name for name in self._argv if not self.alive(name)]
+            if dead:
+                raise RuntimeError(f"{dead[0]} exited; see {self.log(dead[0])}")
             if time.monotonic() - started > timeout_s:
                 raise RuntimeError(
                     f"fleet not ready after {timeout_s:.0f} s (health {self.health()}); logs in {self.run_dir}"

@@ -34,7 +34,7 @@ import httpx
 from benchmarks.chaos import load
 from benchmarks.chaos.fleet import NetFleet, host_names
 from benchmarks.chaos.netns import Network, unavailable
-from benchmarks.chaos.scenarios import SCENARIOS, Ctx
+from benchmarks.chaos.scenarios import SCENARIOS, Ctx, bus_call
 
 TTL_S = 30  # released-but-unread KV blocks are freed after this (decoder_kv_blocks_ttl)
 MODEL_DIR = Path(__file__).resolve().parents[2] / "star" / "model" / "tiny"
@@ -111,12 +111,11 @@ async def _restore(fleet: NetFleet) -> None:
 
 async def _idle_kv(fleet: NetFleet, within_s: float) -> dict[str, int]:
     """Each decode instance's KV tokens in use, once zero everywhere or after ``within_s``."""
-    ctx = Ctx(fleet)
     deadline = time.monotonic() + within_s
     used: dict[str, int] = {}
     while time.monotonic() < deadline:
         with contextlib.suppress(Exception):
-            reports = await ctx.bus_call(lambda b: b.latest_reports())
+            reports = await bus_call(fleet.redis_url, lambda b: b.latest_reports(), 5.0)
             now = time.time()
             used = {
                 n: r.used_tokens

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import signal
 import time
@@ -18,14 +19,12 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import redis.asyncio as aioredis
-
 from benchmarks.chaos.fleet import NetFleet
 from star.bus import Bus
 from star.cli.migrate import manual_decision
 from star.cli.up import group_members
 from star.settings import BusSettings, RedisSettings
-from star.wire import EventKind
+from star.wire import Event, EventKind
 
 _NOT_MOVED = {EventKind.REFUSED, EventKind.FINISHED, EventKind.ABORTED, EventKind.EXPIRED}
 PARTITION_S = 10.0  # how long a partition lasts
@@ -51,13 +50,25 @@ class Ctx:
         return round(time.monotonic() - self.fault_at, 2)
 
     async def bus_call(self, call: Callable[[Bus], Awaitable[Any]], within_s: float = 5.0) -> Any:
-        """One bus query on a fresh connection (Redis may have been restarted)."""
-        bus = Bus.from_settings(RedisSettings(url=self.fleet.redis_url), BusSettings())
-        try:
-            return await asyncio.wait_for(call(bus), within_s)
-        finally:
-            with contextlib.suppress(Exception):
-                await bus.close()
+        return await bus_call(self.fleet.redis_url, call, within_s)
+
+    async def reported_since(self, instances: list[str], since: float) -> bool:
+        """Whether each of ``instances`` has a report stamped after ``since`` (wall time)."""
+        reports = await self.bus_call(lambda b: b.latest_reports())
+        return all(n in reports and reports[n].ts > since for n in instances)
+
+    async def first_event(
+        self, request: str, kinds: set[EventKind], within_s: float
+    ) -> Event | None:
+        """The first of ``request``'s events of one of ``kinds`` (None: none within ``within_s``)."""
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            events: list[Event] = await self.bus_call(lambda b: b.request_events(request))
+            found = [e for e in events if e.event in kinds]
+            if found:
+                return found[0]
+            await asyncio.sleep(0.02)
+        return None
 
     async def running(
         self, min_left: int = 60, within_s: float = 20.0, avoid: str | None = None
@@ -93,30 +104,20 @@ class Ctx:
             if hold is not None:
                 target = hold.name
             decision = manual_decision(request, source, target)
-            await self.bus_call(lambda b, d=decision: b.publish("decisions", d))
-            deadline = time.monotonic() + 20
-            while time.monotonic() < deadline:
-                events = await self.bus_call(lambda b, r=request: b.request_events(r))
-                kinds = {e.event for e in events}
-                if EventKind.MIGRATING in kinds:
-                    return request, source, target
-                ended = [e for e in events if e.event in _NOT_MOVED]
-                if ended:
-                    seen.append(f"{ended[-1].event.value} {ended[-1].detail}".strip())
-                    break
-                await asyncio.sleep(0.02)
-            else:
-                seen.append("no answer in 20 s")
+            await self.bus_call(functools.partial(Bus.publish, stream="decisions", msg=decision))
+            answer = await self.first_event(request, {EventKind.MIGRATING} | _NOT_MOVED, 20)
+            if answer is not None and answer.event is EventKind.MIGRATING:
+                return request, source, target
+            seen.append(
+                "no answer in 20 s"
+                if answer is None
+                else f"{answer.event.value} {answer.detail}".strip()
+            )
         raise RuntimeError(f"no move started in {attempts} tries: {seen}")
 
     async def wait_event(self, request: str, kind: EventKind, within_s: float = 30.0) -> None:
-        deadline = time.monotonic() + within_s
-        while time.monotonic() < deadline:
-            events = await self.bus_call(lambda b: b.request_events(request))
-            if any(e.event is kind for e in events):
-                return
-            await asyncio.sleep(0.02)
-        raise RuntimeError(f"no {kind.value} event for {request} within {within_s} s")
+        if await self.first_event(request, {kind}, within_s) is None:
+            raise RuntimeError(f"no {kind.value} event for {request} within {within_s} s")
 
     @contextlib.contextmanager
     def paused_target(self) -> Iterator[Hold]:
@@ -138,13 +139,10 @@ class Ctx:
 
     async def leader(self) -> str:
         """The node holding the scheduler's leader lock ('' if none)."""
-        client = aioredis.Redis.from_url(self.fleet.redis_url, socket_timeout=2)
         try:
-            value = await client.get(f"{BusSettings().prefix}:leader")
-        except (aioredis.RedisError, OSError):
+            value = await self.bus_call(lambda b: b.redis.get(b.keys.leader), 2.0)
+        except Exception:  # Redis down or restarting: no leader to be seen; the callers poll
             return ""
-        finally:
-            await client.aclose()
         return value.decode().split("|")[0] if value else ""
 
     async def wait_leader(self, not_node: str, within_s: float = 60.0) -> float | None:
@@ -163,8 +161,7 @@ class Ctx:
         deadline = time.monotonic() + within_s
         while time.monotonic() < deadline:
             with contextlib.suppress(Exception):
-                reports = await self.bus_call(lambda b: b.latest_reports())
-                if all(n in reports and reports[n].ts > since for n in instances):
+                if await self.reported_since(instances, since):
                     return round(time.monotonic() - self.healed_at, 2)
             await asyncio.sleep(0.2)
         return None
@@ -181,8 +178,7 @@ class Ctx:
 
         async def serving() -> bool:
             if name in self.fleet.worker_names:
-                reports = await self.bus_call(lambda b: b.latest_reports())
-                return name in reports and reports[name].ts > since
+                return await self.reported_since([name], since)
             if name == "proxy":
                 return await asyncio.to_thread(self.fleet.health) is not None
             return True
@@ -211,6 +207,16 @@ def _signal(pids: list[int], sig: signal.Signals) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)
+
+
+async def bus_call(redis_url: str, call: Callable[[Bus], Awaitable[Any]], within_s: float) -> Any:
+    """One bus query on a fresh connection (Redis may have been restarted since the last)."""
+    bus = Bus.from_settings(RedisSettings(url=redis_url), BusSettings())
+    try:
+        return await asyncio.wait_for(call(bus), within_s)
+    finally:
+        with contextlib.suppress(Exception):
+            await bus.close()
 
 
 Scenario = Callable[[Ctx], Awaitable[None]]
