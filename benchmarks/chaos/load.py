@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 
 from benchmarks.chaos.fleet import MODEL
+from benchmarks.client import payload
 
 WORDS = "river lantern copper meadow falcon quartz harbor ember violet canyon".split()
 
@@ -63,14 +64,9 @@ class Stream:
 async def stream(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> Stream:
     """One streamed greedy completion; never raises (what went wrong is in the result)."""
     out = Stream(prompt, started=time.monotonic())
-    body = {
-        "model": MODEL,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "stream": True,
-    }
+    body = payload(
+        "completions", MODEL, prompt, max_tokens, {"temperature": 0.0, "ignore_eos": True}
+    )
     try:
         async with client.stream("POST", url + "/v1/completions", json=body) as resp:
             if resp.status_code != 200:
