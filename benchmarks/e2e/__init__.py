@@ -64,7 +64,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add(
         "--rates",
         default=None,
-        help="request rates, req/s, for every regime (default: each regime's own sweep, "
+        action="append",
+        metavar="[REGIME=]RATES",
+        help="request rates, req/s, for every regime, or REGIME=RATES for one regime "
+        "(repeatable: --rates device=2.5,3 --rates memory=6,8; default: each regime's own sweep, "
         + "; ".join(f"{g} {','.join(f'{r:g}' for r in DEFAULT_RATES[g])}" for g in REGIMES)
         + "; --quick: "
         + ", ".join(f"{g} {QUICK_RATES[g]:g}" for g in REGIMES)
@@ -125,13 +128,7 @@ def _cells(args: argparse.Namespace) -> list[Cell]:
         quick = bool(getattr(args, "quick", False))
         per = {g: (QUICK_RATES[g],) if quick else DEFAULT_RATES[g] for g in regimes}
     else:
-        try:
-            given = tuple(float(x) for x in _csv(args.rates))
-        except ValueError:
-            raise ValueError(
-                f"--rates takes numbers (req/s) separated by commas, got {args.rates!r}"
-            ) from None
-        per = {g: given for g in regimes}
+        per = _rates(args.rates, regimes)
     rates = [r for g in regimes for r in per[g]]
     try:
         seeds = [int(x) for x in _csv(args.seeds)]
@@ -144,6 +141,28 @@ def _cells(args: argparse.Namespace) -> list[Cell]:
     if any(not r > 0 for r in rates):
         raise ValueError(f"rates must be > 0, got {rates}")
     return [Cell(g, m, r, s) for g in regimes for r in per[g] for s in seeds for m in modes]
+
+
+def _rates(given: str | list[str], regimes: list[str]) -> dict[str, tuple[float, ...]]:
+    """Each regime's rates from ``--rates`` values: ``2.5,3`` for every regime,
+    ``device=2.5,3`` for one; a regime named nowhere keeps its default sweep."""
+    per: dict[str, tuple[float, ...]] = {}
+    for text in [given] if isinstance(given, str) else given:
+        name, sep, numbers = str(text).rpartition("=")
+        name = name.strip()
+        if sep and name not in REGIMES:
+            raise ValueError(
+                f"--rates {text!r}: unknown regime {name!r}; expected {', '.join(REGIMES)}"
+            )
+        try:
+            rates = tuple(float(x) for x in _csv(numbers))
+        except ValueError:
+            raise ValueError(
+                f"--rates takes numbers (req/s) separated by commas, got {text!r}"
+            ) from None
+        for g in [name] if sep else regimes:
+            per[g] = rates
+    return {g: per.get(g, DEFAULT_RATES[g]) for g in regimes}
 
 
 def run(args: argparse.Namespace) -> int:

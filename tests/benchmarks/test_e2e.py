@@ -419,6 +419,13 @@ def test_each_regime_sweeps_its_own_rates_unless_rates_are_given() -> None:
     }
     with pytest.raises(ValueError, match="--rates takes numbers"):
         _cells(_sweep(rates="fast"))
+    # One command sweeps each regime at its own rates (argparse appends each --rates).
+    each = _cells(_sweep(rates=["device=2.5,3", "memory=6"]))
+    assert {(c.regime, c.rate) for c in each} == {("device", 2.5), ("device", 3.0), ("memory", 6.0)}
+    only = _cells(_sweep(rates=["memory=5"]))
+    assert {c.rate for c in only if c.regime == "device"} == set(DEFAULT_RATES["device"])
+    with pytest.raises(ValueError, match="unknown regime 'gpu'"):
+        _cells(_sweep(rates=["gpu=3"]))
 
 
 # -- sim-to-real -------------------------------------------------------------------------
