@@ -1,31 +1,13 @@
 """``star bench proxy``: tokens relayed per core and added latency per token.
 
-A proxy (``proxy.app`` behind ``proxy.http``, uvloop, one process) runs with
-a fake backend; a client process opens N concurrent streaming
-``/v1/completions`` requests over loopback and reads them to ``[DONE]``.
-DESIGN §7: "proxy | vLLM toy proxy (FastAPI + httpx) | <= 0.5 ms p99 added
-per token at 1,000 concurrent streams; >= 50k tokens/s relayed per core".
-
-Two phases per concurrency level; in each, the backend holds every stream
-until all N have arrived, so the measured window has exactly N streams open
-and request set-up (accept, parse, tokenise, open the stream) is reported
-apart, as CPU ms per request:
-
-* throughput: one-token batches as fast as the proxy takes them (one
-  event-loop turn per token, as when waiting on an upstream socket); tokens
-  relayed / CPU seconds of the proxy process = tokens/s per core. Counted:
-  detokenisation, SSE framing, metrics, the socket write of every chunk.
-* latency: one engine task hands each stream a token every
-  ``--interval-ms`` (random phase, as tokens arrive from several decode
-  instances), stamping the time it did; added latency = from that stamp to
-  the proxy having written the token's chunk to the socket and asking the
-  backend for the next token (the backend generator resumes right after the
-  write). It includes waiting behind the other streams served in the same
-  engine tick, which is the point; it excludes the client. On a machine
-  whose cores are busy with other work it measures the machine.
-
-Only loopback addresses are used; every loop is bounded. Run
-``python -m benchmarks.proxy --help``.
+A real proxy (``proxy.app`` behind ``proxy.http``, uvloop, own process)
+with a fake backend; a client process holds N streaming ``/v1/completions``
+open over loopback. Per concurrency level, a throughput phase (tokens
+relayed per CPU second of the proxy) and a latency phase (engine hand-over
+to chunk written); set-up is reported apart. Target, DESIGN §7: <= 0.5 ms
+p99 added per token at 1,000 streams, >= 50k tokens/s per core. What each
+phase counts: docs/operations.md, "Relay speed". Loopback only, every loop
+bounded; ``python -m benchmarks.proxy --help``.
 """
 
 from __future__ import annotations

@@ -3,29 +3,11 @@
 Issue #17, "load held": 1,000 concurrent SSE streams through one proxy for
 >= 5 minutes, p50/p99 added latency per token, proxy memory flat, 0 errors;
 a client that stops reading must not stall the others nor grow memory.
-
-The proxy is the one ``star bench proxy`` runs (``proxy.app`` behind
-``proxy.http``, uvloop, own process, fake backend). A client process keeps
-``--streams`` streaming ``/v1/completions`` open for ``--hold-s`` seconds:
-each gets a token every ``--interval-ms`` (one engine task, random phase)
-and ends after ``--stream-tokens`` (a slot's first stream after a random
-share of them, so ends are spread), and its slot opens the next one at once.
-Added latency per token is ``bench proxy``'s: from the engine handing the
-token over to the proxy having written its chunk and asking for the next.
-
-``--stalled`` more clients (small receive buffer) send a request and never
-read: the backend feeds their streams as fast as the proxy takes them, so
-the socket buffers fill at once and the proxy's write flow control is what
-holds them; after ``proxy.write_stall_timeout_s`` (``--write-stall-s``) the
-proxy cuts the stream and the client replaces it by a new stalled one.
-
-Every ``--window-s``: p50/p99/max added latency, tokens relayed, streams
-finished, errors (a non-200, a stream cut short or one with missing events),
-the proxy's RSS (``/proc/<pid>/status`` VmRSS, sampled each second), the
-bytes its transports buffer, the stalled streams it cut. At the end the RSS
-change from the first window to the last and the totals. A table, or
-``--json``. ``--quick``: 200 streams for 30 s (a smoke test). Only loopback
-addresses are used; every wait is bounded.
+The proxy and the added-latency measure are ``star bench proxy``'s; slots
+reopen their streams at once, ``--stalled`` clients never read. Per
+``--window-s``: latency, tokens, streams, errors, RSS, buffered bytes, cuts;
+a table or ``--json``; ``--quick`` is a smoke test. Details and a measured
+run: docs/operations.md, "Held load". Loopback only, every wait bounded.
 """
 
 from __future__ import annotations

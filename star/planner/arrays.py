@@ -1,30 +1,13 @@
 """The planner on flat arrays: one tick of paper Algorithm 1 without per-request objects.
 
-:func:`plan_arrays` is the planner. :func:`star.planner.plan`, which the live
-scheduler and ``star plan`` call with :class:`~star.planner.Instance` values,
-converts them with :func:`from_instances` and calls it; the simulator builds
-:class:`ClusterArrays` straight from its own state and calls it too, so both
-run the same code (building ~1,000 request objects per tick would cost more
-than planning).
-
-Speed. Moving r from s to t leaves the mean load unchanged, so
-
-    Delta-V(r, s, t) = (2/n) sum_j beta_j c_j (c_j + L_t(tau_j) - L_s(tau_j))
-
-and since c_j = N + tau_j for j < k_r and 0 after, with prefix sums over j of
-beta, beta*tau, beta*tau^2, beta*L_i and beta*tau*L_i (index k = sum over
-j < k) this is
-
-    (n/2) Delta-V = N^2 B0[k] + 2N B1[k] + B2[k] - N X_s[k] - Y_s[k]   (a_r)
-                  + N X_t[k] + Y_t[k],
-
-O(1) per candidate. The capacity filter max_j (L_t(tau_j) + c_j) <= C_t is
-O(1) too, from a prefix max of L_t + tau and a suffix max of L_t. The search
-over |O|·|U|·R candidates evaluates requests lazily in order of a lower bound
-of their values (:func:`star.planner.kernels.select`); the result is exactly
-the full enumeration's argmin (ties included), and with several moves per
-tick exactly the greedy sequence of such argmins, each on the traces after
-the moves before it.
+:func:`plan_arrays` is the planner. :func:`star.planner.plan` (the live
+scheduler, ``star plan``) converts its :class:`~star.planner.Instance` values
+with :func:`from_instances` and calls it; the simulator builds
+:class:`ClusterArrays` from its own state, so both run the same code.
+Each candidate's Delta-V and capacity check are O(1) from prefix sums, and
+the search returns exactly the full enumeration's argmin (the greedy
+sequence of them with several moves per tick); the algebra:
+docs/plan-state.md, "How a candidate is evaluated".
 """
 
 from __future__ import annotations

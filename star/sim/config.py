@@ -1,34 +1,12 @@
 """The simulator's configuration: one frozen dataclass with documented defaults.
 
-Where a default comes from:
-
-- Cluster and load (paper §6.3, "Simulation on large scale"): "We set the
-  request rate to 0.3 RPS for an 8-instance cluster and scale it linearly
-  with cluster size"; "a 25 Gbps transfer speed (following DistServe's
-  cross-node interconnection setting)"; "for 2,000 seconds on shareGPT".
-  Cluster size counts decode instances here (as the project's issue and
-  settings do; the paper's Fig. 10 captions count prefill too, 2 + 6 for its
-  8-instance cluster); prefill instances follow the paper's 1:3 ratio. The
-  paper's 0.3 RPS per 8-instance cluster is 0.3 RPS per 6 decode instances,
-  so the load per decode instance matches at 0.4 RPS per 8 decode instances
-  (``rate_per_8``); the issue's literal "0.3 per 8 instances" would run each
-  decode instance at 3/4 of the paper's load.
-- Decode iteration time a + b x (tokens in the batch) (paper §5.2, Fig. 3:
-  "the decode execution time per iteration is linearly correlated with the
-  number of batched tokens"). The one absolute number the paper gives is
-  §5.3: DeepSeek-R1-Distill-Qwen-7B on an RTX 4090D takes "about 18.23 ms
-  under 50% KV cache memory occupancy". a = 8 ms is the time to stream the
-  W8A8 7B weights (~7.6 GB) at the 4090D's ~1 TB/s; b = 0.1 us/token then
-  puts 50 % of the 200,000-token KV capacity at 18.0 ms.
-- KV capacity 200,000 tokens: 24 GB x 0.9 utilisation - ~7.6 GB weights -
-  activations leaves ~11.5 GB, at 57,344 bytes per token (28 layers x 2 x 4
-  KV heads x 128 dims x 2 bytes for the Qwen2.5-7B architecture).
-- Prefill time p0 + p1 x prompt tokens: 15 ms + 0.125 ms/token (~8k
-  tokens/s, a 7B model at ~50 % of the 4090D's INT8 tensor throughput).
-- SLO (paper §6.2): TTFT 1 s, TPOT 25 ms for DeepSeek-R1-Distill-Qwen-7B.
-- Scheduler tick 1 s of simulated time (the live default is 250 ms; the
-  paper does not state its simulator's). Predictions every k = 20 steps
-  (paper §5.3 / Table 5).
+:class:`SimConfig` holds the cluster, load, timing, KV, SLO, prediction
+and planner settings of one run, built once by ``star simulate`` (flags,
+then ``--set``) and passed down; with the seed it fixes the run.
+Defaults follow paper §6.3 (0.3 RPS per 8-instance cluster, here 0.4 per 8
+decode instances; 25 Gbps; 2,000 s of ShareGPT), §5.2-5.3 (linear
+iteration time, 18.23 ms at 50 % KV) and §6.2 (TTFT 1 s, TPOT 25 ms);
+where each number comes from: docs/simulator.md, "What is simulated".
 """
 
 from __future__ import annotations

@@ -1,49 +1,14 @@
 """The discrete-event cluster simulator (paper §6.3, "Simulation on large scale").
 
-Paper §6.3: "we use event-driven simulation to model request arrivals, decode
-execution, and migration events. The execution time of each decode iteration
-is derived from real system measurements, while the migration overhead is
-calculated based on KV cache size and network bandwidth." And: "The simulator
-follows the same scheduling and migration logic as the real system" -- here
-literally: every tick calls :func:`star.planner.plan` and every P->D dispatch
-calls :func:`star.planner.dispatch.choose_decode`, the functions the live
-scheduler runs.
-
-What is modelled, per request: Poisson (or traced) arrival; FIFO prefill on
-the prefill instance that frees up first, ``p0 + p1 x prompt`` seconds, which
-emits the first token; P->D dispatch by the configured policy on the load
-view the scheduler published at its last tick plus what was dispatched since
-(the proxy reads ``star:load``, DESIGN §4); a KV transfer of
-``(prompt + 1) x bytes/token / bandwidth + latency``; then continuous
-batching on the decode instance until the last token.
-
-A decode instance iterates back to back while it has running requests; one
-iteration takes ``a + b x tokens in the batch`` (:mod:`star.sim.decode`).
-Its KV holds the running requests' tokens plus KV held for migrations in
-either direction, and must leave room for one more token per request before
-each iteration. When it would not, the newest running request is preempted
-(vLLM: ``self.running.pop()``, freed, put at the front of the waiting queue)
-and later readmitted, paying a recompute of all its tokens at prefill speed
-on the first iteration after readmission. Waiting requests are admitted FIFO
-when they fit.
-
-Migration (paper §5.4): the request leaves the source's batch at the next
-iteration boundary, its KV stays held on the source and is allocated on the
-target, and after ``tokens x bytes/token / bandwidth + latency`` it joins the
-target's batch; it decodes on neither side meanwhile. Other requests keep
-decoding ("the paused request's KV cache is transferred to the target
-instance without blocking the execution of other requests"). As for the live
-scheduler, the planner sees a request in flight booked on its target, busy,
-and both instances in flight: one rule, :mod:`star.planner.flight`.
-
-Speed: between two state changes of an instance its batch is fixed, so the
-number of iterations done by any time is a square root away; an instance
-event (a request finishes, the KV fills up) is scheduled directly at the
-iteration boundary where it happens. Per-tick work over all instances is
-vectorised with numpy (:mod:`star.sim.snapshot`). The planner is called only
-when its own classification, on the workers' traces computed with the
-planner's trace math and weights, finds an overloaded instance that could
-take part in a migration; ``SimConfig.gate=False`` calls it on every tick.
+:class:`Simulator` models Poisson or traced arrivals, FIFO prefill, P->D
+dispatch and KV transfer, continuous batching with vLLM-style preemption,
+and migrations that pause a request between source and target. It runs the
+live code's decisions: every tick calls :func:`star.planner.core.decide`
+and every dispatch :func:`star.planner.dispatch.choose_decode`; a move in
+flight is booked by :mod:`star.planner.flight`. Instance events are
+scheduled at the exact iteration boundary (:mod:`star.sim.decode`), and
+the planner is skipped on ticks its own classification would leave idle
+(``SimConfig.gate``). The model, its defaults and speed: docs/simulator.md.
 """
 
 from __future__ import annotations

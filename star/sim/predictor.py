@@ -1,38 +1,15 @@
 """Length-predictor models for the simulator (paper §4.3, Fig. 7; §5.3; Table 5).
 
-The simulator does not run the MLP; it draws what such a predictor would
-answer. Two models:
-
-- ``oracle``: R-hat = the true remaining length (paper §6.3: "we leverage the
-  actual remaining generation lengths to simulate an oracle predictor").
-- ``noisy``: an L1-trained regressor that knows little from the prompt and
-  more as tokens are generated (paper §4.3: "with only input prompt, the MAE
-  of our method is 18256 tokens, while after generating 8000 tokens, the MAE
-  drops to 2929 tokens", for requests with 30-32K outputs).
-
-The noisy model, in log space, for a request with true remaining R after g
-generated tokens::
+The simulator does not run the MLP; it draws what one would answer.
+``oracle`` answers the true remaining length; ``noisy`` blends it in log
+space with the workload's median remaining length m(g) after g generated
+tokens, plus an Ornstein-Uhlenbeck error in g::
 
     ln R-hat = (1 - w(g)) ln R + w(g) ln m(g) + s(g) z(g)
-    w(g) = W0 exp(-g / LAMBDA),   s(g) = max(S_MIN, S0 exp(-g / LAMBDA))
 
-m(g) is the median remaining length of the workload's requests that have
-generated g tokens, i.e. what an L1 regressor answers with no information;
-w(g) is how much it still leans on that prior; z(g) is a unit-variance
-Ornstein-Uhlenbeck process over generated tokens (correlation length
-``CORRELATION_TOKENS``), so one request's error persists between predictions
-as a hidden-state regressor's does. S0 = 0.5 and S_MIN = 0.05 are choices;
-W0 and LAMBDA were then solved so that requests with 30K-32,768 outputs of the
-synthetic ShareGPT workload have MAE 18,256 at g = 0 and 2,929 at g = 8,000
-(``tests/sim/test_predictor.py`` checks both within 10 %). Predictions are
-clipped to [1, 32,768 - g].
-
-Predictions are made every k decode steps (paper §5.3, k = 20 by default;
-Table 5 compares 1, 20, 100): between two, the planner sees the last R-hat
-minus the tokens generated since. Each prediction round costs the decode
-iteration ``PREDICT_LATENCY_S`` (paper §5.3: "1.40 ms to infer a batch of 10
-requests, while each decode iteration takes about 18.23 ms"), which the
-simulator amortises as ``PREDICT_LATENCY_S / k`` per iteration.
+W0 and LAMBDA_TOKENS are fitted to the paper's Fig. 7 MAEs, checked by
+tests/sim/test_predictor.py. A prediction every k steps costs
+``PREDICT_LATENCY_S / k`` per iteration. Derivation: docs/simulator.md.
 """
 
 from __future__ import annotations
