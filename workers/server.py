@@ -230,12 +230,12 @@ class _Connection:
                 async for delta in deltas:
                     await self.send(delta.to_frame(stream))
         except WorkerError as exc:
-            bound.info("stream failed", code=exc.code.value, error=str(exc))
+            bound.info("stream_failed", code=exc.code.value, error=str(exc))
             await self.send(error_frame(stream, exc))
         except (ConnectionError, asyncio.CancelledError):
             raise
         except Exception as exc:  # a worker bug: tell the proxy, keep serving others
-            bound.exception("stream crashed")
+            bound.exception("stream_crashed")
             await self.send(Error(stream, ErrorCode.INTERNAL.value, f"{type(exc).__name__}: {exc}"))
 
     def _stream_done(self, stream: _Stream, task: asyncio.Task[None]) -> None:

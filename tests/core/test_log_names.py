@@ -21,14 +21,32 @@ COMPUTED = {
 }
 
 
+def _name(node: ast.expr) -> str:
+    return node.id if isinstance(node, ast.Name) else getattr(node, "attr", "")
+
+
+def _is_logger_factory(node: ast.expr) -> bool:
+    """``structlog.get_logger(...)`` or ``<something>.bind(...)``."""
+    return isinstance(node, ast.Call) and _name(node.func) in {"get_logger", "bind"}
+
+
 def _log_calls(tree: ast.AST) -> list[ast.Call]:
+    # Loggers: names ending in "log", and any name bound to a logger factory
+    # (``bound = self.log.bind(...)``); ``log.bind(...).info(...)`` counts too.
+    bound = {
+        _name(target)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign | ast.AnnAssign) and _is_logger_factory(node.value)  # type: ignore[arg-type]
+        for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+    }
     out = []
     for node in ast.walk(tree):
         if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
             continue
         owner = node.func.value
-        name = owner.id if isinstance(owner, ast.Name) else getattr(owner, "attr", "")
-        if node.func.attr in LEVELS and name.endswith("log") and node.args:
+        name = _name(owner)
+        is_logger = name.endswith("log") or name in bound or _is_logger_factory(owner)
+        if node.func.attr in LEVELS and is_logger and node.args:
             out.append(node)
     return out
 
@@ -58,3 +76,12 @@ def test_the_check_sees_a_bad_name() -> None:
     assert len(calls) == 3
     assert [SNAKE.fullmatch(c.args[0].value) is not None for c in calls[1:]] == [False, True]  # type: ignore[attr-defined]
     assert isinstance(calls[0].args[0], ast.JoinedStr)
+
+
+def test_the_check_sees_bound_loggers() -> None:
+    tree = ast.parse(
+        'bound = self.log.bind(stream=1)\nbound.info("stream failed")\n'
+        'log.bind(x=1).warning("two words")\nparser.error("not a log")'
+    )
+    calls = _log_calls(tree)
+    assert [c.args[0].value for c in calls] == ["stream failed", "two words"]  # type: ignore[attr-defined]
