@@ -29,6 +29,7 @@ import msgpack
 import numpy as np
 import numpy.typing as npt
 
+from star.aio import deadline
 from star.bus import Bus
 from star.settings import Settings
 from star.sim.workload import synthetic
@@ -244,7 +245,8 @@ async def generate(bus: Bus, fleet: Fleet, stop: asyncio.Event, stats: GenStats)
         at = due[0][0]
         if at > now:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), at - now)
+                async with deadline(at - now):
+                    await stop.wait()
             continue
         stats.late_s_max = max(stats.late_s_max, now - at)
         async with bus.redis.pipeline(transaction=False) as pipe:

@@ -35,6 +35,7 @@ from benchmarks.chaos import load
 from benchmarks.chaos.fleet import NetFleet, host_names
 from benchmarks.chaos.netns import Network, unavailable
 from benchmarks.chaos.scenarios import SCENARIOS, Ctx, bus_call
+from star.aio import deadline
 
 TTL_S = 30  # released-but-unread KV blocks are freed after this (decoder_kv_blocks_ttl)
 MODEL_DIR = Path(__file__).resolve().parents[2] / "star" / "model" / "tiny"
@@ -111,9 +112,9 @@ async def _restore(fleet: NetFleet) -> None:
 
 async def _idle_kv(fleet: NetFleet, within_s: float) -> dict[str, int]:
     """Each decode instance's KV tokens in use, once zero everywhere or after ``within_s``."""
-    deadline = time.monotonic() + within_s
+    until = time.monotonic() + within_s
     used: dict[str, int] = {}
-    while time.monotonic() < deadline:
+    while time.monotonic() < until:
         with contextlib.suppress(Exception):
             reports = await bus_call(fleet.redis_url, lambda b: b.latest_reports(), 5.0)
             now = time.time()
@@ -147,22 +148,24 @@ async def _scenario(
                 if got.outcome != "ok" and not probe_errors and t0 >= ctx.fault_at > 0:
                     probe_errors.append(f"{got.outcome}: {got.error or got.cut}"[:160])
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), 0.5)
+                    async with deadline(0.5):
+                        await stop.wait()
 
     running = asyncio.create_task(load.run_load(fleet.url, list(refs), args.tokens))
     probing = asyncio.create_task(prober())
     await asyncio.sleep(args.fault_after_s)
     failure = ""
     try:
-        await asyncio.wait_for(scenario(ctx), 180)
+        async with deadline(180):
+            await scenario(ctx)
     except Exception as exc:  # the row says the scenario itself went wrong
         failure = f"{type(exc).__name__}: {exc}"
         ctx.fault_at = ctx.fault_at or time.monotonic()
         ctx.healed_at = ctx.healed_at or time.monotonic()
     streams = await running
     recovery: float | None = None
-    deadline = time.monotonic() + 300
-    while recovery is None and time.monotonic() < deadline:
+    until = time.monotonic() + 300
+    while recovery is None and time.monotonic() < until:
         done = [end for start, end, ok in probes if ok and start >= ctx.fault_at]
         if done:
             recovery = round(min(done) - ctx.fault_at, 2)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from benchmarks.chaos.fleet import NetFleet
+from star.aio import deadline
 from star.bus import Bus
 from star.cli.migrate import manual_decision
 from star.cli.up import group_members
@@ -213,7 +214,8 @@ async def bus_call(redis_url: str, call: Callable[[Bus], Awaitable[Any]], within
     """One bus query on a fresh connection (Redis may have been restarted since the last)."""
     bus = Bus.from_settings(RedisSettings(url=redis_url), BusSettings())
     try:
-        return await asyncio.wait_for(call(bus), within_s)
+        async with deadline(within_s):
+            return await call(bus)
     finally:
         with contextlib.suppress(Exception):
             await bus.close()

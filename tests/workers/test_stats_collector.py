@@ -53,9 +53,8 @@ async def test_a_cancel_landing_as_the_steps_arrive_ends_the_report_loop(eng: Mo
     """A loop like the worker's report loop ends when cancelled just as a step wakes it.
 
     The cancel lands after the step resolved the wait but before the waiting
-    task resumed: the window where Python 3.11's ``asyncio.wait_for`` returns
-    the result and drops the ``CancelledError`` (CPython gh-86296), so the
-    loop waited on and the worker's shutdown hung on it.
+    task resumed: the window in which ``asyncio.wait_for`` loses a cancel
+    (:func:`star.aio.deadline` explains), which once hung the worker's shutdown.
     """
     collector = eng.StatsCollector()
     waits = 0
