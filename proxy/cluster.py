@@ -36,7 +36,7 @@ from proxy.backend import (
 )
 from proxy.decode_run import DecodeRun, Migrator
 from proxy.upstream import ConnectionLost, Stream, WorkerClient, WorkerPool
-from star.bus import Bus, BusUnavailable, Subscriber
+from star.bus import Bus, BusUnavailable, Outage, Subscriber
 from star.sampling import migration_blocker
 from star.settings import DISPATCH_POLICIES
 from star.wire import Abort, Error, Event, EventKind, Generate, Report, Tokens
@@ -115,12 +115,14 @@ class Directory:
             self._pending.pop(report.instance, None)
 
     async def poll_load(self, interval_s: float = 0.25) -> None:
+        outage = Outage("dispatch_view_unreadable", "dispatch_view_readable_again")
         while True:
             try:
                 await self.refresh()
             except BusUnavailable as exc:
-                log.error("dispatch_view_unreadable", error=str(exc))
+                outage.down(exc)
                 continue
+            outage.up()
             await asyncio.sleep(interval_s)
 
     async def refresh(self) -> None:

@@ -14,7 +14,7 @@ from proxy.decode_run import follow_decisions
 from proxy.http import HttpServer
 from proxy.tokenizer import ModelCard
 from proxy.upstream import WorkerPool
-from star.bus import Bus, BusUnavailable
+from star.bus import Bus, BusUnavailable, Outage
 from star.process import Service
 from star.settings import Settings
 from star.wire import Event
@@ -77,14 +77,16 @@ class ProxyService(Service):
 
     async def _publish_events(self) -> None:
         assert self.bus is not None
+        outage = Outage("events_unpublishable", "events_publishable_again")
         while True:
             event = await self.events.get()
             while True:
                 try:
                     await self.bus.publish("events", event)
+                    outage.up()
                     break
                 except BusUnavailable as exc:  # keep the event and keep serving
-                    log.error("events_unpublishable", error=str(exc), queued=self.events.qsize())
+                    outage.down(exc, queued=self.events.qsize())
 
     async def drain(self) -> None:
         if self.server is not None:

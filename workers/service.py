@@ -19,7 +19,7 @@ import time
 
 import structlog
 
-from star.bus import Bus, BusUnavailable
+from star.bus import Bus, BusUnavailable, Outage
 from star.ports import listen
 from star.process import Service
 from star.settings import Settings, SettingsError
@@ -122,6 +122,7 @@ class WorkerService(Service):
         previous: EngineStats | None = None
         timed = StepTimes()  # as of the last report
         step_time_s: float | None = None
+        outage = Outage("report_unpublishable", "reports_publishable_again")
         while True:
             await self._next_report(cfg.report_every_steps, cfg.report_interval_s)
             if self.engine.dead:
@@ -157,7 +158,9 @@ class WorkerService(Service):
             except BusUnavailable as exc:
                 # Never stop an engine that holds running requests over Redis:
                 # this report is dropped, the next one is fresher anyway.
-                log.error("report_unpublishable", error=str(exc))
+                outage.down(exc)
+            else:
+                outage.up()
             previous = stats
 
     async def _next_report(self, steps: int, interval_s: float) -> None:

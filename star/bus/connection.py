@@ -54,10 +54,10 @@ class Outage:
         self.context = context
         self.since: float | None = None
 
-    def down(self, exc: BaseException) -> None:
+    def down(self, exc: BaseException, **fields: Any) -> None:
         if self.since is None:
             self.since = time.monotonic()
-            log.error(self.down_event, **self.context, error=str(exc) or repr(exc))
+            log.error(self.down_event, **self.context, **fields, error=str(exc) or repr(exc))
 
     def up(self) -> None:
         if self.since is not None:
