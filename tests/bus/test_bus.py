@@ -121,14 +121,14 @@ async def test_malformed_entries_go_to_dead_letter_and_reader_continues(bus: Bus
 
 
 async def test_subscriber_sees_every_entry_in_order(bus: Bus) -> None:
-    await bus.publish("events", Event(EventKind.WORKER_UP, time.time(), "w0"))
+    await bus.publish("events", Event.now(EventKind.WORKER_UP, "w0"))
     sub = Subscriber(bus, "events", Event)  # "$": only what comes after now
     assert await sub.read(block_ms=20) == []
 
     async def producer() -> list[str]:
         out = []
         for i in range(200):
-            out.append(await bus.publish("events", Event(EventKind.FINISHED, time.time(), "p", request=f"r{i}")))
+            out.append(await bus.publish("events", Event.now(EventKind.FINISHED, "p", request=f"r{i}")))
         return out
 
     task = asyncio.create_task(producer())
