@@ -28,7 +28,7 @@ import numpy as np
 
 from star.planner.flight import book
 from star.planner.types import Instance, Move, PlannerParams, Request
-from star.wire import Decision, Event, EventKind, LoadEntry, Report, RequestLoad
+from star.wire import Decision, Event, EventKind, LoadEntry, Report, RequestLoad, slot_builder
 
 # Events that end a migration, and whether it moved the request.
 TERMINAL: dict[EventKind, str] = {
@@ -53,7 +53,20 @@ class Seen:
 
     def __post_init__(self) -> None:
         busy = frozenset(self.report.in_flight)
-        self.requests = tuple(to_request(r, busy=r.id in busy) for r in self.report.requests)
+        make = _request  # to_request, inlined: 64 of them per report
+        self.requests = tuple(
+            [
+                make(
+                    r.id,
+                    r.tokens,
+                    r.predicted_remaining,
+                    r.true_remaining,
+                    r.generated,
+                    r.migratable and r.id not in busy,
+                )
+                for r in self.report.requests
+            ]
+        )
         self.busy = busy
         self.trace = tuple(self.report.trace)
 
@@ -328,15 +341,20 @@ def rebuild(
     return view
 
 
+# Request(id, tokens, predicted_remaining, true_remaining, generated, migratable),
+# without its frozen __init__'s object.__setattr__ per field.
+_request = slot_builder(Request)
+
+
 def to_request(r: RequestLoad, busy: bool = False) -> Request:
     """A reported request as the planner's :class:`Request`."""
-    return Request(
-        id=r.id,
-        tokens=r.tokens,
-        predicted_remaining=r.predicted_remaining,
-        true_remaining=r.true_remaining,
-        generated=r.generated,
-        migratable=r.migratable and not busy,
+    return _request(
+        r.id,
+        r.tokens,
+        r.predicted_remaining,
+        r.true_remaining,
+        r.generated,
+        r.migratable and not busy,
     )
 
 

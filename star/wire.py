@@ -28,7 +28,7 @@ import struct
 import time
 import types
 import typing
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
@@ -360,6 +360,7 @@ FRAMES: tuple[type[Message], ...] = (
 _BY_KIND: dict[str, type[Message]] = {cls.KIND: cls for cls in (*BUS_MESSAGES, *FRAMES)}
 
 M = TypeVar("M", bound=Message)
+T = TypeVar("T")
 
 
 # -- strict codec -----------------------------------------------------------------
@@ -588,21 +589,40 @@ def _slot_setters(cls: type[Any]) -> list[Any] | None:
     return setters
 
 
+def slot_builder(cls: type[T]) -> Callable[..., T]:
+    """``make(*values)``: a ``cls`` from all its field values in order, each set
+    through its slot setter, as the compiled decoders do (a frozen dataclass's
+    ``__init__`` sets each through ``object.__setattr__``: ~2.5x the cost);
+    ``cls`` itself when that does not apply (:func:`_slot_setters`)."""
+    setters = _slot_setters(cls)
+    if setters is None:
+        return cls
+    args = ", ".join(f"a{i}" for i in range(len(setters)))
+    ns: dict[str, Any] = {"_new": object.__new__, "cls": cls}
+    lines = [f"def make({args}):", "    o = _new(cls)"]
+    for i, setter in enumerate(setters):
+        ns[f"_set{i}"] = setter
+        lines.append(f"    _set{i}(o, a{i})")
+    lines.append("    return o")
+    exec("\n".join(lines), ns)  # code generated from the fields above
+    return ns["make"]  # type: ignore[no-any-return]
+
+
 def _compile(cls: type[Any]) -> Any:
     """``decode(data, header)``: ``cls`` from its plain map, which holds ``header``
     keys (the version and kind) besides the fields; raises on anything else."""
-    ns: dict[str, Any] = {"_Reject": _Reject, "_MISSING": dataclasses.MISSING, "_check": _check}
+    ns: dict[str, Any] = {"_Reject": _Reject, "_check": _check}
     ns.update(cls=cls, _NUMBERS=_NUMBERS, _STR_ONLY=_STR_ONLY)
+    schema = _schema(cls)
     lines = [
         "def decode(d, header=0):",
         "    if type(d) is not dict: raise _Reject",
-        "    n = header",
+        f"    n = header + {sum(f.required for f in schema)}  # keys read: the required ones, ...",
     ]
     defaults = {f.name: f for f in dataclasses.fields(cls)}
-    for i, f in enumerate(_schema(cls)):
-        if f.required:
-            lines += [f"    x = d[{f.name!r}]", "    n += 1"]
-            lines += _convert(f.tp, "x", f"a{i}", "    ", ns)
+    for i, f in enumerate(schema):
+        if f.required:  # missing: KeyError, and the reference walk says which
+            lines += [f"    x = d[{f.name!r}]", *_convert(f.tp, "x", f"a{i}", "    ", ns)]
             continue
         default = defaults[f.name]
         if default.default_factory is not dataclasses.MISSING:
@@ -611,8 +631,13 @@ def _compile(cls: type[Any]) -> Any:
         else:
             ns[f"_default{i}"] = default.default
             fill = f"_default{i}"
-        lines += [f"    x = d.get({f.name!r}, _MISSING)", f"    if x is _MISSING: a{i} = {fill}"]
-        lines += ["    else:", "        n += 1", *_convert(f.tp, "x", f"a{i}", "        ", ns)]
+        # ``in`` and a subscript: cheaper than a ``d.get`` call in CPython 3.11
+        lines += [f"    if {f.name!r} not in d: a{i} = {fill}", "    else:"]
+        lines += [
+            f"        x = d[{f.name!r}]",
+            "        n += 1  # ... and the optional ones present",
+        ]
+        lines += _convert(f.tp, "x", f"a{i}", "        ", ns)
     lines.append("    if len(d) != n: raise _Reject  # an unknown field")
     setters = _slot_setters(cls)
     if setters is None:

@@ -11,6 +11,7 @@ counted across migrations and which requests are scored: ``docs/predictor.md``.
 from __future__ import annotations
 
 import math
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -33,21 +34,38 @@ RECENTLY_FINISHED = 4096
 
 
 class _History:
-    __slots__ = ("next_n", "points", "prompt", "seen", "stride")
+    """A running request's kept points, as two columns in the order they were added.
+
+    A point is kept only at ``tokens >= next_n`` and ``next_n`` is past the
+    last one, so N increases along the columns: the order ``sorted`` gives.
+    Plain arrays: no Python object (nor dict entry) per point.
+    """
+
+    __slots__ = ("next_n", "prompt", "remaining", "seen", "stride", "tokens")
 
     def __init__(self, prompt: int, seen: float) -> None:
-        self.points: dict[int, float] = {}  # N (tokens) -> R-hat
+        self.tokens: array[int] | list[int] = array("q")  # N of each point (list: not int64)
+        self.remaining = array("d")  # R-hat of each point
         self.prompt = prompt  # smallest tokens - generated seen: the original prompt
         self.next_n = 0  # smallest N the next kept point may have
         self.stride = 1  # minimum N step between kept points (doubles on each thinning)
         self.seen = seen
 
+    @property
+    def points(self) -> dict[int, float]:
+        """N (tokens) -> R-hat, in increasing N."""
+        return dict(zip(self.tokens, self.remaining, strict=True))
+
     def add(self, tokens: int, remaining: float, max_points: int) -> None:
-        self.points[tokens] = remaining
+        try:
+            self.tokens.append(tokens)
+        except (OverflowError, TypeError):  # not an int64: keep the values as they are
+            self.tokens = [*self.tokens, tokens]
+        self.remaining.append(remaining)
         self.next_n = tokens + self.stride
-        if len(self.points) > max_points:
-            kept = sorted(self.points)[::2]
-            self.points = {n: self.points[n] for n in kept}
+        if len(self.tokens) > max_points:
+            self.tokens = self.tokens[::2]
+            self.remaining = self.remaining[::2]
             self.stride *= 2
             self.next_n = tokens + self.stride
 
@@ -103,33 +121,50 @@ class AccuracyTracker:
     def history(self, request_id: str) -> dict[int, float]:
         """The kept points of a running request: N (tokens) -> R-hat (a copy)."""
         h = self._live.get(request_id)
-        return dict(h.points) if h is not None else {}
+        return h.points if h is not None else {}
 
     def observe(self, report: Report, now: float | None = None) -> None:
         """Record the R-hat of every running request of a decode worker's report."""
         if report.role != "decode":
             return
         now = report.ts if now is None else now
-        live, max_points = self._live, self.max_points
+        live, max_points, finished = self._live, self.max_points, self._finished
+        isfinite = math.isfinite
         # The scheduler calls this for every report: a few dict operations per
-        # request, no reordering (expiry is a periodic sweep).
+        # request, no reordering (expiry is a periodic sweep), _History.add inlined
+        # but for a thinning.
         for r in report.requests:
             remaining = r.predicted_remaining
             if remaining is None:
                 continue
             tokens = r.tokens
             start = tokens - r.generated
-            h = live.get(r.id)
+            rid = r.id
+            h = live.get(rid)
             if h is None:
-                if r.id in self._finished:
+                if rid in finished:
                     continue
-                h = live[r.id] = _History(start, now)
+                h = live[rid] = _History(start, now)
             else:
                 h.seen = now
                 if start < h.prompt:
                     h.prompt = start
-            if tokens >= h.next_n and math.isfinite(remaining):
-                h.add(tokens, float(remaining), max_points)
+            if tokens >= h.next_n and isfinite(remaining):
+                points = h.tokens
+                if (
+                    len(points) >= max_points
+                    or type(points) is not array
+                    or type(tokens) is not int
+                ):
+                    h.add(tokens, float(remaining), max_points)
+                    continue
+                try:
+                    points.append(tokens)
+                except OverflowError:  # past int64: add() switches to a list
+                    h.add(tokens, float(remaining), max_points)
+                    continue
+                h.remaining.append(remaining)
+                h.next_n = tokens + h.stride
         over = self.max_requests is not None and len(live) > self.max_requests
         if over or (self.ttl_s is not None and now - self._swept >= self.ttl_s / 8):
             self.expire(now)
@@ -169,13 +204,13 @@ class AccuracyTracker:
         """
         h = self._live.pop(request_id, None)
         self._remember(request_id)
-        if h is None or not h.points:
+        if h is None or not h.tokens:
             self.skipped["no_prediction"] += 1
             return None
         prompt = prompt_tokens if prompt_tokens is not None else h.prompt
         points = [0] * len(BUCKETS)
         errors = [0.0] * len(BUCKETS)
-        for tokens, remaining in h.points.items():
+        for tokens, remaining in zip(h.tokens, h.remaining, strict=True):
             generated = tokens - prompt
             if generated < 0 or generated > final_generated:
                 self.dropped_points += 1

@@ -295,6 +295,16 @@ def test_compiled_decoder_builds_the_constructors_frozen_objects() -> None:
     assert decode_as(msgpack.packb(plain), Report).requests[0] == RequestLoad("q", 50, 10, 12.5)
 
 
+def test_slot_builder_builds_what_the_constructor_builds() -> None:
+    make = wire.slot_builder(RequestLoad)
+    built = make("q", 50, 10, 12.5, False, 40)
+    load = RequestLoad("q", 50, 10, 12.5, False, true_remaining=40)
+    assert built == load and repr(built) == repr(load) and hash(built) == hash(load)
+    assert type(built) is RequestLoad
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        built.tokens = 1  # type: ignore[misc]
+
+
 def test_classes_whose_init_does_more_are_built_by_their_constructor() -> None:
     @dataclasses.dataclass(frozen=True, slots=True)
     class Checked:
@@ -311,5 +321,6 @@ def test_classes_whose_init_does_more_are_built_by_their_constructor() -> None:
     assert wire._slot_setters(Checked) is None
     assert wire._slot_setters(NoSlots) is None
     assert wire._slot_setters(RequestLoad) is not None
+    assert wire.slot_builder(Checked) is Checked and wire.slot_builder(NoSlots) is NoSlots
     with pytest.raises(ValueError):
         wire._compile(Checked)({"n": -1})

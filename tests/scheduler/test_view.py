@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from scheduler.view import ClusterView, rebuild
+from scheduler.view import ClusterView, rebuild, to_request
 from star.planner import plan
-from star.planner.types import Mode, PlannerParams
-from star.wire import Decision, Event, EventKind, Report
+from star.planner.types import Mode, PlannerParams, Request
+from star.wire import Decision, Event, EventKind, Report, RequestLoad
 from tests.scheduler.reports import report
 
 P = PlannerParams()
@@ -418,3 +418,31 @@ def test_rebuild_applies_the_schedulers_rules(
     )
     got = [(i.id, i.in_flight, i.draining) for i in v.instances(P)]
     assert sorted(got) == planned
+
+
+def test_reported_requests_become_the_planners_requests_field_for_field() -> None:
+    loads = [
+        RequestLoad("a-r0", 50, 10, 12.5, True, 40),
+        RequestLoad("a-r1", 60, 20, None, True),  # in flight: not migratable
+        RequestLoad("a-r2", 70, 30, 3.0, False),
+    ]
+    r = dataclasses.replace(report("a", [1]), requests=loads, in_flight=["a-r1"])
+    v = view()
+    v.apply_report(r, now=0.0)
+    expected = tuple(
+        Request(
+            id=q.id,
+            tokens=q.tokens,
+            predicted_remaining=q.predicted_remaining,
+            true_remaining=q.true_remaining,
+            generated=q.generated,
+            migratable=q.migratable and q.id != "a-r1",
+        )
+        for q in loads
+    )
+    got = v.seen["a"].requests
+    assert got == expected and repr(got) == repr(expected)
+    assert [type(q) for q in got] == [Request] * 3
+    assert to_request(loads[0]) == expected[0] and to_request(loads[0], busy=True) == Request(
+        "a-r0", 50, 12.5, 40, 10, migratable=False
+    )
