@@ -90,7 +90,10 @@ async def test_finished_requests_are_scored_by_progress_on_metrics(
 
     deadline = time.monotonic() + 30
     got = samples(await scrape(port))
-    while ("star_predictor_live_requests_total", "") not in got and time.monotonic() < deadline:
+    # The counter is exported at 0 from the start: wait for the scoring itself.
+    while (
+        got.get(("star_predictor_live_requests_total", "")) != 1.0 and time.monotonic() < deadline
+    ):
         await asyncio.sleep(0.1)
         got = samples(await scrape(port))
     assert got[("star_predictor_live_requests_total", "")] == 1.0
