@@ -245,11 +245,9 @@ def plan_arrays(arrays: ClusterArrays, params: PlannerParams) -> ArrayPlan:
     if not rows.size:
         return nothing()
     owners = np.searchsorted(arrays.offsets, rows, side="right") - 1
-    after = traces.copy()
-    # The moves' instances are all distinct: one fancy-indexed update each.
-    moved = np.where(tau < remaining[rows, None], arrays.tokens[rows, None] + tau, 0.0)
-    after[owners] -= moved
-    after[picked] += moved
+    after = kernels.variance_after(
+        traces, beta, tau, rows, owners, picked, remaining, arrays.tokens
+    )
     return ArrayPlan(
         rows=rows,
         sources=owners.astype(np.intp),
@@ -261,7 +259,7 @@ def plan_arrays(arrays: ClusterArrays, params: PlannerParams) -> ArrayPlan:
         overloaded=over,
         underloaded=under,
         variance_before=variance,
-        variance_after=kernels.weighted_variance(after, beta),
+        variance_after=after,
         traces=traces,
         remaining_all=remaining,
     )

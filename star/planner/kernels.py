@@ -116,6 +116,34 @@ def weighted_variance(traces: FloatArray, beta: FloatArray) -> float:  # pragma:
 
 
 @jit
+def variance_after(
+    traces: FloatArray,
+    beta: FloatArray,
+    tau: FloatArray,
+    rows: IntArray,
+    owners: IntArray,
+    picked: IntArray,
+    remaining: FloatArray,
+    tokens: FloatArray,
+) -> float:  # pragma: no cover - compiled
+    """:func:`weighted_variance` of ``traces`` after the moves (row ``rows[m]``
+    from ``owners[m]`` to ``picked[m]``, every instance in one move at most):
+    each request leaves N + tau_j at the points j its R-hat outlives."""
+    after = traces.copy()
+    for m in range(rows.size):
+        q = rows[m]
+        for j in range(tau.size):
+            if tau[j] < remaining[q]:
+                after[owners[m], j] -= tokens[q] + tau[j]
+    for m in range(rows.size):
+        q = rows[m]
+        for j in range(tau.size):
+            if tau[j] < remaining[q]:
+                after[picked[m], j] += tokens[q] + tau[j]
+    return weighted_variance(after, beta)
+
+
+@jit
 def _best_target(
     s: int,
     tok: float,
@@ -320,6 +348,8 @@ def warm() -> float:
     traces = np.zeros((2, 2))
     fill_traces(offsets, tokens, k, tau, np.ones(2, dtype=np.bool_), traces)
     weighted_variance(traces, beta)
+    one = np.zeros(1, dtype=np.intp)
+    variance_after(traces, beta, tau, one, one, one + 1, remaining, tokens)
     select(
         traces,
         beta,

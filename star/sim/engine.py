@@ -42,6 +42,8 @@ FloatArray = npt.NDArray[np.float64]
 # instance is this close below the overload bound (rounding differences).
 _GATE_SLACK = 1e-6
 
+_add = np.add.reduce
+
 # Event kinds as plain ints, the heap's second key.
 _WAKE, _MIGRATED, _JOIN, _PREFILLED, _ARRIVAL, _TICK = (int(k) for k in Kind)
 
@@ -87,7 +89,8 @@ class Simulator:
         self.fleet = FleetState.empty(
             config.decode_instances, config.kv_capacity_tokens, config.bytes_per_token
         )
-        self.prefill_free = [0.0] * config.prefills
+        # Prefill instances as a heap of (free at, index): O(log P) per arrival.
+        self.prefill_free = [(0.0, p) for p in range(config.prefills)]
 
         self.events = EventQueue()
         self.series = Series()
@@ -326,9 +329,9 @@ class Simulator:
             return
         self.open += 1
         free = self.prefill_free
-        p = free.index(min(free))  # the first that frees up
-        done = max(now, free[p]) + self.cfg.prefill_base_s + self.cfg.prefill_per_token_s * prompt
-        free[p] = done
+        at, p = free[0]  # the first that frees up (ties: the lowest index)
+        done = max(now, at) + self.cfg.prefill_base_s + self.cfg.prefill_per_token_s * prompt
+        heapq.heapreplace(free, (done, p))
         self.events.push(done, _PREFILLED, r, p)
 
     def _on_prefilled(self, now: float, r: int, _: int) -> None:
@@ -421,16 +424,22 @@ class Simulator:
                 given = self.mode.kind is ModeKind.PREDICTED
                 arrays, rows = snap.arrays(with_traces=given)
                 moves = decide(arrays, self.params)
-                for q, src, dst, rem in zip(
-                    moves.rows.tolist(),
-                    moves.sources.tolist(),
-                    moves.targets.tolist(),
-                    moves.remaining.tolist(),
-                    strict=True,
-                ):
-                    self._migrate(int(rows[q]), src, dst, rem, now)
-                if moves.rows.size:  # the published view has the moves booked
+                if moves.rows.size:
+                    # The published view has the moves booked: the tokens in flight
+                    # before them plus each move's (whole numbers: exact in any order).
+                    booked = snap.booked.copy()
+                    held = self.requests.held_tokens
+                    for q, src, dst, rem in zip(
+                        rows[moves.rows].tolist(),
+                        moves.sources.tolist(),
+                        moves.targets.tolist(),
+                        moves.remaining.tolist(),
+                        strict=True,
+                    ):
+                        if self._migrate(q, src, dst, rem, now):
+                            booked[dst] += held[q]
                     snap = Snapshot(self, now)
+                    snap.booked = booked
         self._refresh_view(snap)
         nxt = now + self.cfg.tick_s
         if nxt <= self.cfg.duration_s or (self.cfg.drain and self.open > 0):
@@ -442,7 +451,9 @@ class Simulator:
         used = (loads + self.fleet.views["reserved"] + snap.batch * self.waste) / self.capacity
         s = self.series
         s.t.append(now)
-        s.exec_var_ms2.append(float(step_ms.var()))
+        # step_ms.var(), spelt out as numpy computes it (without its wrappers).
+        dev = step_ms - _add(step_ms) / step_ms.size
+        s.exec_var_ms2.append(float(_add(dev * dev) / step_ms.size))
         s.kv_max.append(float(used.max()))
         s.kv_mean.append(float(used.sum()) / used.size)  # = used.mean(), without its wrapper
         s.running.append(int(snap.batch.sum()))

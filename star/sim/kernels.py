@@ -20,6 +20,8 @@ from star.planner.kernels import jit
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
+# prediction_tables(): rho, sqrt(1 - rho^2), w, s, log m per point; log r per token count.
+Tables = tuple[FloatArray, FloatArray, FloatArray, FloatArray, FloatArray, FloatArray]
 
 
 @jit
@@ -197,6 +199,102 @@ def predict(
     return out
 
 
+@jit
+def prediction_tables(
+    every: int,
+    max_output: int,
+    correlation: float,
+    prior: FloatArray,
+    prior_step: float,
+    w0: float,
+    decay_tokens: float,
+    s0: float,
+    s_min: float,
+) -> Tables:  # pragma: no cover - compiled
+    """What :func:`predict` recomputes per request, per multiple of ``every``
+    (prediction points and OU gaps both are) and per token count: the OU
+    step's rho and sqrt(1 - rho^2), the estimate's w, s and log m(g), and
+    log r. Each entry is computed with :func:`predict`'s own operations, so
+    :func:`predict_tabled` returns the same bits."""
+    points = max_output // every + 1
+    rho = np.empty(points)
+    keep = np.empty(points)
+    w = np.empty(points)
+    s = np.empty(points)
+    log_m = np.empty(points)
+    for j in range(points):
+        gap = j * every
+        rho[j] = math.exp(-gap / correlation)
+        keep[j] = math.sqrt(1.0 - rho[j] * rho[j])
+        g = float(gap)
+        decay = math.exp(-g / decay_tokens)
+        w[j] = w0 * decay
+        s[j] = max(s_min, s0 * decay)
+        log_m[j] = math.log(prior[min(int(g // prior_step), prior.size - 1)])
+    log_r = np.empty(max_output + 1)
+    log_r[0] = 0.0  # r is at least 1
+    for r in range(1, max_output + 1):
+        log_r[r] = math.log(float(r))
+    return rho, keep, w, s, log_m, log_r
+
+
+@jit
+def predict_tabled(
+    idx: IntArray,
+    generated: IntArray,
+    points: IntArray,
+    eps: FloatArray,
+    z: FloatArray,
+    noise_at: IntArray,
+    output: IntArray,
+    every: int,
+    rho: FloatArray,
+    keep: FloatArray,
+    w: FloatArray,
+    s: FloatArray,
+    log_m: FloatArray,
+    log_r: FloatArray,
+    correlation: float,
+    prior: FloatArray,
+    prior_step: float,
+    w0: float,
+    decay_tokens: float,
+    s0: float,
+    s_min: float,
+    max_output: float,
+) -> FloatArray:  # pragma: no cover - compiled
+    """:func:`predict` with :func:`prediction_tables` (same bits, one exp per
+    request instead of six transcendental calls); a point or gap off the
+    tables is computed as :func:`predict` does."""
+    out = np.empty(idx.size)
+    c = 0
+    for q in range(idx.size):
+        r = idx[q]
+        p = points[q]
+        gap = p - noise_at[r]
+        if gap > 0:
+            if gap % every == 0 and gap // every < rho.size:
+                j = gap // every
+                z[r] = rho[j] * z[r] + keep[j] * eps[c]
+            else:
+                f = math.exp(-gap / correlation)
+                z[r] = f * z[r] + math.sqrt(1.0 - f * f) * eps[c]
+            c += 1
+            noise_at[r] = p
+        left = output[r] - p
+        j = p // every
+        if p % every == 0 and j < w.size and 0 <= left < log_r.size:
+            value = math.exp((1.0 - w[j]) * log_r[max(left, 1)] + w[j] * log_m[j] + s[j] * z[r])
+            est = min(max(value, 1.0), max(1.0, max_output - float(p)))
+        else:
+            est = _estimate(
+                float(left), float(p), z[r], prior, prior_step, w0, decay_tokens, s0, s_min,
+                max_output,
+            )  # fmt: skip
+        out[q] = max(est - float(generated[q] - p), 1.0)
+    return out
+
+
 def warm() -> float:
     """Compile (or load) the simulator's and the planner's kernels; returns seconds taken."""
     start = time.perf_counter()
@@ -211,5 +309,10 @@ def warm() -> float:
     predict(
         idx, ints * 25, points, np.ones(moved), np.zeros(2), np.zeros(2, dtype=np.int64),
         ints * 100, 1000.0, one, 128.0, 0.3, 1e4, 0.5, 0.05, 32768.0,
+    )  # fmt: skip
+    tables = prediction_tables(20, 100, 1000.0, one, 128.0, 0.3, 1e4, 0.5, 0.05)
+    predict_tabled(
+        idx, ints * 25, points, np.ones(moved), np.zeros(2), np.zeros(2, dtype=np.int64),
+        ints * 100, 20, *tables, 1000.0, one, 128.0, 0.3, 1e4, 0.5, 0.05, 100.0,
     )  # fmt: skip
     return time.perf_counter() - start

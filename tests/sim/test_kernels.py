@@ -133,3 +133,33 @@ def test_fused_prediction_matches_noise_state_and_estimate() -> None:
         )  # fmt: skip
         np.testing.assert_allclose(got, want, rtol=1e-12)
         np.testing.assert_array_equal(fused.at, plain.at)
+
+
+def test_tabled_prediction_is_bit_identical() -> None:
+    from star.sim.kernels import predict, predict_tabled, prediction_points, prediction_tables
+    from star.sim.predictor import CORRELATION_TOKENS, PRIOR_STEP, NoiseState
+
+    rng = np.random.default_rng(11)
+    prior = PriorMedian(rng.integers(1, 32_768, 5_000))
+    output = rng.integers(2, 32_768, 400).astype(np.int64)
+    idx = rng.permutation(400)[:300].astype(np.int64)
+    consts = (CORRELATION_TOKENS, prior.table, float(PRIOR_STEP), W0, LAMBDA_TOKENS, S0, S_MIN)
+    for every in (1, 7, 20):
+        tables = prediction_tables(every, 32_768, *consts)
+        plain = NoiseState(400, np.random.default_rng(2))
+        tabled = NoiseState(400, np.random.default_rng(2))
+        generated = np.zeros(300, dtype=np.int64)
+        for _ in range(6):
+            generated = np.minimum(generated + rng.integers(0, 200, 300), output[idx] - 1)
+            points, moved = prediction_points(idx, generated, every, plain.at)
+            want = predict(
+                idx, generated, points, plain.draw(moved), plain.z, plain.at, output, *consts,
+                32_768.0,
+            )  # fmt: skip
+            points, moved = prediction_points(idx, generated, every, tabled.at)
+            got = predict_tabled(
+                idx, generated, points, tabled.draw(moved), tabled.z, tabled.at, output, every,
+                *tables, *consts, 32_768.0,
+            )  # fmt: skip
+            np.testing.assert_array_equal(got, want)
+            np.testing.assert_array_equal(tabled.z, plain.z)
