@@ -140,7 +140,8 @@ def fig11(docs: Sequence[dict[str, Any]], path: Path) -> Path:
 
     regimes = sorted({d["row"]["regime"] for d in docs})
     panels = [(reg, d) for reg in regimes for d in _showcase(docs, reg)]
-    cols = max(len(MODES), 1)
+    # As many columns as a regime has panels (a run of 3 modes leaves no empty 4th).
+    cols = max([sum(r == reg for r, _ in panels) for reg in regimes] + [1])
     rows = max(len(regimes), 1)
     fig, axes = plt.subplots(
         rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False, sharey=True

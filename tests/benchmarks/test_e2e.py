@@ -393,6 +393,35 @@ def test_a_cell_document_from_what_a_run_recorded() -> None:
     json.dumps(doc)  # JSON as written
 
 
+def test_the_figures_draw_one_panel_per_mode_run(tmp_path: Path) -> None:
+    from benchmarks.e2e.cell import document
+    from benchmarks.e2e.fleet import CellResult
+    from benchmarks.e2e.figures import draw_all
+
+    t0 = 100.0
+    reports = [
+        _report("d0", 1, t0 + 0.5, used=900, running=3, step_s=0.030, preempt=2, pad=0.5),
+        _report("d0", 2, t0 + 1.5, used=995, running=3, step_s=0.030, preempt=5, pad=0.5),
+    ]
+    res = CellResult([_rec(0), _rec(1)], reports, [], [], t0, 2.0, 30.0)
+    docs = [
+        document(report.Cell("device", mode, rate, 1), "task", regime("device", 600), res, {})[0]
+        for mode in ("no-migration", "current", "predicted")
+        for rate in (2.5, 3.0)
+    ]
+    paths = draw_all(docs, tmp_path / "img")
+    assert [p.name for p in paths] == [
+        "e2e-fig9.png",
+        "e2e-fig10-variance.png",
+        "e2e-fig11-kv.png",
+    ]
+    for p in paths:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Fig. 11 has a column per mode that ran (3 here), not one per known mode.
+    width = int.from_bytes(paths[2].read_bytes()[16:20], "big")
+    assert width == round(4.2 * 3 * 110)
+
+
 # -- the sweep's cells -----------------------------------------------------------------
 
 
