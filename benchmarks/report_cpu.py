@@ -21,7 +21,7 @@ import json
 import time
 
 from benchmarks.emulated_workers import advance, make_fleet, report_body
-from scheduler.view import ClusterView
+from scheduler.view import ClusterView, planner_columns
 from star.planner.types import PlannerParams
 from star.predictor.live import AccuracyTracker
 from star.process import set_gc_gen0_threshold
@@ -43,7 +43,12 @@ def main() -> None:
     settings = load_settings()
     set_gc_gen0_threshold(settings.scheduler.gc_gen0_threshold)  # as the scheduler does
     fleet = make_fleet(args.instances, args.requests, args.step_ms, settings, args.seed)
-    view = ClusterView(settings.scheduler.staleness_s, settings.scheduler.decision_timeout_s)
+    params = PlannerParams.from_settings(settings)
+    view = ClusterView(  # as scheduler.service: the columns its mode's ticks read
+        settings.scheduler.staleness_s,
+        settings.scheduler.decision_timeout_s,
+        columns=planner_columns(params),
+    )
     tracker = AccuracyTracker()
     cpu = {"decode": 0.0, "apply": 0.0, "observe": 0.0}
     timed = 0

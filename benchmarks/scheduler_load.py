@@ -166,29 +166,30 @@ def cpu_costs(args: argparse.Namespace, settings: Settings, ticks: int = 3) -> d
 def _cpu_costs(
     args: argparse.Namespace, settings: Settings, fleet: Any, ticks: int
 ) -> dict[str, float]:
-    from scheduler.view import ClusterView
-    from star.planner import plan
+    from scheduler.view import ClusterView, planner_columns
+    from star.planner.core import plan_on
     from star.planner.types import PlannerParams
     from star.wire import decode_as, encode
 
     cfg = settings.scheduler
-    view = ClusterView(cfg.staleness_s, cfg.decision_timeout_s)
-    bodies = [report_body(fleet, inst, time.time())[0] for inst in fleet.instances]
-    start = time.process_time()
-    for body in bodies:
-        view.apply_report(decode_as(body, Report), time.monotonic())
-    per_report = (time.process_time() - start) / len(bodies)
     params = PlannerParams.from_settings(settings)
     if args.mode:
         from star.planner.modes import Mode
 
         params = dataclasses.replace(params, mode=Mode.parse(args.mode))
+    # As scheduler.service: each report converts the columns its mode's ticks read.
+    view = ClusterView(cfg.staleness_s, cfg.decision_timeout_s, columns=planner_columns(params))
+    bodies = [report_body(fleet, inst, time.time())[0] for inst in fleet.instances]
+    start = time.process_time()
+    for body in bodies:
+        view.apply_report(decode_as(body, Report), time.monotonic())
+    per_report = (time.process_time() - start) / len(bodies)
     split = {"instances": 0.0, "plan": 0.0, "load": 0.0}
     for _ in range(ticks):
         t0 = time.process_time()
-        instances = view.instances(params)
+        snapshot = view.snapshot(params)  # as scheduler.service's tick
         t1 = time.process_time()
-        result = plan(instances, params)
+        result = plan_on(snapshot.arrays, snapshot.ids, snapshot.request, params)
         t2 = time.process_time()
         for entry in view.load_entries(result.workloads, time.time()):
             encode(entry)

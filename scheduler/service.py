@@ -22,10 +22,10 @@ import structlog
 
 from scheduler.leader import Leadership
 from scheduler.metrics import SchedulerMetrics
-from scheduler.view import ClusterView, decision_for
+from scheduler.view import ClusterView, Snapshot, decision_for, planner_columns
 from star.bus import TRANSIENT, Bus, BusUnavailable, GroupReader, Outage, Subscriber
-from star.planner import plan
-from star.planner.types import Instance, ModeKind, PlannerParams
+from star.planner.core import plan_on
+from star.planner.types import ModeKind, PlannerParams
 from star.predictor.live import AccuracyTracker
 from star.process import Service, set_gc_gen0_threshold
 from star.settings import Settings
@@ -54,7 +54,9 @@ class SchedulerService(Service):
         self.node = node or default_node_name()
         self.params = PlannerParams.from_settings(settings)
         self.view = ClusterView(
-            settings.scheduler.staleness_s, settings.scheduler.decision_timeout_s
+            settings.scheduler.staleness_s,
+            settings.scheduler.decision_timeout_s,
+            columns=planner_columns(self.params),
         )
         self.metrics = SchedulerMetrics()
         self.accuracy = AccuracyTracker()  # the live predictor's, on /metrics
@@ -214,7 +216,7 @@ class SchedulerService(Service):
                 next_at += skipped * interval
             await asyncio.sleep(next_at - now)
 
-    def _warn_unknown(self, instances: list[Instance]) -> None:
+    def _warn_unknown(self, snapshot: Snapshot) -> None:
         """Say what the mode cannot know: once per instance / request, not per tick."""
         missing = {r.instance for r in self.view.live("decode") if r.predictor is False}
         self.metrics.without_predictor.set(len(missing))
@@ -230,7 +232,7 @@ class SchedulerService(Service):
                 )
         self._no_predictor = missing  # one that loads a predictor and loses it warns again
         if kind is ModeKind.ORACLE:
-            unknown = {r.id for i in instances for r in i.requests if r.true_remaining is None}
+            unknown = snapshot.unknown_lengths()
             new = sorted(unknown - self._no_length)
             if new:
                 log.warning(
@@ -268,10 +270,10 @@ class SchedulerService(Service):
                         migration=decision.id,
                     ),
                 )
-        instances = self.view.instances(self.params)
+        snapshot = self.view.snapshot(self.params)
         self.metrics.live_instances.set(len(self.view.live()))
-        self._warn_unknown(instances)
-        result = plan(instances, self.params)
+        self._warn_unknown(snapshot)
+        result = plan_on(snapshot.arrays, snapshot.ids, snapshot.request, self.params)
         if not leader:
             return
         mode = str(self.params.mode)

@@ -21,13 +21,17 @@ Time is passed in (``now``, monotonic seconds); nothing here does IO.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 import numpy as np
 
+from star.planner.arrays import ClusterArrays
 from star.planner.flight import book
-from star.planner.types import Instance, Move, PlannerParams, Request
+from star.planner.trace import grid
+from star.planner.types import Instance, ModeKind, Move, PlannerParams, Request
 from star.wire import Decision, Event, EventKind, LoadEntry, Report, RequestLoad, slot_builder
 
 # Events that end a migration, and whether it moved the request.
@@ -44,31 +48,69 @@ class Seen:
     report: Report
     received: float  # local monotonic time (worker clocks may be skewed)
     stale: bool = False
-    # The report as the planner reads it, converted once when it arrives (a tick
-    # reads every live report): its requests (one it lists in flight is busy),
-    # the ids in flight, the trace.
-    requests: tuple[Request, ...] = field(init=False)
+    # The report as the planner reads it: the ids in flight (a request it lists
+    # in flight is busy, not migratable), the trace; its planner requests and
+    # array columns are made when a tick first reads them (``requests``,
+    # ``columns``), at most once per report.
     busy: frozenset[str] = field(init=False)
     trace: tuple[float, ...] = field(init=False)
+    _requests: tuple[Request, ...] | None = field(init=False, default=None)
+    _columns: dict[str, np.ndarray] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
-        busy = frozenset(self.report.in_flight)
-        make = _request  # to_request, inlined: 64 of them per report
-        self.requests = tuple(
-            [
-                make(
-                    r.id,
-                    r.tokens,
-                    r.predicted_remaining,
-                    r.true_remaining,
-                    r.generated,
-                    r.migratable and r.id not in busy,
-                )
-                for r in self.report.requests
-            ]
-        )
-        self.busy = busy
+        self.busy = frozenset(self.report.in_flight)
         self.trace = tuple(self.report.trace)
+
+    @property
+    def requests(self) -> tuple[Request, ...]:
+        """Its requests as the planner's :class:`Request` (one listed in flight: not migratable)."""
+        if self._requests is None:
+            busy = self.busy
+            make = _request  # to_request, inlined: 64 of them per report
+            self._requests = tuple(
+                [
+                    make(
+                        r.id,
+                        r.tokens,
+                        r.predicted_remaining,
+                        r.true_remaining,
+                        r.generated,
+                        r.migratable and r.id not in busy,
+                    )
+                    for r in self.report.requests
+                ]
+            )
+        return self._requests
+
+    def column(self, name: str) -> np.ndarray:
+        """One of :func:`star.planner.arrays.from_instances`' columns for its requests:
+        ``tokens``, ``predicted``, ``true_remaining`` (NaN: None) or ``eligible``;
+        or ``trace``, its trace as float64."""
+        out = self._columns.get(name)
+        if out is None:
+            reqs = self.report.requests
+            n = len(reqs)
+            if name == "tokens":
+                out = np.fromiter(map(_TOKENS, reqs), np.int64, n).astype(np.float64)
+            elif name == "predicted":
+                out = np.fromiter(
+                    [_NAN if (v := r.predicted_remaining) is None else v for r in reqs],
+                    np.float64,
+                    n,
+                )
+            elif name == "true_remaining":
+                out = np.fromiter(
+                    [_NAN if (v := r.true_remaining) is None else v for r in reqs], np.float64, n
+                )
+            elif name == "trace":
+                out = np.array(self.trace, dtype=np.float64)
+            elif not self.busy and all(map(_MIGRATABLE, reqs)):  # nearly always: one C pass
+                out = np.ones(n, dtype=np.bool_)
+            else:
+                busy = self.busy
+                out = np.fromiter([r.migratable and r.id not in busy for r in reqs], np.bool_, n)
+            self._columns[name] = out
+        return out
 
 
 @dataclass(slots=True)
@@ -88,6 +130,69 @@ class Settling:
     deadline: float  # the move's own decision deadline: a skewed clock cannot hold it longer
 
 
+def planner_columns(params: PlannerParams) -> tuple[str, ...]:
+    """The :meth:`Seen.column` names a tick in ``params``' mode reads."""
+    kind = params.mode.kind
+    if kind is ModeKind.PREDICTED:
+        return ("tokens", "eligible", "predicted", "trace")
+    if kind is ModeKind.BINS:
+        return ("tokens", "eligible", "predicted")
+    if kind is ModeKind.ORACLE:
+        return ("tokens", "eligible", "true_remaining")
+    return ("tokens", "eligible")
+
+
+@dataclass(frozen=True, slots=True)
+class _Booked:
+    seens: list[Seen]  # the live decode instances, in the planner's order
+    # instance index -> its requests and busy ids, where moves were booked on or off it
+    rebooked: dict[int, tuple[tuple[Request, ...], frozenset[str]]]
+    in_flight: np.ndarray  # bool per instance
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """The planner's input at one tick (:meth:`ClusterView.snapshot`)."""
+
+    arrays: ClusterArrays
+    ids: list[str]  # instance names, one per row of ``arrays``' instances
+    seens: list[Seen]
+    rebooked: dict[int, tuple[tuple[Request, ...], frozenset[str]]]
+
+    def request(self, row: int, source: int) -> tuple[str, int]:
+        """Id and tokens of request ``row`` (of instance ``source``)."""
+        j = row - int(self.arrays.offsets[source])
+        mine = self.rebooked.get(source)
+        r = self.seens[source].report.requests[j] if mine is None else mine[0][j]
+        return r.id, int(r.tokens)
+
+    def unknown_lengths(self) -> set[str]:
+        """Ids of the requests whose true remaining length is not known."""
+        out: set[str] = set()
+        for i, seen in enumerate(self.seens):
+            mine = self.rebooked.get(i)
+            reqs = seen.report.requests if mine is None else mine[0]
+            out.update(r.id for r in reqs if r.true_remaining is None)
+        return out
+
+
+def _columns(requests: tuple[Request, ...], busy: frozenset[str]) -> dict[str, np.ndarray]:
+    """:meth:`Seen.column`'s columns of booked requests (as from_instances reads them)."""
+    n = len(requests)
+    return {
+        "tokens": np.fromiter([r.tokens for r in requests], np.int64, n).astype(np.float64),
+        "predicted": np.fromiter(
+            [_NAN if (v := r.predicted_remaining) is None else v for r in requests],
+            np.float64,
+            n,
+        ),
+        "true_remaining": np.fromiter(
+            [_NAN if (v := r.true_remaining) is None else v for r in requests], np.float64, n
+        ),
+        "eligible": np.fromiter([r.migratable and r.id not in busy for r in requests], np.bool_, n),
+    }
+
+
 @dataclass
 class ClusterView:
     """Latest report per instance plus the migrations in flight."""
@@ -99,6 +204,9 @@ class ClusterView:
     settling: dict[str, Settling] = field(default_factory=dict)  # by request id
     # instance -> ``ts`` of its worker_down (the worker's clock, like Report.ts)
     down: dict[str, float] = field(default_factory=dict)
+    # Columns (Seen.column) each report converts when it is applied, so a tick
+    # only joins them: the scheduler's mode's (planner_columns); others on demand.
+    columns: tuple[str, ...] = ()
 
     # -- inputs ------------------------------------------------------------------
 
@@ -113,7 +221,9 @@ class ClusterView:
         if prev is not None and report.seq < prev.report.seq and report.ts <= prev.report.ts:
             return False  # an old report delivered late (reclaimed entry)
         revived = prev is None or prev.stale
-        self.seen[report.instance] = Seen(report, now)
+        seen = self.seen[report.instance] = Seen(report, now)
+        for name in self.columns:
+            seen.column(name)
         for request, move in list(self.settling.items()):
             if move.decision.source == report.instance and report.ts >= move.ts:
                 del self.settling[request]  # sent after the release: it no longer lists it
@@ -198,25 +308,25 @@ class ClusterView:
             if not s.stale and (role is None or s.report.role == role)
         ]
 
-    def instances(self, params: PlannerParams) -> list[Instance]:
-        """Live decode instances as the planner sees them, in-flight moves booked
+    def _booked(self) -> _Booked:
+        """Live decode instances with the in-flight moves booked
         (:func:`star.planner.flight.book`, the rule the simulator applies too)."""
         seens = [s for s in self.seen.values() if not s.stale and s.report.role == "decode"]
         index = {seen.report.instance: i for i, seen in enumerate(seens)}
-        reported = [r for seen in seens for r in seen.requests]
-        counts = [len(seen.requests) for seen in seens]
+        counts = [len(seen.report.requests) for seen in seens]
         owner = np.repeat(np.arange(len(seens), dtype=np.int64), counts)
         starts = np.zeros(len(seens) + 1, dtype=np.int64)
         np.cumsum(counts, out=starts[1:])
+        reported = int(starts[-1])
         flights: list[InFlight | Settling] = [*self.in_flight.values(), *self.settling.values()]
         sources = [index.get(f.decision.source, -1) for f in flights]
         targets = [index.get(f.decision.target, -1) for f in flights]
         # book() compares a move's request with the rows of its source and target
         # only: rows elsewhere keep key -1, which no move has.
         keys: dict[str, int] = {}  # request id -> the integer book() compares
-        key = np.full(len(reported), -1, dtype=np.int64)
+        key = np.full(reported, -1, dtype=np.int64)
         for i in {*sources, *targets} - {-1}:
-            ids = [r.id for r in seens[i].requests]
+            ids = [r.id for r in seens[i].report.requests]
             key[starts[i] : starts[i + 1]] = [keys.setdefault(rid, len(keys)) for rid in ids]
         booking = book(
             len(seens),
@@ -229,35 +339,48 @@ class ClusterView:
             np.array([isinstance(f, InFlight) for f in flights], dtype=np.bool_),
             offsets=starts,
         )
-        moved: list[RequestLoad | None] = [f.load for f in flights]
-        rebooked = booking.rebooked.tolist()
-        order = booking.rows.tolist() if any(rebooked) else []
-        booked = booking.booked.tolist() if any(rebooked) else []
-        offsets = booking.offsets.tolist()
-        out = []
-        for i, seen in enumerate(seens):
-            report = seen.report
-            requests, busy = seen.requests, seen.busy
-            if rebooked[i]:  # rows taken off it or booked on it (busy: moving in)
-                lo, hi = offsets[i], offsets[i + 1]
+        rebooked: dict[int, tuple[tuple[Request, ...], frozenset[str]]] = {}
+        changed = np.flatnonzero(booking.rebooked).tolist()
+        if changed:  # rows taken off these or booked on them (busy: moving in)
+            moved: list[RequestLoad | None] = [f.load for f in flights]
+            order = booking.rows.tolist()
+            booked = booking.booked.tolist()
+            offsets = booking.offsets.tolist()
+            bounds = starts.tolist()
+            for i in changed:
+                seen = seens[i]
+                busy = seen.busy
                 mine: list[Request] = []
+                lo, hi = offsets[i], offsets[i + 1]
                 for q, b in zip(order[lo:hi], booked[lo:hi], strict=True):
-                    if q < len(reported):  # its own row: book() moves only the moves' rows
-                        mine.append(reported[q])
-                    elif (load := moved[q - len(reported)]) is not None:
+                    if q < reported:  # its own row: book() moves only the moves' rows
+                        j = bisect_right(bounds, q) - 1
+                        mine.append(seens[j].requests[q - bounds[j]])
+                    elif (load := moved[q - reported]) is not None:
                         mine.append(to_request(load, busy=b or load.id in seen.busy))
                         if b:
                             busy = busy | {load.id}
-                requests = tuple(mine)
-            # The worker's pre-simulated trace is only valid when nothing was booked
-            # on or off it and it uses the planner's grid.
-            trace = None
-            if (
-                not rebooked[i]
-                and report.delta == params.delta
-                and len(seen.trace) == params.horizon + 1
-            ):
-                trace = seen.trace
+                rebooked[i] = (tuple(mine), busy)
+        return _Booked(seens, rebooked, booking.in_flight.astype(np.bool_))
+
+    @staticmethod
+    def _trace(seen: Seen, rebooked: bool, params: PlannerParams) -> tuple[float, ...] | None:
+        # The worker's pre-simulated trace is only valid when nothing was booked
+        # on or off it and it uses the planner's grid.
+        report = seen.report
+        if not rebooked and report.delta == params.delta and len(seen.trace) == params.horizon + 1:
+            return seen.trace
+        return None
+
+    def instances(self, params: PlannerParams) -> list[Instance]:
+        """Live decode instances as the planner sees them, in-flight moves booked
+        (:func:`star.planner.flight.book`, the rule the simulator applies too)."""
+        booked = self._booked()
+        out = []
+        for i, seen in enumerate(booked.seens):
+            report = seen.report
+            mine = booked.rebooked.get(i)
+            requests, busy = (seen.requests, seen.busy) if mine is None else mine
             out.append(
                 Instance(
                     id=report.instance,
@@ -265,13 +388,71 @@ class ClusterView:
                     capacity_tokens=report.capacity_tokens,
                     bytes_per_token=report.bytes_per_token,
                     step_time_s=report.step_time_s,
-                    in_flight=bool(booking.in_flight[i]),
+                    in_flight=bool(booked.in_flight[i]),
                     busy=busy,
-                    trace=trace,
+                    trace=self._trace(seen, mine is not None, params),
                     draining=report.draining,
                 )
             )
         return out
+
+    def snapshot(self, params: PlannerParams) -> Snapshot:
+        """What :meth:`instances` holds, as the planner's arrays: equal to
+        ``from_instances(self.instances(params), params)``, built from columns
+        each report converts once instead of from every request object."""
+        booked = self._booked()
+        seens, rebooked = booked.seens, booked.rebooked
+        kind = params.mode.kind
+        names = [name for name in planner_columns(params) if name != "trace"]
+        parts: dict[str, list[np.ndarray]] = {name: [] for name in names}
+        counts = []
+        for i, seen in enumerate(seens):
+            mine = rebooked.get(i)
+            if mine is None:
+                for name in names:
+                    parts[name].append(seen.column(name))
+                counts.append(len(seen.report.requests))
+            else:
+                cols = _columns(*mine)
+                for name in names:
+                    parts[name].append(cols[name])
+                counts.append(len(mine[0]))
+        offsets = np.zeros(len(seens) + 1, dtype=np.intp)
+        np.cumsum(counts, out=offsets[1:])
+        total = int(offsets[-1])
+
+        def joined(name: str, dtype: type) -> np.ndarray:
+            if name not in parts:
+                return np.full(total, np.nan)
+            return np.concatenate(parts[name]) if parts[name] else np.empty(0, dtype)
+
+        reports = [seen.report for seen in seens]
+        draining = np.array([r.draining for r in reports], dtype=np.bool_)
+        traces: np.ndarray | None = None
+        has: np.ndarray | None = None
+        if kind is ModeKind.PREDICTED:
+            points = grid(params).size
+            given = [self._trace(seen, i in rebooked, params) for i, seen in enumerate(seens)]
+            has = np.array([t is not None and len(t) == points for t in given], dtype=np.bool_)
+            if has.any():
+                traces = np.zeros((len(seens), points))
+                rows = np.flatnonzero(has)
+                traces[rows] = np.stack([seens[i].column("trace") for i in rows.tolist()])
+        arrays = ClusterArrays(
+            offsets=offsets,
+            tokens=joined("tokens", np.float64),
+            predicted=joined("predicted", np.float64),
+            true_remaining=joined("true_remaining", np.float64),
+            eligible=joined("eligible", np.bool_),
+            capacity=np.array([r.capacity_tokens for r in reports], dtype=np.float64),
+            bytes_per_token=np.array([r.bytes_per_token for r in reports], dtype=np.float64),
+            step_time_s=np.array([r.step_time_s for r in reports], dtype=np.float64),
+            in_flight=booked.in_flight,
+            traces=traces,
+            has_trace=has if traces is not None else None,
+            draining=draining if draining.any() else None,
+        )
+        return Snapshot(arrays, [r.instance for r in reports], seens, rebooked)
 
     def load_entries(self, workloads: dict[str, float], now_wall: float) -> list[LoadEntry]:
         """The dispatch view for proxies (every live instance, both roles, but draining)."""
@@ -340,6 +521,10 @@ def rebuild(
     view.expire(now)
     return view
 
+
+_NAN = float("nan")
+_TOKENS = attrgetter("tokens")
+_MIGRATABLE = attrgetter("migratable")
 
 # Request(id, tokens, predicted_remaining, true_remaining, generated, migratable),
 # without its frozen __init__'s object.__setattr__ per field.

@@ -15,7 +15,7 @@ its verdict, computed here with numpy from the same prefix tables.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 from typing import Literal
@@ -311,13 +311,39 @@ def plan(instances: Sequence[Instance], params: PlannerParams, *, explain: bool 
     O x U and its :class:`Verdict` (for ``star plan``); the moves are the same.
     """
     validate_params(params)
-    n = len(instances)
-    if n == 0:
+    if not instances:
         return Plan((), {}, 0.0, (), (), 0.0, 0.0)
     arrays = from_instances(instances, params)
+    offsets = arrays.offsets
+
+    def request(row: int, source: int) -> tuple[str, int]:
+        r = instances[source].requests[row - int(offsets[source])]
+        return r.id, int(r.tokens)
+
+    return plan_on(
+        arrays, [inst.id for inst in instances], request, params, instances if explain else None
+    )
+
+
+def plan_on(
+    arrays: ClusterArrays,
+    ids: Sequence[str],
+    request: Callable[[int, int], tuple[str, int]],
+    params: PlannerParams,
+    explain: Sequence[Instance] | None = None,
+) -> Plan:
+    """:func:`plan` on arrays the caller built (the live scheduler's tick).
+
+    ``arrays`` must be what :func:`~star.planner.arrays.from_instances` makes
+    of the instances named ``ids``; ``request(row, source)`` gives the id and
+    tokens of request ``row`` (of instance ``source``). ``explain``: the
+    instances themselves, to list the candidates.
+    """
+    validate_params(params)
+    if not ids:
+        return Plan((), {}, 0.0, (), (), 0.0, 0.0)
     tick = decide(arrays, params)
     decided = tick.plan
-    ids = [inst.id for inst in instances]
     moves: list[Move] = []
     for q, s, t, dv, drain in zip(
         tick.rows.tolist(),
@@ -327,18 +353,23 @@ def plan(instances: Sequence[Instance], params: PlannerParams, *, explain: bool 
         tick.drain.tolist(),
         strict=True,
     ):
-        r = instances[s].requests[q - int(arrays.offsets[s])]
+        rid, tokens = request(q, s)
         reason = DRAIN if drain else BALANCE
         remaining = float(decided.remaining_all[q])
-        moves.append(Move(r.id, ids[s], ids[t], dv, int(r.tokens), remaining, reason))
+        moves.append(Move(rid, ids[s], ids[t], dv, tokens, remaining, reason))
     over, under = decided.overloaded, decided.underloaded
     candidates: tuple[Candidate, ...] = ()
-    if explain and over.any() and under.any() and params.mode.kind is not ModeKind.NO_MIGRATION:
+    if (
+        explain is not None
+        and over.any()
+        and under.any()
+        and params.mode.kind is not ModeKind.NO_MIGRATION
+    ):
         tau = grid(params)
-        cap = np.array([inst.capacity_tokens for inst in instances], dtype=np.float64)
+        cap = np.array([inst.capacity_tokens for inst in explain], dtype=np.float64)
         pre = _Prefix.build(decided.traces, weights(params), tau, cap)
         balance = [m for m in moves if m.reason == BALANCE]
-        candidates = _explain(instances, over, under, pre, params, tau, balance)
+        candidates = _explain(explain, over, under, pre, params, tau, balance)
     return Plan(
         moves=tuple(moves),
         workloads=dict(zip(ids, decided.workloads.tolist(), strict=True)),
