@@ -24,11 +24,10 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from operator import attrgetter
 
 import numpy as np
 
-from star.planner.arrays import ClusterArrays
+from star.planner.arrays import ClusterArrays, planner_columns, request_column
 from star.planner.flight import book
 from star.planner.trace import grid
 from star.planner.types import Instance, ModeKind, Move, PlannerParams, Request
@@ -66,49 +65,18 @@ class Seen:
         """Its requests as the planner's :class:`Request` (one listed in flight: not migratable)."""
         if self._requests is None:
             busy = self.busy
-            make = _request  # to_request, inlined: 64 of them per report
-            self._requests = tuple(
-                [
-                    make(
-                        r.id,
-                        r.tokens,
-                        r.predicted_remaining,
-                        r.true_remaining,
-                        r.generated,
-                        r.migratable and r.id not in busy,
-                    )
-                    for r in self.report.requests
-                ]
-            )
+            self._requests = tuple([to_request(r, r.id in busy) for r in self.report.requests])
         return self._requests
 
     def column(self, name: str) -> np.ndarray:
-        """One of :func:`star.planner.arrays.from_instances`' columns for its requests:
-        ``tokens``, ``predicted``, ``true_remaining`` (NaN: None) or ``eligible``;
-        or ``trace``, its trace as float64."""
+        """Its requests' :func:`~star.planner.arrays.request_column` ``name`` (one
+        listed in flight is not eligible), or ``trace``: its trace as float64."""
         out = self._columns.get(name)
         if out is None:
-            reqs = self.report.requests
-            n = len(reqs)
-            if name == "tokens":
-                out = np.fromiter(map(_TOKENS, reqs), np.int64, n).astype(np.float64)
-            elif name == "predicted":
-                out = np.fromiter(
-                    [_NAN if (v := r.predicted_remaining) is None else v for r in reqs],
-                    np.float64,
-                    n,
-                )
-            elif name == "true_remaining":
-                out = np.fromiter(
-                    [_NAN if (v := r.true_remaining) is None else v for r in reqs], np.float64, n
-                )
-            elif name == "trace":
+            if name == "trace":
                 out = np.array(self.trace, dtype=np.float64)
-            elif not self.busy and all(map(_MIGRATABLE, reqs)):  # nearly always: one C pass
-                out = np.ones(n, dtype=np.bool_)
             else:
-                busy = self.busy
-                out = np.fromiter([r.migratable and r.id not in busy for r in reqs], np.bool_, n)
+                out = request_column(name, self.report.requests, self.busy)
             self._columns[name] = out
         return out
 
@@ -128,18 +96,6 @@ class Settling:
     load: RequestLoad | None
     ts: float
     deadline: float  # the move's own decision deadline: a skewed clock cannot hold it longer
-
-
-def planner_columns(params: PlannerParams) -> tuple[str, ...]:
-    """The :meth:`Seen.column` names a tick in ``params``' mode reads."""
-    kind = params.mode.kind
-    if kind is ModeKind.PREDICTED:
-        return ("tokens", "eligible", "predicted", "trace")
-    if kind is ModeKind.BINS:
-        return ("tokens", "eligible", "predicted")
-    if kind is ModeKind.ORACLE:
-        return ("tokens", "eligible", "true_remaining")
-    return ("tokens", "eligible")
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,23 +130,6 @@ class Snapshot:
             reqs = seen.report.requests if mine is None else mine[0]
             out.update(r.id for r in reqs if r.true_remaining is None)
         return out
-
-
-def _columns(requests: tuple[Request, ...], busy: frozenset[str]) -> dict[str, np.ndarray]:
-    """:meth:`Seen.column`'s columns of booked requests (as from_instances reads them)."""
-    n = len(requests)
-    return {
-        "tokens": np.fromiter([r.tokens for r in requests], np.int64, n).astype(np.float64),
-        "predicted": np.fromiter(
-            [_NAN if (v := r.predicted_remaining) is None else v for r in requests],
-            np.float64,
-            n,
-        ),
-        "true_remaining": np.fromiter(
-            [_NAN if (v := r.true_remaining) is None else v for r in requests], np.float64, n
-        ),
-        "eligible": np.fromiter([r.migratable and r.id not in busy for r in requests], np.bool_, n),
-    }
 
 
 @dataclass
@@ -413,10 +352,10 @@ class ClusterView:
                     parts[name].append(seen.column(name))
                 counts.append(len(seen.report.requests))
             else:
-                cols = _columns(*mine)
+                requests, busy = mine
                 for name in names:
-                    parts[name].append(cols[name])
-                counts.append(len(mine[0]))
+                    parts[name].append(request_column(name, requests, busy))
+                counts.append(len(requests))
         offsets = np.zeros(len(seens) + 1, dtype=np.intp)
         np.cumsum(counts, out=offsets[1:])
         total = int(offsets[-1])
@@ -521,10 +460,6 @@ def rebuild(
     view.expire(now)
     return view
 
-
-_NAN = float("nan")
-_TOKENS = attrgetter("tokens")
-_MIGRATABLE = attrgetter("migratable")
 
 # Request(id, tokens, predicted_remaining, true_remaining, generated, migratable),
 # without its frozen __init__'s object.__setattr__ per field.

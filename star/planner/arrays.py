@@ -18,6 +18,7 @@ from functools import lru_cache
 from itertools import chain
 from operator import attrgetter
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 
@@ -280,6 +281,42 @@ def _floats_or_nan(values: Iterable[float | int | None], count: int) -> FloatArr
     return np.fromiter([_NAN if v is None else v for v in values], np.float64, count)
 
 
+def planner_columns(params: PlannerParams) -> tuple[str, ...]:
+    """The request columns (:func:`request_column`) and ``trace`` that a tick in
+    ``params``' mode reads; the others stay NaN (unknown)."""
+    kind = params.mode.kind
+    if kind is ModeKind.PREDICTED:
+        return ("tokens", "eligible", "predicted", "trace")
+    if kind is ModeKind.BINS:
+        return ("tokens", "eligible", "predicted")
+    if kind is ModeKind.ORACLE:
+        return ("tokens", "eligible", "true_remaining")
+    return ("tokens", "eligible")
+
+
+def request_column(
+    name: str, requests: Sequence[Any], busy: frozenset[str] = frozenset()
+) -> np.ndarray:
+    """One :class:`ClusterArrays` column of ``requests`` (planner :class:`Request`
+    values or reported :class:`~star.wire.RequestLoad` ones: the same fields):
+    ``tokens``; ``predicted`` / ``true_remaining`` (float64, None as NaN, which
+    remaining_of reads as unknown); ``eligible`` (migratable, not in ``busy``)."""
+    n = len(requests)
+    if name == "tokens":
+        # Via int64: numpy converts ints to int64 ~1.6x faster than to float64.
+        return np.fromiter(map(_TOKENS, requests), np.int64, n).astype(np.float64)
+    if name == "predicted":
+        return _floats_or_nan(map(_PREDICTED, requests), n)
+    if name == "true_remaining":
+        return _floats_or_nan(map(_TRUE, requests), n)
+    if name == "eligible":
+        # Nearly every request is migratable: one C-level pass says so, else one per row.
+        if not busy and all(map(_MIGRATABLE, requests)):
+            return np.ones(n, dtype=np.bool_)
+        return np.fromiter([r.migratable and r.id not in busy for r in requests], np.bool_, n)
+    raise ValueError(f"no request column {name!r}")
+
+
 def from_instances(instances: Sequence[Instance], params: PlannerParams) -> ClusterArrays:
     """The arrays of ``instances`` (what :func:`star.planner.plan` hands :func:`plan_arrays`)."""
     groups = [inst.requests for inst in instances]
@@ -288,21 +325,13 @@ def from_instances(instances: Sequence[Instance], params: PlannerParams) -> Clus
     np.cumsum(counts, out=offsets[1:])
     reqs = list(chain.from_iterable(groups))
     total = len(reqs)
-    # Via int64: numpy converts ints to int64 ~1.6x faster than to float64.
-    tokens = np.fromiter(map(_TOKENS, reqs), np.int64, total).astype(np.float64)
-    kind = params.mode.kind
-    predicted = np.full(total, np.nan)
-    true = np.full(total, np.nan)
-    if kind in (ModeKind.PREDICTED, ModeKind.BINS):
-        predicted = _floats_or_nan(map(_PREDICTED, reqs), total)
-    elif kind is ModeKind.ORACLE:
-        # A length not known reads as NaN, which remaining_of reads as unknown.
-        true = _floats_or_nan(map(_TRUE, reqs), total)
-    # Nearly every request is migratable: one C-level pass says so, else one per row.
-    if all(map(_MIGRATABLE, reqs)):
-        eligible = np.ones(total, dtype=np.bool_)
-    else:
-        eligible = np.fromiter(map(_MIGRATABLE, reqs), np.bool_, total)
+    names = planner_columns(params)
+
+    def column(name: str) -> np.ndarray:
+        return request_column(name, reqs) if name in names else np.full(total, np.nan)
+
+    tokens, eligible = column("tokens"), column("eligible")
+    predicted, true = column("predicted"), column("true_remaining")
     for i, inst in enumerate(instances):
         if inst.busy:
             start = int(offsets[i])
@@ -313,7 +342,7 @@ def from_instances(instances: Sequence[Instance], params: PlannerParams) -> Clus
     has: BoolArray | None = None
     draining = np.array([inst.draining for inst in instances], dtype=np.bool_)
     points = grid(params).size
-    if kind is ModeKind.PREDICTED:
+    if "trace" in names:
         has = np.array(
             [inst.trace is not None and len(inst.trace) == points for inst in instances],
             dtype=np.bool_,
