@@ -21,7 +21,7 @@ import json
 import time
 
 from benchmarks.emulated_workers import advance, make_fleet, report_body
-from scheduler.view import ClusterView, planner_columns
+from scheduler.view import ClusterView
 from star.planner.types import PlannerParams
 from star.predictor.live import AccuracyTracker
 from star.process import set_gc_gen0_threshold
@@ -44,11 +44,7 @@ def main() -> None:
     set_gc_gen0_threshold(settings.scheduler.gc_gen0_threshold)  # as the scheduler does
     fleet = make_fleet(args.instances, args.requests, args.step_ms, settings, args.seed)
     params = PlannerParams.from_settings(settings)
-    view = ClusterView(  # as scheduler.service: the columns its mode's ticks read
-        settings.scheduler.staleness_s,
-        settings.scheduler.decision_timeout_s,
-        columns=planner_columns(params),
-    )
+    view = ClusterView.for_scheduler(settings.scheduler, params)  # as scheduler.service
     tracker = AccuracyTracker()
     cpu = {"decode": 0.0, "apply": 0.0, "observe": 0.0}
     timed = 0

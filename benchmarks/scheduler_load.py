@@ -166,7 +166,7 @@ def cpu_costs(args: argparse.Namespace, settings: Settings, ticks: int = 3) -> d
 def _cpu_costs(
     args: argparse.Namespace, settings: Settings, fleet: Any, ticks: int
 ) -> dict[str, float]:
-    from scheduler.view import ClusterView, planner_columns
+    from scheduler.view import ClusterView
     from star.planner.core import plan_on
     from star.planner.types import PlannerParams
     from star.wire import decode_as, encode
@@ -178,7 +178,7 @@ def _cpu_costs(
 
         params = dataclasses.replace(params, mode=Mode.parse(args.mode))
     # As scheduler.service: each report converts the columns its mode's ticks read.
-    view = ClusterView(cfg.staleness_s, cfg.decision_timeout_s, columns=planner_columns(params))
+    view = ClusterView.for_scheduler(cfg, params)
     bodies = [report_body(fleet, inst, time.time())[0] for inst in fleet.instances]
     start = time.process_time()
     for body in bodies:

@@ -22,7 +22,7 @@ import structlog
 
 from scheduler.leader import Leadership
 from scheduler.metrics import SchedulerMetrics
-from scheduler.view import ClusterView, Snapshot, decision_for, planner_columns
+from scheduler.view import ClusterView, Snapshot, decision_for
 from star.bus import TRANSIENT, Bus, BusUnavailable, GroupReader, Outage, Subscriber
 from star.planner.core import plan_on
 from star.planner.types import ModeKind, PlannerParams
@@ -53,11 +53,7 @@ class SchedulerService(Service):
         self.settings = settings
         self.node = node or default_node_name()
         self.params = PlannerParams.from_settings(settings)
-        self.view = ClusterView(
-            settings.scheduler.staleness_s,
-            settings.scheduler.decision_timeout_s,
-            columns=planner_columns(self.params),
-        )
+        self.view = ClusterView.for_scheduler(settings.scheduler, self.params)
         self.metrics = SchedulerMetrics()
         self.accuracy = AccuracyTracker()  # the live predictor's, on /metrics
         self.tick = 0

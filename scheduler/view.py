@@ -31,6 +31,7 @@ from star.planner.arrays import ClusterArrays, planner_columns, request_column
 from star.planner.flight import book
 from star.planner.trace import grid
 from star.planner.types import Instance, ModeKind, Move, PlannerParams, Request
+from star.settings import SchedulerSettings
 from star.wire import Decision, Event, EventKind, LoadEntry, Report, RequestLoad, slot_builder
 
 # Events that end a migration, and whether it moved the request.
@@ -146,6 +147,12 @@ class ClusterView:
     # Columns (Seen.column) each report converts when it is applied, so a tick
     # only joins them: the scheduler's mode's (planner_columns); others on demand.
     columns: tuple[str, ...] = ()
+
+    @classmethod
+    def for_scheduler(cls, cfg: SchedulerSettings, params: PlannerParams) -> ClusterView:
+        """The scheduler's view: its settings' timeouts, converting each report's
+        columns that ``params``' mode reads (:func:`~star.planner.arrays.planner_columns`)."""
+        return cls(cfg.staleness_s, cfg.decision_timeout_s, columns=planner_columns(params))
 
     # -- inputs ------------------------------------------------------------------
 
