@@ -617,21 +617,35 @@ def _slot_setters(cls: type[Any]) -> list[Any] | None:
     return setters
 
 
-def slot_builder(cls: type[T]) -> Callable[..., T]:
-    """``make(*values)``: a ``cls`` from all its field values in order, each set
-    through its slot setter, as the compiled decoders do (a frozen dataclass's
-    ``__init__`` sets each through ``object.__setattr__``: ~2.5x the cost);
-    ``cls`` itself when that does not apply (:func:`_slot_setters`)."""
+def _build_lines(cls: type[Any], ns: dict[str, Any], ind: str) -> list[str]:
+    """Generated lines that return a ``cls`` from locals ``a0, a1, ...`` (all its
+    field values in order): each set through its slot setter where
+    :func:`_slot_setters` allows (a frozen dataclass's ``__init__`` sets each
+    through ``object.__setattr__``: ~2.5x the cost; 678 -> 406 ns for a
+    RequestLoad, 64 of them in each report), else ``cls(...)``. ``ns`` gets the
+    names the lines use."""
     setters = _slot_setters(cls)
+    ns["cls"] = cls
     if setters is None:
-        return cls
-    args = ", ".join(f"a{i}" for i in range(len(setters)))
-    ns: dict[str, Any] = {"_new": object.__new__, "cls": cls}
-    lines = [f"def make({args}):", "    o = _new(cls)"]
+        args = ", ".join(f"a{i}" for i in range(len(dataclasses.fields(cls))))
+        return [f"{ind}return cls({args})"]
+    ns["_new"] = object.__new__
+    lines = [f"{ind}o = _new(cls)"]
     for i, setter in enumerate(setters):
         ns[f"_set{i}"] = setter
-        lines.append(f"    _set{i}(o, a{i})")
-    lines.append("    return o")
+        lines.append(f"{ind}_set{i}(o, a{i})")
+    return [*lines, f"{ind}return o"]
+
+
+def slot_builder(cls: type[T]) -> Callable[..., T]:
+    """``make(*values)``: a ``cls`` from all its field values in order, built as
+    the compiled decoders build it (:func:`_build_lines`); ``cls`` itself when
+    its slots cannot be set directly."""
+    if _slot_setters(cls) is None:
+        return cls
+    ns: dict[str, Any] = {}
+    args = ", ".join(f"a{i}" for i in range(len(dataclasses.fields(cls))))
+    lines = [f"def make({args}):", *_build_lines(cls, ns, "    ")]
     exec("\n".join(lines), ns)  # code generated from the fields above
     return ns["make"]  # type: ignore[no-any-return]
 
@@ -667,18 +681,7 @@ def _compile(cls: type[Any]) -> Any:
         ]
         lines += _convert(f.tp, "x", f"a{i}", "        ", ns)
     lines.append("    if len(d) != n: raise _Reject  # an unknown field")
-    setters = _slot_setters(cls)
-    if setters is None:
-        lines.append(f"    return cls({', '.join(f'a{i}' for i in range(len(defaults)))})")
-    else:
-        # What the frozen __init__ would do, without its object.__setattr__ per
-        # field (678 -> 406 ns for a RequestLoad; 64 of them in each report).
-        ns["_new"] = object.__new__
-        lines.append("    o = _new(cls)")
-        for i, setter in enumerate(setters):
-            ns[f"_set{i}"] = setter
-            lines.append(f"    _set{i}(o, a{i})")
-        lines.append("    return o")
+    lines += _build_lines(cls, ns, "    ")
     exec("\n".join(lines), ns)  # code generated from the schema above
     _DECODERS[cls] = ns["decode"]
     return ns["decode"]
