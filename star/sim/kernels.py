@@ -155,7 +155,6 @@ def prediction_points(
     return points, moved
 
 
-@jit
 def predict(
     idx: IntArray,
     generated: IntArray,
@@ -172,30 +171,21 @@ def predict(
     s0: float,
     s_min: float,
     max_output: float,
-) -> FloatArray:  # pragma: no cover - compiled
+) -> FloatArray:
     """R-hat of each running request now: the noisy prediction made at its last
     prediction point, minus the tokens generated since.
 
     :meth:`star.sim.predictor.NoiseState.advance` (the exact OU transition,
     ``eps`` one normal per request that moves, in row order) followed by
     :func:`star.sim.predictor.noisy_estimate`, fused.
+
+    :func:`predict_tabled` without tables: every value computed as it comes.
     """
-    out = np.empty(idx.size)
-    c = 0
-    for q in range(idx.size):
-        r = idx[q]
-        p = points[q]
-        gap = p - noise_at[r]
-        if gap > 0:
-            rho = math.exp(-gap / correlation)
-            z[r] = rho * z[r] + math.sqrt(1.0 - rho * rho) * eps[c]
-            c += 1
-            noise_at[r] = p
-        est = _estimate(
-            float(output[r] - p), float(p), z[r], prior, prior_step, w0, decay_tokens, s0,
-            s_min, max_output,
-        )  # fmt: skip
-        out[q] = max(est - float(generated[q] - p), 1.0)
+    none = np.empty(0)
+    out: FloatArray = predict_tabled(
+        idx, generated, points, eps, z, noise_at, output, 1, none, none, none, none, none,
+        none, correlation, prior, prior_step, w0, decay_tokens, s0, s_min, max_output,
+    )  # fmt: skip
     return out
 
 
@@ -263,9 +253,9 @@ def predict_tabled(
     s_min: float,
     max_output: float,
 ) -> FloatArray:  # pragma: no cover - compiled
-    """:func:`predict` with :func:`prediction_tables` (same bits, one exp per
-    request instead of six transcendental calls); a point or gap off the
-    tables is computed as :func:`predict` does."""
+    """:func:`predict`'s R-hat, read from :func:`prediction_tables` where a point
+    or gap is on them (same bits, one exp per request instead of six
+    transcendental calls) and computed directly where it is not."""
     out = np.empty(idx.size)
     c = 0
     for q in range(idx.size):
@@ -306,10 +296,6 @@ def warm() -> float:
     idx = np.array([0, 1], dtype=np.int64)
     running_rows(idx, ints, ints, ints, ints, ints * 10)
     points, moved = prediction_points(idx, ints * 25, 20, np.zeros(2, dtype=np.int64))
-    predict(
-        idx, ints * 25, points, np.ones(moved), np.zeros(2), np.zeros(2, dtype=np.int64),
-        ints * 100, 1000.0, one, 128.0, 0.3, 1e4, 0.5, 0.05, 32768.0,
-    )  # fmt: skip
     tables = prediction_tables(20, 100, 1000.0, one, 128.0, 0.3, 1e4, 0.5, 0.05)
     predict_tabled(
         idx, ints * 25, points, np.ones(moved), np.zeros(2), np.zeros(2, dtype=np.int64),
