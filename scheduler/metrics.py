@@ -25,6 +25,13 @@ class SchedulerMetrics:
             buckets=TICK_BUCKETS,
             registry=self.registry,
         )
+        self.gc_seconds = Histogram(
+            "star_scheduler_gc_seconds",
+            "Garbage collections, run right after a tick (star.process.SafePointCollector), by generation",
+            ["generation"],
+            buckets=TICK_BUCKETS,
+            registry=self.registry,
+        )
         self.decisions = Counter(
             "star_scheduler_decisions",
             "Migration decisions by mode and outcome (decided, completed, aborted, refused, expired, finished)",

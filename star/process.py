@@ -85,6 +85,38 @@ def set_gc_gen0_threshold(threshold: int) -> tuple[int, int, int]:
     return gc.get_threshold()
 
 
+class SafePointCollector:
+    """The garbage collector at the caller's safe points only.
+
+    The interpreter collects whenever an allocation crosses a threshold,
+    wherever the program is: in the scheduler that was in the middle of a
+    tick (a young collection of ~50,000 objects took 45-240 ms on this
+    2-core machine under load). Constructed, it turns automatic collection
+    off; :meth:`collect_due` then runs the collection the interpreter would
+    have run by now (the oldest generation whose count passed its
+    threshold), so the cost is the same and only its moment moves: the
+    scheduler calls it right after each tick, when the next one is furthest
+    away. Counting goes on while automatic collection is off.
+    """
+
+    def __init__(self) -> None:
+        self.thresholds = gc.get_threshold()
+        gc.disable()
+
+    def collect_due(self) -> int | None:
+        """Collect the oldest generation that is due; returns it, or None."""
+        counts = gc.get_count()
+        for generation in (2, 1, 0):
+            if self.thresholds[generation] and counts[generation] > self.thresholds[generation]:
+                gc.collect(generation)
+                return generation
+        return None
+
+    def close(self) -> None:
+        """Automatic collection back on."""
+        gc.enable()
+
+
 def watchdog_interval(env: Mapping[str, str] | None = None) -> float | None:
     """Half the systemd watchdog interval in seconds, if one is configured for us."""
     env = os.environ if env is None else env

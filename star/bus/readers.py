@@ -4,6 +4,7 @@ outages of any length when iterated."""
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import time
 from collections.abc import AsyncIterator
@@ -72,6 +73,10 @@ class GroupReader:
         return await self.bus.retrying(f"XREADGROUP {self.key}", lambda: self._read_once(block_ms))
 
     async def _read_once(self, block_ms: int | None) -> list[Entry]:
+        return await self._accept(await self._read_raw(block_ms))
+
+    async def _read_raw(self, block_ms: int | None) -> list[Any]:
+        """Next batch of undecoded ``(id, fields)`` rows."""
         if not self._group_ready:
             await self._ensure_group()
         cfg = self.bus.settings
@@ -82,7 +87,7 @@ class GroupReader:
                 )
                 batch = first_stream_rows(rows)
                 if batch:
-                    return await self._accept(batch)
+                    return batch
                 self._backlog = False
             now = time.monotonic()
             if now - self._last_claim >= cfg.claim_idle_ms / 4000:
@@ -98,7 +103,7 @@ class GroupReader:
                 self._claim_cursor = as_str(cursor)
                 if claimed:
                     log.info("stale_entries_reclaimed", stream=self.key, count=len(claimed))
-                    return await self._accept(claimed)
+                    return list(claimed)
             rows = await self.bus.redis.xreadgroup(
                 self.group,
                 self.consumer,
@@ -117,7 +122,7 @@ class GroupReader:
             # After a reconnect our own pending entries come first again.
             self._backlog = True
             raise
-        return await self._accept(first_stream_rows(rows))
+        return first_stream_rows(rows)
 
     async def _accept(self, batch: list[Any]) -> list[Entry]:
         """Decode a batch; bad entries are dead-lettered and acknowledged at once."""
@@ -158,23 +163,62 @@ class GroupReader:
         caller breaks out of stays pending and is reclaimed after
         ``claim_idle_ms``. Cancelling the iterating task ends it.
         """
-        outage = Outage(
+        outage = self._outage()
+        async for rows in self._raw_batches(outage):
+            entries = await self._decode(rows, outage)
+            if entries:
+                yield entries
+
+    async def chunks(self, size: int) -> AsyncIterator[list[Entry]]:
+        """As ``async for batch in reader``, but each batch is decoded and
+        handed over ``size`` entries at a time, with a turn of the event loop
+        before every chunk after a batch's first: a consumer of a busy stream
+        never holds the loop for a whole batch (decoding a report costs
+        ~0.1 ms, a batch up to ``bus.read_count`` of them), so the scheduler's
+        ticks and lock renewals wait for one chunk at most."""
+        outage = self._outage()
+        async for rows in self._raw_batches(outage):
+            for start in range(0, len(rows), size):
+                if start:
+                    await asyncio.sleep(0)
+                entries = await self._decode(rows[start : start + size], outage)
+                if entries:
+                    yield entries
+
+    def _outage(self) -> Outage:
+        return Outage(
             "stream_unreadable", "stream_readable_again", stream=self.key, group=self.group
         )
+
+    async def _decode(self, rows: list[Any], outage: Outage) -> list[Entry]:
+        """Decode rows; an undecodable one is dead-lettered, through outages."""
+        while True:
+            try:
+                return await self.bus.retrying(
+                    f"dead-letter {self.key}", lambda: self._accept(rows)
+                )
+            except BusUnavailable as exc:
+                outage.down(exc)
+
+    async def _raw_batches(self, outage: Outage) -> AsyncIterator[list[Any]]:
+        """Non-empty undecoded batches, through outages; each acknowledged
+        (every id, decodable or not) when the next one is asked for."""
         unacked: list[str] = []
         while True:
             try:
                 if unacked:
                     await self.ack(*unacked)
                     unacked = []
-                batch = await self.read()
+                rows = await self.bus.retrying(
+                    f"XREADGROUP {self.key}", lambda: self._read_raw(None)
+                )
             except BusUnavailable as exc:
                 outage.down(exc)
                 continue
             outage.up()
-            if batch:
-                unacked = [e.id for e in batch]
-                yield batch
+            if rows:
+                unacked = [as_str(i) for i, _ in rows]
+                yield rows
 
 
 class Subscriber:

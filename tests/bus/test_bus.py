@@ -72,6 +72,55 @@ async def test_group_reader_acks_and_never_redelivers(bus: Bus) -> None:
     assert await again.pending() == 0
 
 
+async def test_chunks_decode_lazily_let_the_loop_run_between_and_ack_per_batch(
+    bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ids = [await bus.publish("decisions", decision(i)) for i in range(10)]
+    await bus.redis.xadd(bus.keys.decisions, {"kind": "decision", "body": b"\xc1 bad"})
+    ids.append(await bus.publish("decisions", decision(10)))
+    decoded = 0  # entries decoded so far, good or bad
+    decode_fields = bus.decode_fields
+
+    def counting(*args: object) -> object:
+        nonlocal decoded
+        decoded += 1
+        return decode_fields(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(bus, "decode_fields", counting)
+    turns = 0  # how often another task got the loop
+
+    async def other() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            await asyncio.sleep(0)
+
+    reader = GroupReader(bus, "decisions", "g", "c", Decision)
+    chunks = reader.chunks(4)
+    task = asyncio.create_task(other())
+    try:
+        seen: list[tuple[list[str], int, int]] = []  # (ids, decoded, turns) per chunk
+        async for chunk in chunks:
+            seen.append(([e.id for e in chunk], decoded, turns))
+            if len(seen) == 3:
+                break
+        assert [ids for ids, _, _ in seen] == [ids[:4], ids[4:8], ids[8:]]  # the bad one left out
+        assert [n for _, n, _ in seen] == [4, 8, 12]  # each chunk decoded when it is reached
+        assert seen[0][2] < seen[1][2] < seen[2][2]  # the other task ran between chunks
+        assert await bus.redis.xlen(bus.keys.dead) == 1
+        assert await reader.pending() == 11  # good entries wait for the whole batch
+    finally:
+        task.cancel()
+    # Asking for the next batch acknowledges this one.
+    more = asyncio.ensure_future(anext(chunks))
+    for _ in range(100):
+        if await reader.pending() == 0:
+            break
+        await asyncio.sleep(0.01)
+    more.cancel()
+    assert await reader.pending() == 0
+
+
 async def test_stale_pending_entries_are_reclaimed(bus: Bus) -> None:
     fast = bus_settings(prefix=bus.keys.prefix, claim_idle_ms=50, block_ms=50)
     b2 = Bus(bus.redis, fast, bus.redis_settings)

@@ -14,7 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from star.process import Service, sd_notify, set_gc_gen0_threshold, watchdog_interval
+from star.process import (
+    SafePointCollector,
+    Service,
+    sd_notify,
+    set_gc_gen0_threshold,
+    watchdog_interval,
+)
 
 
 def start(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
@@ -183,3 +189,34 @@ def test_gc_gen0_threshold_raises_young_collections_only() -> None:
         assert set_gc_gen0_threshold(0) == (50_000, 10, 10)  # 0 leaves it as it is
     finally:
         gc.set_threshold(*before)
+
+
+def test_safe_point_collector_runs_only_when_asked_what_is_due() -> None:
+    before = gc.get_threshold()
+    collections: list[int] = []
+
+    def seen(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            collections.append(info["generation"])
+
+    gc.set_threshold(1_000, 10, 10)
+    gc.collect()
+    collector = SafePointCollector()
+    gc.callbacks.append(seen)
+    try:
+        assert not gc.isenabled()
+        assert collector.collect_due() is None  # nothing allocated yet
+        kept = [[] for _ in range(5_000)]  # far past the young threshold
+        assert collections == []  # the interpreter did not collect by itself
+        assert collector.collect_due() == 0 and collections == [0]
+        assert collector.collect_due() is None  # the count starts again
+        for _ in range(11):  # ten young collections make the middle one due
+            kept += [[] for _ in range(1_100)]
+            gc.collect(0)
+        collections.clear()
+        assert collector.collect_due() == 1 and collections == [1]
+    finally:
+        gc.callbacks.remove(seen)
+        collector.close()
+        gc.set_threshold(*before)
+    assert gc.isenabled()
