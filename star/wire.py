@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
 import msgpack
+import msgspec
 
 SCHEMA_VERSION = 1
 MAX_FRAME_BYTES = 64 * 1024 * 1024
@@ -715,8 +716,126 @@ def decode_plain(data: Any, expect: type[M] | tuple[type[M], ...] | None = None)
         return _build(cls, data, cls.KIND, skip=_HEADER)  # type: ignore[no-any-return]
 
 
+# -- the fast path: msgspec ---------------------------------------------------------
+#
+# msgspec decodes msgpack straight into the dataclasses (~4x faster than
+# unpacking to dicts and building them: 54 against 194 us for a 64-request
+# Report), type-checked as strictly as :func:`_check` (ints for floats are
+# converted, bools are not numbers), but it skips unknown keys. So a second
+# msgspec pass reads only the keys, into generated Structs that forbid unknown
+# fields and leave every value unread (``msgspec.Raw``) but nested messages'
+# maps; it also yields the header (``v``, and ``k`` as the Struct's tag). Both
+# passes: ~85 us. Whatever either pass refuses goes to the strict path below,
+# which decides: the same message, or the typed error with its message.
+
+
+def _keys_type(tp: Any) -> Any:
+    """What the keys pass reads for a field of type ``tp``: nested messages'
+    keys (through lists, optionals and map values), ``Raw`` elsewhere."""
+    if dataclasses.is_dataclass(tp):
+        return _keys_struct(tp, top=False)  # type: ignore[arg-type]
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    inner: Any = msgspec.Raw
+    if origin is list:
+        inner = _keys_type(args[0])
+        return msgspec.Raw if inner is msgspec.Raw else list[inner]
+    if origin is dict:
+        inner = _keys_type(args[1])
+        return msgspec.Raw if inner is msgspec.Raw else dict[str, inner]
+    if origin in {types.UnionType, typing.Union}:
+        others = [a for a in args if a is not type(None)]
+        nested = [_keys_type(a) for a in others]
+        if all(n is msgspec.Raw for n in nested):
+            return msgspec.Raw
+        if len(others) == 1 and len(args) == 2:
+            return nested[0] | None
+        raise TypeError(f"wire schema: a union of messages is not supported: {tp!r}")
+    return msgspec.Raw
+
+
+_KEYS: dict[tuple[type[Any], bool], type[msgspec.Struct]] = {}
+
+
+def _keys_struct(cls: type[Any], top: bool) -> type[msgspec.Struct]:
+    """A Struct with ``cls``'s field names that forbids any other key; ``top``:
+    also the header, ``v`` as a field and ``k`` as the tag (the message kind)."""
+    cached = _KEYS.get((cls, top))
+    if cached is None:
+        fields: list[tuple[str, Any, Any]] = [
+            (f.name, _keys_type(f.tp), None) for f in _schema(cls)
+        ]
+        if top:
+            fields.append(("v", int | None, None))
+        cached = msgspec.defstruct(
+            f"_{cls.__name__}Keys",
+            fields,
+            forbid_unknown_fields=True,
+            gc=False,
+            **({"tag_field": "k", "tag": cls.KIND} if top else {}),
+        )
+        _KEYS[(cls, top)] = cached
+    return cached
+
+
+_KEYS_OF: dict[type[msgspec.Struct], type[Message]] = {
+    _keys_struct(cls, top=True): cls for cls in _BY_KIND.values()
+}
+_READ_KEYS = msgspec.msgpack.Decoder(typing.Union[tuple(_KEYS_OF)])  # noqa: UP007 (a runtime tuple)
+
+
+def _all_read(expect: Any) -> bool:
+    return isinstance(expect, tuple) and all(cls in _READ for cls in expect)
+
+
+def _holds_any(tp: Any) -> bool:
+    """Whether a value of type ``tp`` may hold ``Any``: msgspec decodes such
+    values its own way (msgpack extensions, timestamps, non-str keys)."""
+    if tp is Any:
+        return True
+    if dataclasses.is_dataclass(tp):
+        return any(_holds_any(f.tp) for f in _schema(tp))  # type: ignore[arg-type]
+    return any(_holds_any(a) for a in typing.get_args(tp))
+
+
+# Messages with ``Any`` in them (Event.data, Handoff's KV parameters) take the
+# strict path only.
+_READ: dict[type[Message], msgspec.msgpack.Decoder[Any]] = {
+    cls: msgspec.msgpack.Decoder(cls) for cls in _BY_KIND.values() if not _holds_any(cls)
+}
+
+
+def _decode_fast(raw: bytes, expect: type[M] | tuple[type[M], ...] | None) -> Message | None:
+    """The message, or None where the strict path must decide (it raises, or
+    takes what msgspec does not: nothing it accepts is refused here). Tried
+    only where every expected class has a reader (a Report from the bus, yes;
+    a token-protocol frame, which may be Tokens or Generate, no)."""
+    if expect is None or (expect not in _READ and not _all_read(expect)):
+        return None
+    try:
+        keys = _READ_KEYS.decode(raw)
+        cls = _KEYS_OF[type(keys)]
+        read = _READ.get(cls)
+        if read is None or keys.v != SCHEMA_VERSION:
+            return None
+        if (
+            expect is not None
+            and cls is not expect
+            and (not isinstance(expect, tuple) or cls not in expect)
+        ):
+            return None
+        return read.decode(raw)  # type: ignore[no-any-return]
+    except Exception:  # msgspec's errors, and e.g. UnicodeDecodeError: the strict path says
+        return None
+
+
 def decode(raw: bytes, expect: type[M] | tuple[type[M], ...] | None = None) -> Message:
     """Decode one message from msgpack bytes (strict; raises :class:`WireError`)."""
+    msg = _decode_fast(raw, expect)
+    return msg if msg is not None else _decode_strict(raw, expect)
+
+
+def _decode_strict(raw: bytes, expect: type[M] | tuple[type[M], ...] | None) -> Message:
     try:
         data = msgpack.unpackb(raw, raw=False, strict_map_key=False)
     except Exception as exc:  # msgpack raises several unrelated types

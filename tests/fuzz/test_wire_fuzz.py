@@ -160,6 +160,54 @@ def mutated_bytes(draw: st.DrawFn) -> bytes:
     return bytes(raw)
 
 
+def test_msgspec_path_accepts_only_what_the_strict_path_builds_the_same() -> None:
+    """Where msgspec decodes a message (``wire._decode_fast``, for a class
+    expected alone), the strict path builds the same message, field types
+    included (compared as reprs: an int where a float belongs would show);
+    a valid map of such a class never needs the strict path; and the two
+    passes refuse what the strict path refuses (unknown keys at any depth, a
+    wrong version, another kind than expected)."""
+    tally = Tally("wire msgspec path vs the strict path")
+
+    def run(raw: bytes, valid: bool) -> str:
+        try:
+            kind = msgpack.unpackb(raw, raw=False, strict_map_key=False).get("k")
+        except Exception:
+            kind = None
+        cls = wire._BY_KIND.get(kind) if isinstance(kind, str) else None
+        expect = cls if cls in wire._READ else wire.Report
+        fast = wire._decode_fast(raw, expect)
+        try:
+            strict: str = repr(wire._decode_strict(raw, expect))
+        except WireError as exc:
+            assert fast is None, f"msgspec took what the strict path refuses: {exc}"
+            return "refused by both"
+        if fast is None:
+            assert not (valid and cls in wire._READ), f"a valid {kind} map missed the fast path"
+            return "strict path only"
+        assert repr(fast) == strict
+        return "decoded by both"
+
+    cases = (
+        VALID_MAPS.map(lambda d: (_pack(d), True))
+        | broken_map().map(lambda d: (_pack(d), False))
+        | st.builds(
+            _nested_broken,
+            message_map(wire.Report),
+            broken_map(plain_map(wire.RequestLoad)),
+        ).map(lambda d: (_pack(d), False))
+        | mutated_bytes().map(lambda b: (b, False))
+        | st.binary(max_size=64).map(lambda b: (b, False))
+    )
+
+    @FUZZ
+    @given(cases)
+    def check(case: tuple[bytes, bool]) -> None:
+        tally.run(lambda: run(*case))
+
+    run_fuzz(tally, check)
+
+
 def test_decode_mutated_encodings() -> None:
     tally = Tally("wire.decode mutated bytes")
 
