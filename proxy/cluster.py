@@ -37,6 +37,7 @@ from proxy.backend import (
 from proxy.decode_run import DecodeRun, Migrator
 from proxy.upstream import ConnectionLost, Stream, WorkerClient, WorkerPool
 from star.bus import Bus, BusUnavailable, Outage, Subscriber
+from star.planner.dispatch import OutputMean, booking
 from star.sampling import migration_blocker
 from star.settings import DISPATCH_POLICIES
 from star.wire import Abort, Error, Event, EventKind, Generate, Report, Tokens
@@ -92,9 +93,14 @@ def choose(policy: str, members: list[Member], pending: dict[str, int], rr: int)
 class Directory:
     """Live instances from ``<prefix>:load`` (preferred) or ``<prefix>:reports``."""
 
-    def __init__(self, bus: Bus, staleness_s: float) -> None:
+    def __init__(self, bus: Bus, staleness_s: float, charge: str = "expected") -> None:
         self.bus = bus
         self.staleness_s = staleness_s
+        # What a current-load decode dispatch books until the instance's next
+        # view (proxy.dispatch_charge; star.planner.dispatch.booking), and the
+        # output lengths of the requests this proxy saw finish.
+        self.charge = charge
+        self.outputs = OutputMean()
         self._reports: dict[str, tuple[float, Report]] = {}
         self._load: dict[str, tuple[float, Member]] = {}
         self._pending: dict[str, int] = {}
@@ -221,8 +227,16 @@ class Directory:
                 f"no {role} instance is up (no fresh reports on {self.bus.keys.reports})"
             )
         member = choose(policy, members, self._pending, next(self._rr))
-        self._pending[member.instance] = self._pending.get(member.instance, 0) + tokens
+        booked = tokens
+        if role == "decode" and policy == "current-load":
+            booked = round(booking(tokens, self.charge, self.outputs))
+        self._pending[member.instance] = self._pending.get(member.instance, 0) + booked
         return member
+
+    def finished(self, output_tokens: int) -> None:
+        """A request ended at its natural length (stop or length): what the
+        ``expected`` booking expects of the next ones."""
+        self.outputs.add(output_tokens)
 
     def mark_down(self, address: str, for_s: float = 2.0) -> None:
         """Avoid an instance that refused a connection for a little while."""
@@ -378,6 +392,8 @@ class ClusterBackend:
         finally:
             self.runs.pop(req.request_id, None)
             self.migrator.finished_request(req.request_id)
+            if outcome in ("stop", "length"):
+                self.directory.finished(len(run.generated))
             self._emit(
                 Event.now(
                     EventKind.FINISHED,

@@ -51,7 +51,9 @@ class ProxyService(Service):
         )
         self.bus = Bus.from_settings(self.settings.redis, self.settings.bus)
         await self.bus.retrying("PING", self.bus.redis.ping)
-        self.directory = Directory(self.bus, self.settings.scheduler.staleness_s)
+        self.directory = Directory(
+            self.bus, self.settings.scheduler.staleness_s, self.settings.proxy.dispatch_charge
+        )
         backend = ClusterBackend(
             self.directory,
             self.pool,

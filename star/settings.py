@@ -100,6 +100,7 @@ def _opt(default: Any, help: str, check: Check | None = None, secret: bool = Fal
 
 
 DISPATCH_POLICIES = ("round-robin", "current-load", "predicted")
+DISPATCH_CHARGES = ("expected", "prompt")  # star.planner.dispatch.booking says what each books
 
 
 # -- the areas ----------------------------------------------------------------
@@ -212,6 +213,7 @@ class ProxySettings:
     max_body_bytes: int = _opt(4 * 1024 * 1024, "larger bodies get 413", positive)
     max_streams: int = _opt(2048, "concurrent requests; more get 429", positive)
     dispatch: str = _opt("current-load", "P->D policy while no scheduler publishes one (a leader's scheduler.dispatch wins)", one_of(*DISPATCH_POLICIES))
+    dispatch_charge: str = _opt("expected", "what a current-load dispatch books on its decode instance until the next load view: expected (the prompt plus the mean output length of the requests this proxy saw finish: no herd onto one instance between views) or prompt (the prompt alone)", one_of(*DISPATCH_CHARGES))
     drain_timeout_s: float = _opt(30.0, "on SIGTERM, wait this long for open streams", positive)
     write_stall_timeout_s: float = _opt(60.0, "cut a stream whose client leaves the proxy's write buffer for it full this long (a client that stopped reading)", positive)
 

@@ -25,7 +25,7 @@ import numpy.typing as npt
 
 from star.planner import Instance, ModeKind, Request
 from star.planner.core import decide
-from star.planner.dispatch import choose_decode, least_loaded
+from star.planner.dispatch import OutputMean, booking, choose_decode, least_loaded
 from star.planner.trace import grid, weights
 from star.sim.config import SimConfig
 from star.sim.decode import duration, steps_until
@@ -105,6 +105,13 @@ class Simulator:
         self.completions = 0  # finish events (each request exactly once)
         self.view: list[Instance] = []
         self.view_load: FloatArray | None = None
+        # current-load dispatch: output lengths finished (what cfg.dispatch_charge
+        # "expected" books), their mean as of the last view, and the herd: new
+        # requests per instance since the last view, and per view the most one took.
+        self.outputs = OutputMean()
+        self.view_outputs = OutputMean()
+        self.view_hits = np.zeros(config.decode_instances, dtype=np.int64)
+        self.herd: list[int] = []
         self.beta = weights(self.params)
         self.tau = grid(self.params)
 
@@ -210,6 +217,7 @@ class Simulator:
         for r in f.running[i]:
             if finish_step[r] <= s:
                 req.finish[r] = now
+                self.outputs.add(int(req.output[r]))
                 retired += 1
                 f.tokens_base_sum[i] -= int(tokens_base[r])
                 req.instance[r] = -1
@@ -340,6 +348,7 @@ class Simulator:
         self.tokens_generated += 1
         if int(req.output[r]) <= 1:
             req.finish[r] = now
+            self.outputs.add(int(req.output[r]))
             self.open -= 1
             self.completions += 1
             return
@@ -490,6 +499,10 @@ class Simulator:
             self.view = snap.instances()
         else:
             self.view_load = snap.loads + snap.booked
+            self.herd.append(int(self.view_hits.max()))
+            self.view_hits[:] = 0
+            self.view_outputs.count = self.outputs.count
+            self.view_outputs.total = self.outputs.total
 
     def _dispatch(self, r: int, now: float) -> int:
         """P->D dispatch on the current load view (:func:`choose_decode`, or for
@@ -512,7 +525,8 @@ class Simulator:
             load = self.view_load
             assert load is not None
             i = least_loaded(load, fleet.capacity, tokens)
-            load[i] += tokens
+            load[i] += booking(tokens, self.cfg.dispatch_charge, self.view_outputs)
+            self.view_hits[i] += 1
             return i
         if not self.view:
             self._refresh_view(Snapshot(self, now))
@@ -598,6 +612,11 @@ class Simulator:
                 "planner_calls": self.planner_calls,
                 "ticks": self.ticks,
                 "dispatch": cfg.dispatch,
+                "dispatch_charge": cfg.dispatch_charge,
+                # the most new requests one instance took between two views:
+                # mean over views, and the largest
+                "herd_mean": float(np.mean(self.herd)) if self.herd else 0.0,
+                "herd_max": max(self.herd, default=0),
                 "rate_rps": cfg.rate,
                 "prefill_instances": cfg.prefills,
             }

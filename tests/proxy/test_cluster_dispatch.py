@@ -187,3 +187,27 @@ async def test_the_policy_travels_through_redis_beside_the_load_view(bus: Bus) -
     b = ClusterBackend(fresh, Pool(set()), "current-load", "test")  # type: ignore[arg-type]
     assert (await b.pick_decode(10)).instance == "decode-0"
     assert await bus.redis.get(bus.keys.dispatch) is None
+
+
+@pytest.mark.parametrize(("charge", "second"), [("expected", "decode-1"), ("prompt", "decode-0")])
+def test_a_decode_dispatch_books_its_expected_footprint_until_the_next_view(
+    charge: str, second: str
+) -> None:
+    # Between two views the least loaded instance would take every request
+    # (a herd): booked at its prompt plus the mean output seen so far, one
+    # request already outweighs decode-1's lead.
+    bus = SimpleNamespace(keys=SimpleNamespace(reports="t:reports"))
+    directory = Directory(bus, staleness_s=60, charge=charge)  # type: ignore[arg-type]
+    for r in (report("decode-0", used=0), report("decode-1", used=1000)):
+        directory._reports[r.instance] = (time.monotonic(), r)
+    directory.finished(1500)
+    directory.finished(2500)  # mean output: 2,000 tokens
+    assert directory.pick("decode", "current-load", 10).instance == "decode-0"
+    assert directory._pending["decode-0"] == (2010 if charge == "expected" else 10)
+    assert directory.pick("decode", "current-load", 10).instance == second
+    # A prefill pick books the prompt alone (its KV leaves with the handoff).
+    prefill = Directory(bus, staleness_s=60, charge=charge)  # type: ignore[arg-type]
+    prefill._reports["prefill-0"] = (time.monotonic(), report("prefill-0", role="prefill"))
+    prefill.finished(2000)
+    prefill.pick("prefill", "current-load", 10)
+    assert prefill._pending["prefill-0"] == 10

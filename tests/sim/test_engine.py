@@ -329,6 +329,23 @@ def test_every_dispatch_policy_runs_and_conserves(dispatch: str) -> None:
     assert sim.tokens_generated == int(log.output.sum())
 
 
+def test_booking_the_expected_footprint_shrinks_the_herd_between_views() -> None:
+    # current-load on a view refreshed once a tick: booked at the prompt
+    # alone, the least loaded instance takes the tick's arrivals until their
+    # prompts catch up; booked at prompt + the mean output finished so far,
+    # fewer requests land on one instance between two views.
+    rows = {
+        charge: simulate(
+            SimConfig(
+                decode_instances=256, duration_s=300.0, mode="no-migration", dispatch_charge=charge
+            )
+        ).row
+        for charge in ("prompt", "expected")
+    }
+    assert rows["expected"]["herd_mean"] < 0.7 * rows["prompt"]["herd_mean"], rows
+    assert rows["expected"]["herd_max"] < rows["prompt"]["herd_max"], rows
+
+
 def test_round_robin_spreads_requests_evenly() -> None:
     cfg = dataclasses.replace(HAND, decode_instances=3, duration_s=60.0)
     n = 30
@@ -353,6 +370,7 @@ def test_length_only_file_workloads_are_sampled_at_the_configured_rate() -> None
         ({"workload": "lmsys"}, "expected one of sharegpt, alpaca"),
         ({"tick_s": 0.0}, "tick_s=0.0: must be a finite number > 0"),
         ({"dispatch": "random"}, "expected one of round-robin"),
+        ({"dispatch_charge": "flat"}, "expected one of expected, prompt"),
         ({"warmup_s": 5000.0}, "must be below duration_s"),
         ({"migration_latency_s": -1.0}, "migration_latency_s=-1.0: must be a finite number >= 0"),
         ({"kv_block_tokens": 0}, "kv_block_tokens=0: must be >= 1"),
