@@ -736,13 +736,12 @@ def _keys_type(tp: Any) -> Any:
         return _keys_struct(tp, top=False)  # type: ignore[arg-type]
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
-    inner: Any = msgspec.Raw
     if origin is list:
-        inner = _keys_type(args[0])
-        return msgspec.Raw if inner is msgspec.Raw else list[inner]
+        item: Any = _keys_type(args[0])
+        return msgspec.Raw if item is msgspec.Raw else list[item]
     if origin is dict:
-        inner = _keys_type(args[1])
-        return msgspec.Raw if inner is msgspec.Raw else dict[str, inner]
+        value: Any = _keys_type(args[1])
+        return msgspec.Raw if value is msgspec.Raw else dict[str, value]
     if origin in {types.UnionType, typing.Union}:
         others = [a for a in args if a is not type(None)]
         nested = [_keys_type(a) for a in others]
@@ -784,10 +783,6 @@ _KEYS_OF: dict[type[msgspec.Struct], type[Message]] = {
 _READ_KEYS = msgspec.msgpack.Decoder(typing.Union[tuple(_KEYS_OF)])  # noqa: UP007 (a runtime tuple)
 
 
-def _all_read(expect: Any) -> bool:
-    return isinstance(expect, tuple) and all(cls in _READ for cls in expect)
-
-
 def _holds_any(tp: Any) -> bool:
     """Whether a value of type ``tp`` may hold ``Any``: msgspec decodes such
     values its own way (msgpack extensions, timestamps, non-str keys)."""
@@ -803,6 +798,19 @@ def _holds_any(tp: Any) -> bool:
 _READ: dict[type[Message], msgspec.msgpack.Decoder[Any]] = {
     cls: msgspec.msgpack.Decoder(cls) for cls in _BY_KIND.values() if not _holds_any(cls)
 }
+_FAST_KINDS: dict[Any, tuple[type[Message], ...] | None] = {}
+
+
+def _fast_kinds(expect: Any) -> tuple[type[Message], ...] | None:
+    """The expected classes when msgspec reads every one of them, else None
+    (worked out once per ``expect``: decode is called for every frame)."""
+    try:
+        return _FAST_KINDS[expect]
+    except KeyError:
+        allowed = expect if isinstance(expect, tuple) else (expect,)
+        fast = allowed if all(cls in _READ for cls in allowed) else None
+        _FAST_KINDS[expect] = fast
+        return fast
 
 
 def _decode_fast(raw: bytes, expect: type[M] | tuple[type[M], ...] | None) -> Message | None:
@@ -810,21 +818,15 @@ def _decode_fast(raw: bytes, expect: type[M] | tuple[type[M], ...] | None) -> Me
     takes what msgspec does not: nothing it accepts is refused here). Tried
     only where every expected class has a reader (a Report from the bus, yes;
     a token-protocol frame, which may be Tokens or Generate, no)."""
-    if expect is None or (expect not in _READ and not _all_read(expect)):
+    allowed = _fast_kinds(expect)
+    if allowed is None:
         return None
     try:
         keys = _READ_KEYS.decode(raw)
         cls = _KEYS_OF[type(keys)]
-        read = _READ.get(cls)
-        if read is None or keys.v != SCHEMA_VERSION:
+        if cls not in allowed or keys.v != SCHEMA_VERSION:
             return None
-        if (
-            expect is not None
-            and cls is not expect
-            and (not isinstance(expect, tuple) or cls not in expect)
-        ):
-            return None
-        return read.decode(raw)  # type: ignore[no-any-return]
+        return _READ[cls].decode(raw)  # type: ignore[no-any-return]
     except Exception:  # msgspec's errors, and e.g. UnicodeDecodeError: the strict path says
         return None
 

@@ -163,25 +163,24 @@ class GroupReader:
         caller breaks out of stays pending and is reclaimed after
         ``claim_idle_ms``. Cancelling the iterating task ends it.
         """
-        outage = self._outage()
-        async for rows in self._raw_batches(outage):
-            entries = await self._decode(rows, outage)
-            if entries:
-                yield entries
+        async for entries in self.chunks(None):
+            yield entries
 
-    async def chunks(self, size: int) -> AsyncIterator[list[Entry]]:
+    async def chunks(self, size: int | None) -> AsyncIterator[list[Entry]]:
         """As ``async for batch in reader``, but each batch is decoded and
-        handed over ``size`` entries at a time, with a turn of the event loop
-        before every chunk after a batch's first: a consumer of a busy stream
-        never holds the loop for a whole batch (decoding a report costs
-        ~0.1 ms, a batch up to ``bus.read_count`` of them), so the scheduler's
-        ticks and lock renewals wait for one chunk at most."""
+        handed over ``size`` entries at a time (None: the whole batch), with a
+        turn of the event loop before every chunk after a batch's first: a
+        consumer of a busy stream never holds the loop for a whole batch
+        (decoding a report costs ~0.1 ms, a batch up to ``bus.read_count`` of
+        them), so the scheduler's ticks and lock renewals wait for one chunk
+        at most."""
         outage = self._outage()
         async for rows in self._raw_batches(outage):
-            for start in range(0, len(rows), size):
+            step = size or len(rows)
+            for start in range(0, len(rows), step):
                 if start:
                     await asyncio.sleep(0)
-                entries = await self._decode(rows[start : start + size], outage)
+                entries = await self._decode(rows[start : start + step], outage)
                 if entries:
                     yield entries
 
