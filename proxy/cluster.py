@@ -229,7 +229,7 @@ class Directory:
         member = choose(policy, members, self._pending, next(self._rr))
         booked = tokens
         if role == "decode" and policy == "current-load":
-            booked = round(booking(tokens, self.charge, self.outputs))
+            booked = round(booking(tokens, self.charge, self.outputs.mean))
         self._pending[member.instance] = self._pending.get(member.instance, 0) + booked
         return member
 

@@ -35,15 +35,9 @@ from star.planner.trace import (
     weights,
 )
 from star.planner.types import Instance, Mode, ModeKind, PlannerParams
-from star.settings import DISPATCH_CHARGES
+from star.settings import DISPATCH_CHARGES, DISPATCH_POLICIES
 
-POLICIES: tuple[str, ...] = ("round-robin", "current-load", "predicted")
-
-CHARGES: tuple[str, ...] = DISPATCH_CHARGES
-"""What a ``current-load`` dispatch books on its instance until the next load
-view replaces the booking with what the instance holds: ``expected``, the
-request's prompt plus the mean output length of the requests finished so far
-(its expected footprint); ``prompt``, its prompt alone (its KV at dispatch)."""
+POLICIES: tuple[str, ...] = DISPATCH_POLICIES  # the settings validate against the same tuple
 
 
 def _future_params(params: PlannerParams) -> PlannerParams:
@@ -125,8 +119,7 @@ def _least(score: FloatArray, fits: BoolArray) -> int:
 
 class OutputMean:
     """The mean output length of the requests finished so far: what a
-    ``current-load`` dispatch expects a new request to grow by (``expected``
-    in :data:`CHARGES`). A dispatcher relays every token, so it knows this
+    ``current-load`` dispatch expects a new request to grow by (:func:`booking`). A dispatcher relays every token, so it knows this
     without a predictor.
 
     Why: the load view is refreshed once a tick, so between two views the
@@ -153,11 +146,17 @@ class OutputMean:
         return self.total / self.count if self.count else 0.0
 
 
-def booking(new_tokens: float, charge: str, outputs: OutputMean) -> float:
+def booking(new_tokens: float, charge: str, mean_output: float) -> float:
     """Tokens a ``current-load`` dispatch of a request holding ``new_tokens``
-    books on its instance until the next view (:data:`CHARGES`)."""
+    books on its instance until the next load view replaces the booking with
+    what the instance holds (``charge``, one of ``DISPATCH_CHARGES``):
+    ``expected``, its expected footprint, plus ``mean_output`` (the mean
+    output length of the requests finished so far, :class:`OutputMean`);
+    ``prompt``, what it holds at dispatch."""
     if charge == "expected":
-        return new_tokens + outputs.mean
+        return new_tokens + mean_output
     if charge == "prompt":
         return new_tokens
-    raise ValueError(f"unknown dispatch charge {charge!r}; expected one of {', '.join(CHARGES)}")
+    raise ValueError(
+        f"unknown dispatch charge {charge!r}; expected one of {', '.join(DISPATCH_CHARGES)}"
+    )

@@ -14,12 +14,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from star.planner.dispatch import CHARGES
 from star.planner.types import Mode, ModeKind, PlannerParams
+from star.settings import DISPATCH_CHARGES, DISPATCH_POLICIES
 from star.sim.predictor import PREDICT_LATENCY_S
 from star.sim.workload import MAX_OUTPUT_TOKENS, SYNTHETIC
 
-DISPATCH_POLICIES = ("round-robin", "current-load", "predicted")
 PREDICTORS = ("noisy", "oracle")
 
 
@@ -40,7 +39,7 @@ class SimConfig:
     seed: int = 1
     mode: str = "predicted"  # no-migration, current, predicted, oracle, bins:K
     dispatch: str = "current-load"
-    # current-load only: what a dispatch books until the next view (star.planner.dispatch.CHARGES)
+    # current-load only: what a dispatch books until the next view (star.planner.dispatch.booking)
     dispatch_charge: str = "expected"
     predictor: str = "noisy"  # what predicted / bins:K modes see: noisy or oracle
     predict_every: int = 20
@@ -111,8 +110,8 @@ class SimConfig:
             raise bad("warmup_s", f"must be below duration_s={self.duration_s}")
         if self.dispatch not in DISPATCH_POLICIES:
             raise bad("dispatch", f"expected one of {', '.join(DISPATCH_POLICIES)}")
-        if self.dispatch_charge not in CHARGES:
-            raise bad("dispatch_charge", f"expected one of {', '.join(CHARGES)}")
+        if self.dispatch_charge not in DISPATCH_CHARGES:
+            raise bad("dispatch_charge", f"expected one of {', '.join(DISPATCH_CHARGES)}")
         if self.workload not in SYNTHETIC:
             raise bad(
                 "workload", f"expected one of {', '.join(SYNTHETIC)} (pass a file as a Workload)"

@@ -109,7 +109,7 @@ class Simulator:
         # "expected" books), their mean as of the last view, and the herd: new
         # requests per instance since the last view, and per view the most one took.
         self.outputs = OutputMean()
-        self.view_outputs = OutputMean()
+        self.view_mean_output = 0.0
         self.view_hits = np.zeros(config.decode_instances, dtype=np.int64)
         self.herd: list[int] = []
         self.beta = weights(self.params)
@@ -501,8 +501,7 @@ class Simulator:
             self.view_load = snap.loads + snap.booked
             self.herd.append(int(self.view_hits.max()))
             self.view_hits[:] = 0
-            self.view_outputs.count = self.outputs.count
-            self.view_outputs.total = self.outputs.total
+            self.view_mean_output = self.outputs.mean
 
     def _dispatch(self, r: int, now: float) -> int:
         """P->D dispatch on the current load view (:func:`choose_decode`, or for
@@ -525,7 +524,7 @@ class Simulator:
             load = self.view_load
             assert load is not None
             i = least_loaded(load, fleet.capacity, tokens)
-            load[i] += booking(tokens, self.cfg.dispatch_charge, self.view_outputs)
+            load[i] += booking(tokens, self.cfg.dispatch_charge, self.view_mean_output)
             self.view_hits[i] += 1
             return i
         if not self.view:
