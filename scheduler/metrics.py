@@ -25,6 +25,13 @@ class SchedulerMetrics:
             buckets=TICK_BUCKETS,
             registry=self.registry,
         )
+        self.tick_phase_seconds = Histogram(
+            "star_scheduler_tick_phase_seconds",
+            "Time of one tick's phase: view (stale, expired, snapshot), plan, publish (decisions, load view)",
+            ["phase"],
+            buckets=TICK_BUCKETS,
+            registry=self.registry,
+        )
         self.gc_seconds = Histogram(
             "star_scheduler_gc_seconds",
             "Garbage collections, run right after a tick (star.process.SafePointCollector), by generation",

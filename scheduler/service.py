@@ -25,7 +25,7 @@ from scheduler.metrics import SchedulerMetrics
 from scheduler.view import ClusterView, Snapshot, decision_for
 from star.bus import TRANSIENT, Bus, BusUnavailable, GroupReader, Outage, Subscriber
 from star.planner.core import plan_on
-from star.planner.types import ModeKind, PlannerParams
+from star.planner.types import ModeKind, Plan, PlannerParams
 from star.predictor.live import AccuracyTracker
 from star.process import SafePointCollector, Service, set_gc_gen0_threshold
 from star.settings import Settings
@@ -64,6 +64,10 @@ class SchedulerService(Service):
         self.leadership: Leadership | None = None
         self._metrics_server: Any = None
         self._collector: SafePointCollector | None = None
+        # Open unless a tick runs: report intake waits for the tick (a tick's
+        # awaits would otherwise each let a chunk of intake run first).
+        self._intake_open = asyncio.Event()
+        self._intake_open.set()
 
     @property
     def origin(self) -> str:
@@ -126,8 +130,8 @@ class SchedulerService(Service):
         # Through a Redis outage of any length the iteration waits (and logs it);
         # meanwhile instances go stale and the planner has nothing to move.
         # Decoded and applied a chunk at a time: a tick or the lock renewal that
-        # falls due waits for one chunk, not for a whole batch.
-        async for entries in reader.chunks(REPORTS_PER_YIELD):
+        # falls due waits for one chunk, not for a whole batch; none while a tick runs.
+        async for entries in reader.chunks(REPORTS_PER_YIELD, self._intake_open):
             now = time.monotonic()
             for entry in entries:
                 assert isinstance(entry.msg, Report)
@@ -200,6 +204,7 @@ class SchedulerService(Service):
         outage = Outage("tick_cut_short_redis_unreachable", "ticks_reach_redis_again")
         while True:
             started = time.perf_counter()
+            self._intake_open.clear()
             try:
                 await self.run_tick()
             except REDIS_DOWN as exc:
@@ -208,6 +213,8 @@ class SchedulerService(Service):
                 outage.down(exc)
             else:
                 outage.up()
+            finally:
+                self._intake_open.set()
             done = time.perf_counter()
             self.metrics.tick_seconds.observe(done - started)
             if self._collector is not None:
@@ -256,6 +263,7 @@ class SchedulerService(Service):
         assert self.bus is not None and self.leadership is not None
         self.tick += 1
         now = time.monotonic()
+        started = time.perf_counter()
         leader = self.leadership.is_leader
         for name in self.view.mark_stale(now):
             log.warning("instance_stale_excluded", instance=name, staleness_s=self.view.staleness_s)
@@ -280,9 +288,23 @@ class SchedulerService(Service):
         snapshot = self.view.snapshot(self.params)
         self.metrics.live_instances.set(len(self.view.live()))
         self._warn_unknown(snapshot)
+        planned = time.perf_counter()
         result = plan_on(snapshot.arrays, snapshot.ids, snapshot.request, self.params)
+        published = time.perf_counter()
+        phase = self.metrics.tick_phase_seconds
+        phase.labels("view").observe(planned - started)
+        phase.labels("plan").observe(published - planned)
         if not leader:
             return
+        try:
+            await self._publish(result, now)
+        finally:
+            phase.labels("publish").observe(time.perf_counter() - published)
+
+    async def _publish(self, result: Plan, now: float) -> None:
+        """The leader's part of a tick: each move as a fenced decision, booked
+        (at ``now``, monotonic) at once, then the dispatch view."""
+        assert self.bus is not None and self.leadership is not None
         mode = str(self.params.mode)
         for move in result.moves:
             decision = decision_for(

@@ -166,20 +166,29 @@ class GroupReader:
         async for entries in self.chunks(None):
             yield entries
 
-    async def chunks(self, size: int | None) -> AsyncIterator[list[Entry]]:
+    async def chunks(
+        self, size: int | None, gate: asyncio.Event | None = None
+    ) -> AsyncIterator[list[Entry]]:
         """As ``async for batch in reader``, but each batch is decoded and
         handed over ``size`` entries at a time (None: the whole batch), with a
         turn of the event loop before every chunk after a batch's first: a
         consumer of a busy stream never holds the loop for a whole batch
         (decoding a report costs ~0.1 ms, a batch up to ``bus.read_count`` of
         them), so the scheduler's ticks and lock renewals wait for one chunk
-        at most."""
+        at most.
+
+        ``gate``: no chunk is decoded while it is clear (the scheduler closes
+        it while a tick runs, so the tick's awaits do not each wait for a
+        chunk of intake); entries wait, read and unacknowledged, meanwhile.
+        """
         outage = self._outage()
         async for rows in self._raw_batches(outage):
             step = size or len(rows)
             for start in range(0, len(rows), step):
                 if start:
                     await asyncio.sleep(0)
+                if gate is not None and not gate.is_set():
+                    await gate.wait()
                 entries = await self._decode(rows[start : start + step], outage)
                 if entries:
                     yield entries

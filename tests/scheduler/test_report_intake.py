@@ -48,3 +48,21 @@ async def test_a_large_batch_lets_other_tasks_run_between_chunks(bus: Bus) -> No
     chunks = [seen_at[i : i + REPORTS_PER_YIELD] for i in range(0, BATCH, REPORTS_PER_YIELD)]
     assert all(len(set(c)) == 1 for c in chunks)  # no yield inside a chunk
     assert all(a[0] < b[0] for a, b in itertools.pairwise(chunks))  # the other task ran between
+
+
+async def test_no_report_is_applied_while_a_tick_runs(bus: Bus) -> None:
+    for i in range(5):
+        await bus.publish("reports", report(f"d{i}", [10, 20]))
+    svc = SchedulerService(Settings(), node="test")
+    svc.bus = bus
+    svc._intake_open.clear()  # as _ticks does around run_tick
+    task = asyncio.create_task(svc._reports())
+    try:
+        await asyncio.sleep(0.3)  # read from the stream, held at the gate
+        assert not svc.view.seen
+        svc._intake_open.set()  # the tick ended
+        async with asyncio.timeout(10):
+            while len(svc.view.seen) < 5:
+                await asyncio.sleep(0.01)
+    finally:
+        task.cancel()
