@@ -21,15 +21,14 @@ Time is passed in (``now``, monotonic seconds); nothing here does IO.
 
 from __future__ import annotations
 
-from bisect import bisect_right
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from star.planner.arrays import ClusterArrays, planner_columns, request_column
-from star.planner.flight import book
-from star.planner.trace import grid
+from star.planner.flight import Booking, book
+from star.planner.trace import IntArray, grid
 from star.planner.types import Instance, ModeKind, Move, PlannerParams, Request
 from star.settings import SchedulerSettings
 from star.wire import Decision, Event, EventKind, LoadEntry, Report, RequestLoad, slot_builder
@@ -102,9 +101,46 @@ class Settling:
 @dataclass(frozen=True, slots=True)
 class _Booked:
     seens: list[Seen]  # the live decode instances, in the planner's order
-    # instance index -> its requests and busy ids, where moves were booked on or off it
-    rebooked: dict[int, tuple[tuple[Request, ...], frozenset[str]]]
-    in_flight: np.ndarray  # bool per instance
+    starts: IntArray  # instance i reported rows starts[i]:starts[i + 1]
+    loads: list[RequestLoad | None]  # per move in flight: its request as last known
+    booking: Booking  # rows R + m: move m's request (R: the reported rows)
+
+    @property
+    def reported(self) -> int:
+        return int(self.starts[-1])
+
+    def row(self, e: int, instance: int) -> RequestLoad:
+        """Row ``e`` of ``booking.rows`` (on ``instance``): reported, or a move's."""
+        reported = self.reported
+        if e < reported:  # an own row: book() moves only the moves' rows
+            return self.seens[instance].report.requests[e - int(self.starts[instance])]
+        load = self.loads[e - reported]
+        assert load is not None  # book() books only moves whose load is known
+        return load
+
+    def rows_of(self, i: int) -> list[tuple[RequestLoad, bool]]:
+        """Instance i's requests as booked, and whether each is moving in."""
+        lo, hi = int(self.booking.offsets[i]), int(self.booking.offsets[i + 1])
+        rows, booked = self.booking.rows[lo:hi].tolist(), self.booking.booked[lo:hi].tolist()
+        return [(self.row(e, i), b) for e, b in zip(rows, booked, strict=True)]
+
+    def column(self, name: str, dtype: type) -> np.ndarray:
+        """Column ``name`` of every booked row, in the planner's order: each
+        report's cached column, joined; rows of moves in flight converted here
+        (a request moving in is busy: not eligible)."""
+        parts = [seen.column(name) for seen in self.seens]
+        reported = np.concatenate(parts) if parts else np.empty(0, dtype)
+        if not self.booking.rebooked.any():
+            return reported  # book() kept every row where it is, in order
+        if name == "eligible":
+            moved = np.zeros(len(self.loads), dtype=np.bool_)
+        else:
+            moved = np.full(len(self.loads), np.nan)
+            known = [m for m, load in enumerate(self.loads) if load is not None]
+            if known:
+                loads = [self.loads[m] for m in known]
+                moved[known] = request_column(name, loads)
+        return np.concatenate((reported, moved))[self.booking.rows]
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,24 +149,26 @@ class Snapshot:
 
     arrays: ClusterArrays
     ids: list[str]  # instance names, one per row of ``arrays``' instances
-    seens: list[Seen]
-    rebooked: dict[int, tuple[tuple[Request, ...], frozenset[str]]]
+    booked: _Booked
 
     def request(self, row: int, source: int) -> tuple[str, int]:
         """Id and tokens of request ``row`` (of instance ``source``)."""
-        j = row - int(self.arrays.offsets[source])
-        mine = self.rebooked.get(source)
-        r = self.seens[source].report.requests[j] if mine is None else mine[0][j]
+        r = self.booked.row(int(self.booked.booking.rows[row]), source)
         return r.id, int(r.tokens)
 
     def unknown_lengths(self) -> set[str]:
         """Ids of the requests whose true remaining length is not known."""
-        out: set[str] = set()
-        for i, seen in enumerate(self.seens):
-            mine = self.rebooked.get(i)
-            reqs = seen.report.requests if mine is None else mine[0]
-            out.update(r.id for r in reqs if r.true_remaining is None)
-        return out
+        return {
+            r.id
+            for i in range(len(self.ids))
+            for r, _ in self.booked.rows_of(i)
+            if r.true_remaining is None
+        }
+
+    @property
+    def rebooked(self) -> int:
+        """How many instances had moves booked on or off them."""
+        return int(self.booked.booking.rebooked.sum())
 
 
 @dataclass
@@ -285,29 +323,7 @@ class ClusterView:
             np.array([isinstance(f, InFlight) for f in flights], dtype=np.bool_),
             offsets=starts,
         )
-        rebooked: dict[int, tuple[tuple[Request, ...], frozenset[str]]] = {}
-        changed = np.flatnonzero(booking.rebooked).tolist()
-        if changed:  # rows taken off these or booked on them (busy: moving in)
-            moved: list[RequestLoad | None] = [f.load for f in flights]
-            order = booking.rows.tolist()
-            booked = booking.booked.tolist()
-            offsets = booking.offsets.tolist()
-            bounds = starts.tolist()
-            for i in changed:
-                seen = seens[i]
-                busy = seen.busy
-                mine: list[Request] = []
-                lo, hi = offsets[i], offsets[i + 1]
-                for q, b in zip(order[lo:hi], booked[lo:hi], strict=True):
-                    if q < reported:  # its own row: book() moves only the moves' rows
-                        j = bisect_right(bounds, q) - 1
-                        mine.append(seens[j].requests[q - bounds[j]])
-                    elif (load := moved[q - reported]) is not None:
-                        mine.append(to_request(load, busy=b or load.id in seen.busy))
-                        if b:
-                            busy = busy | {load.id}
-                rebooked[i] = (tuple(mine), busy)
-        return _Booked(seens, rebooked, booking.in_flight.astype(np.bool_))
+        return _Booked(seens, starts, [f.load for f in flights], booking)
 
     @staticmethod
     def _trace(seen: Seen, rebooked: bool, params: PlannerParams) -> tuple[float, ...] | None:
@@ -322,11 +338,15 @@ class ClusterView:
         """Live decode instances as the planner sees them, in-flight moves booked
         (:func:`star.planner.flight.book`, the rule the simulator applies too)."""
         booked = self._booked()
+        rebooked = booked.booking.rebooked.tolist()
         out = []
         for i, seen in enumerate(booked.seens):
             report = seen.report
-            mine = booked.rebooked.get(i)
-            requests, busy = (seen.requests, seen.busy) if mine is None else mine
+            requests, busy = seen.requests, seen.busy
+            if rebooked[i]:  # rows taken off it or booked on it (busy: moving in)
+                rows = booked.rows_of(i)
+                requests = tuple(to_request(r, b or r.id in seen.busy) for r, b in rows)
+                busy = busy | {r.id for r, b in rows if b}
             out.append(
                 Instance(
                     id=report.instance,
@@ -334,9 +354,9 @@ class ClusterView:
                     capacity_tokens=report.capacity_tokens,
                     bytes_per_token=report.bytes_per_token,
                     step_time_s=report.step_time_s,
-                    in_flight=bool(booked.in_flight[i]),
+                    in_flight=bool(booked.booking.in_flight[i]),
                     busy=busy,
-                    trace=self._trace(seen, mine is not None, params),
+                    trace=self._trace(seen, rebooked[i], params),
                     draining=report.draining,
                 )
             )
@@ -344,48 +364,32 @@ class ClusterView:
 
     def snapshot(self, params: PlannerParams) -> Snapshot:
         """What :meth:`instances` holds, as the planner's arrays: equal to
-        ``from_instances(self.instances(params), params)``, built from columns
-        each report converts once instead of from every request object."""
+        ``from_instances(self.instances(params), params)``, built from the
+        columns each report converts once (rows of moves in flight: here)
+        instead of from request objects."""
         booked = self._booked()
-        seens, rebooked = booked.seens, booked.rebooked
-        kind = params.mode.kind
-        names = [name for name in planner_columns(params) if name != "trace"]
-        parts: dict[str, list[np.ndarray]] = {name: [] for name in names}
-        counts = []
-        for i, seen in enumerate(seens):
-            mine = rebooked.get(i)
-            if mine is None:
-                for name in names:
-                    parts[name].append(seen.column(name))
-                counts.append(len(seen.report.requests))
-            else:
-                requests, busy = mine
-                for name in names:
-                    parts[name].append(request_column(name, requests, busy))
-                counts.append(len(requests))
-        offsets = np.zeros(len(seens) + 1, dtype=np.intp)
-        np.cumsum(counts, out=offsets[1:])
-        total = int(offsets[-1])
+        seens, booking = booked.seens, booked.booking
+        names = set(planner_columns(params)) - {"trace"}
+        total = int(booking.offsets[-1])
 
         def joined(name: str, dtype: type) -> np.ndarray:
-            if name not in parts:
-                return np.full(total, np.nan)
-            return np.concatenate(parts[name]) if parts[name] else np.empty(0, dtype)
+            return booked.column(name, dtype) if name in names else np.full(total, np.nan)
 
         reports = [seen.report for seen in seens]
         draining = np.array([r.draining for r in reports], dtype=np.bool_)
         traces: np.ndarray | None = None
         has: np.ndarray | None = None
-        if kind is ModeKind.PREDICTED:
+        if params.mode.kind is ModeKind.PREDICTED:
             points = grid(params).size
-            given = [self._trace(seen, i in rebooked, params) for i, seen in enumerate(seens)]
+            rebooked = booking.rebooked.tolist()
+            given = [self._trace(seen, rebooked[i], params) for i, seen in enumerate(seens)]
             has = np.array([t is not None and len(t) == points for t in given], dtype=np.bool_)
             if has.any():
                 traces = np.zeros((len(seens), points))
                 rows = np.flatnonzero(has)
                 traces[rows] = np.stack([seens[i].column("trace") for i in rows.tolist()])
         arrays = ClusterArrays(
-            offsets=offsets,
+            offsets=booking.offsets.astype(np.intp),
             tokens=joined("tokens", np.float64),
             predicted=joined("predicted", np.float64),
             true_remaining=joined("true_remaining", np.float64),
@@ -393,12 +397,12 @@ class ClusterView:
             capacity=np.array([r.capacity_tokens for r in reports], dtype=np.float64),
             bytes_per_token=np.array([r.bytes_per_token for r in reports], dtype=np.float64),
             step_time_s=np.array([r.step_time_s for r in reports], dtype=np.float64),
-            in_flight=booked.in_flight,
+            in_flight=booking.in_flight.astype(np.bool_),
             traces=traces,
             has_trace=has if traces is not None else None,
             draining=draining if draining.any() else None,
         )
-        return Snapshot(arrays, [r.instance for r in reports], seens, rebooked)
+        return Snapshot(arrays, [r.instance for r in reports], booked)
 
     def load_entries(self, workloads: dict[str, float], now_wall: float) -> list[LoadEntry]:
         """The dispatch view for proxies (every live instance, both roles, but draining)."""
