@@ -6,7 +6,10 @@ takes ``step_ms`` reports every ``min(k * step, interval)`` seconds. Each
 instance runs a batch of requests with ShareGPT-like lengths
 (:func:`star.sim.workload.synthetic`), generates ``k`` tokens per report,
 replaces finished requests and sends a noisy R-hat; batch sizes differ between
-instances, so the planner has imbalance to act on. They react to nothing.
+instances, so the planner has imbalance to act on. :func:`follow` carries out
+the scheduler's decisions as the proxy and the workers would: after an
+emulated KV transfer the request leaves its source's batch for its target's
+and a ``resumed`` event is published (``refused`` when it is gone).
 
 Bodies are packed straight from the emulated state: ``wire.encode`` of a
 :class:`Report` costs ~0.7 ms, more than one process can spend per report at
@@ -30,10 +33,10 @@ import numpy as np
 import numpy.typing as npt
 
 from star.aio import deadline
-from star.bus import Bus
+from star.bus import Bus, Subscriber
 from star.settings import Settings
 from star.sim.workload import synthetic
-from star.wire import SCHEMA_VERSION, Report
+from star.wire import SCHEMA_VERSION, Decision, Event, EventKind, Report
 from workers.state import MIN_REMAINING
 
 FloatArray = npt.NDArray[np.float64]
@@ -44,6 +47,8 @@ BYTES_PER_TOKEN = 2 * 32 * 8 * 128 * 2
 CAPACITY_TOKENS = 262_144
 PREDICTION_SPREAD = 0.3  # R-hat = true remaining x lognormal(0, spread)
 PIPELINE = 64  # reports per round trip at most (~450 KiB at 64 requests each)
+LINK_BYTES_PER_S = 25e9 / 8  # an emulated KV transfer link: 25 Gbit/s
+HANDSHAKE_S = 0.05  # release, handoff and resume around the transfer
 
 
 def _report_fields() -> tuple[tuple[str, Any], ...]:
@@ -163,6 +168,24 @@ def advance(fleet: Fleet, inst: Emulated) -> None:
             inst.ids[j] = _next_id(inst)
 
 
+def migrate(source: Emulated, target: Emulated, request: str) -> int | None:
+    """Move ``request`` from ``source``'s batch to the end of ``target``'s; its
+    tokens (None: not running on ``source``, finished or moved meanwhile)."""
+    try:
+        j = source.ids.index(request)
+    except ValueError:
+        return None
+    target.prompt = np.append(target.prompt, source.prompt[j])
+    target.output = np.append(target.output, source.output[j])
+    target.generated = np.append(target.generated, source.generated[j])
+    target.ids.append(source.ids.pop(j))
+    tokens = int(source.prompt[j] + source.generated[j])
+    source.prompt = np.delete(source.prompt, j)
+    source.output = np.delete(source.output, j)
+    source.generated = np.delete(source.generated, j)
+    return tokens
+
+
 def report_body(fleet: Fleet, inst: Emulated, ts: float) -> tuple[bytes, int]:
     """The msgpack body of this instance's report now, and its ``used_tokens``.
 
@@ -223,6 +246,54 @@ class GenStats:
     sent: int = 0
     late_s_max: float = 0.0  # how far behind schedule a report went out, worst case
     cpu_s: float = 0.0
+    moved: int = 0  # decisions carried out (resumed)
+    refused: int = 0  # decisions whose request had left its source
+
+
+async def follow(bus: Bus, fleet: Fleet, stats: GenStats) -> None:
+    """Carry out every decision on the stream until cancelled: after the
+    emulated transfer (its KV bytes over :data:`LINK_BYTES_PER_S`, plus
+    :data:`HANDSHAKE_S`) the request moves to the target's batch and its
+    ``resumed`` event is published, as a proxy says it (``refused`` when the
+    request is no longer on its source). Decisions' fences are not checked:
+    one scheduler publishes them."""
+    by_name = {inst.name: inst for inst in fleet.instances}
+    moving: set[asyncio.Task[None]] = set()
+
+    async def carry_out(d: Decision) -> None:
+        source, target = by_name.get(d.source), by_name.get(d.target)
+        j = source.ids.index(d.request) if source and d.request in source.ids else None
+        tokens = 0 if j is None or source is None else int(source.prompt[j] + source.generated[j])
+        await asyncio.sleep(HANDSHAKE_S + tokens * BYTES_PER_TOKEN / LINK_BYTES_PER_S)
+        moved = None
+        if source is not None and target is not None:
+            moved = migrate(source, target, d.request)
+        kind = EventKind.RESUMED if moved is not None else EventKind.REFUSED
+        if moved is None:
+            stats.refused += 1
+        else:
+            stats.moved += 1
+        await bus.publish(
+            "events",
+            Event.now(
+                kind,
+                "proxy:bench",
+                request=d.request,
+                migration=d.id,
+                instance=d.target,
+                detail="" if moved is not None else "request not running on its source",
+            ),
+        )
+
+    try:
+        async for entry in Subscriber(bus, "decisions", Decision, start="$"):
+            assert isinstance(entry.msg, Decision)
+            task = asyncio.create_task(carry_out(entry.msg))
+            moving.add(task)
+            task.add_done_callback(moving.discard)
+    finally:
+        for task in moving:
+            task.cancel()
 
 
 async def generate(bus: Bus, fleet: Fleet, stop: asyncio.Event, stats: GenStats) -> None:

@@ -43,7 +43,14 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from benchmarks.emulated_workers import Emulated, GenStats, generate, make_fleet, report_body
+from benchmarks.emulated_workers import (
+    Emulated,
+    GenStats,
+    follow,
+    generate,
+    make_fleet,
+    report_body,
+)
 from star.bus import Bus
 from star.ports import free_port
 from star.process import set_gc_gen0_threshold
@@ -65,16 +72,27 @@ def proc_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+PHASES = ("view", "plan", "publish")  # star_scheduler_tick_phase_seconds
+
+
 def scrape(port: int) -> dict[str, Any]:
     """The scheduler's /metrics: tick histogram buckets, tick count, gauges, decisions."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    out: dict[str, Any] = {"buckets": {}, "ticks": 0.0, "tick_sum": 0.0, "decided": 0.0}
+    out: dict[str, Any] = {
+        "buckets": {},
+        "phases": {phase: {} for phase in PHASES},
+        "ticks": 0.0,
+        "tick_sum": 0.0,
+        "decided": 0.0,
+    }
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name == "star_scheduler_tick_seconds_bucket":
                 out["buckets"][float(s.labels["le"])] = s.value
+            elif s.name == "star_scheduler_tick_phase_seconds_bucket":
+                out["phases"][s.labels["phase"]][float(s.labels["le"])] = s.value
             elif s.name == "star_scheduler_tick_seconds_count":
                 out["ticks"] = s.value
             elif s.name == "star_scheduler_tick_seconds_sum":
@@ -300,6 +318,8 @@ async def measure(
     if not await wait_for(leading, 120.0, procs):
         raise RuntimeError(f"the scheduler did not lead within 120 s (logs in {procs.run_dir})")
     generator = asyncio.create_task(generate(bus, fleet, stop, gen))
+    # Decisions carried out (moves resolve, as on a fleet) unless --no-follow.
+    follower = None if args.no_follow else asyncio.create_task(follow(bus, fleet, gen))
     try:
 
         async def all_live() -> bool:
@@ -314,6 +334,7 @@ async def measure(
         base = await metrics()
         base["entries_read"] = (await sample_redis(bus, group)).get("entries_read")
         sent0, t0 = gen.sent, time.monotonic()
+        moved0, refused0 = gen.moved, gen.refused
         cpu0 = {"redis": proc_cpu_s(procs.redis_pid), "scheduler": proc_cpu_s(procs.scheduler_pid)}
         samples: list[dict[str, Any]] = []
         bar = tqdm(total=int(args.duration), unit="s", disable=args.no_progress, file=sys.stderr)
@@ -342,13 +363,20 @@ async def measure(
         final = await metrics()
         cpu1 = {"redis": proc_cpu_s(procs.redis_pid), "scheduler": proc_cpu_s(procs.scheduler_pid)}
         sent = gen.sent - sent0
+        moves = {"resumed": gen.moved - moved0, "refused": gen.refused - refused0}
     finally:
         stop.set()
+        if follower is not None:
+            follower.cancel()
         with contextlib.suppress(Exception):
             await generator
+        with contextlib.suppress(BaseException):
+            if follower is not None:
+                await follower
         await bus.close()
     result = summarise(args, settings, base, final, samples, wall, warmup_s, sent, cpu0, cpu1, gen)
     result["all_live_after_warmup"] = all_seen
+    result["moves_followed"] = None if args.no_follow else moves
     return result
 
 
@@ -372,9 +400,11 @@ def summarise(
     cpu1: dict[str, float],
     gen: GenStats,
 ) -> dict[str, Any]:
-    buckets = {
-        le: final["buckets"].get(le, 0.0) - base["buckets"].get(le, 0.0) for le in final["buckets"]
-    }
+    def since_base(final_buckets: dict[float, float], base_buckets: dict[float, float]) -> Any:
+        return {le: n - base_buckets.get(le, 0.0) for le, n in final_buckets.items()}
+
+    buckets = since_base(final["buckets"], base["buckets"])
+    phases = {p: since_base(final["phases"][p], base["phases"][p]) for p in PHASES}
     ticks = final["ticks"] - base["ticks"]
     interval = args.interval or settings.scheduler.interval_s
     lags = [s for s in samples if "lag_s" in s]
@@ -414,6 +444,10 @@ def summarise(
         "tick_p50_ms": round(quantile(buckets, 0.5) * 1000, 2),
         "tick_p99_ms": round(tick_p99 * 1000, 2),
         "tick_mean_ms": round((final["tick_sum"] - base["tick_sum"]) / max(ticks, 1) * 1000, 2),
+        # Where a tick's time goes (the leader's ticks publish; a standby's do not).
+        "tick_phase_p50_p99_ms": {
+            p: [round(quantile(b, q) * 1000, 2) for q in (0.5, 0.99)] for p, b in phases.items()
+        },
         "live_min": min((s["live"] for s in samples), default=0),
         "leader_lost_samples": sum(1 for s in samples if not s["leader"]),
         "decisions": int(final["decided"] - base["decided"]),
@@ -473,7 +507,18 @@ def print_table(r: dict[str, Any]) -> None:
             f"{r['tick_p50_ms']} / {r['tick_p99_ms']} / {r['tick_mean_ms']} ms",
             "p99 <= 100 ms: " + ("ok" if r["tick_p99_ok"] else "MISSED"),
         ),
-        ("decisions (on the stream)", f"{r['decisions']} ({r['decisions_published']})", ""),
+        (
+            "tick p50 / p99 by phase: view, plan, publish",
+            ", ".join(f"{p50} / {p99}" for p50, p99 in r["tick_phase_p50_p99_ms"].values()) + " ms",
+            "",
+        ),
+        (
+            "decisions (on the stream)",
+            f"{r['decisions']} ({r['decisions_published']})",
+            "not carried out (--no-follow)"
+            if r["moves_followed"] is None
+            else "carried out: {resumed} resumed, {refused} refused".format(**r["moves_followed"]),
+        ),
         (
             "report lag s: 1st / 2nd half max",
             f"{r['lag_s_first_half_max']} / {r['lag_s_second_half_max']}",
@@ -559,6 +604,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--sample-s", type=float, default=5.0, help="seconds between lag samples")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--no-follow",
+        action="store_true",
+        help="the emulated workers ignore decisions (moves then end only by expiring); "
+        "by default each is carried out after an emulated KV transfer and its resumed "
+        "event published",
+    )
     parser.add_argument(
         "--profile", metavar="PATH", help="run the scheduler under cProfile, stats to PATH"
     )

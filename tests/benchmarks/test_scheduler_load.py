@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import math
 import time
@@ -10,11 +11,19 @@ import time
 import numpy as np
 import pytest
 
-from benchmarks.emulated_workers import GenStats, advance, entry_fields, make_fleet, report_body
-from benchmarks.scheduler_load import configure, quantile, run, summarise
-from star.bus import Bus
+from benchmarks.emulated_workers import (
+    GenStats,
+    advance,
+    entry_fields,
+    follow,
+    make_fleet,
+    migrate,
+    report_body,
+)
+from benchmarks.scheduler_load import PHASES, configure, quantile, run, summarise
+from star.bus import Bus, Subscriber
 from star.settings import Settings
-from star.wire import Report, decode_as, encode
+from star.wire import Decision, Event, EventKind, Report, decode_as, encode
 from workers.state import load_trace
 
 
@@ -76,6 +85,50 @@ def test_quantile_interpolates_within_buckets() -> None:
     assert math.isnan(quantile({0.1: 0.0, math.inf: 0.0}, 0.5))
 
 
+def test_migrate_moves_a_request_between_batches() -> None:
+    fleet = make_fleet(2, 8, 25.0, Settings(), seed=2)
+    a, b = fleet.instances
+    rid, j = a.ids[3], 3
+    want = (int(a.prompt[j]), int(a.output[j]), int(a.generated[j]))
+    sizes = len(a.ids), len(b.ids)
+    assert migrate(a, b, rid) == want[0] + want[2]
+    assert rid not in a.ids and b.ids[-1] == rid
+    assert (int(b.prompt[-1]), int(b.output[-1]), int(b.generated[-1])) == want
+    assert (len(a.ids), len(b.ids)) == (sizes[0] - 1, sizes[1] + 1)
+    assert a.prompt.size == a.output.size == a.generated.size == len(a.ids)
+    assert migrate(a, b, rid) is None  # no longer on a
+    # The next reports list it on b only.
+    listed = {inst.name: [r.id for r in decode_as(report_body(fleet, inst, 1.0)[0], Report).requests] for inst in (a, b)}  # fmt: skip
+    assert rid in listed[b.name] and rid not in listed[a.name]
+
+
+async def test_follow_carries_decisions_out_and_says_so(bus: Bus) -> None:
+    fleet = make_fleet(2, 8, 25.0, Settings(), seed=2)
+    a, b = fleet.instances
+    stats = GenStats()
+    events = Subscriber(bus, "events", Event, start="$")
+    follower = asyncio.create_task(follow(bus, fleet, stats))
+    try:
+        await asyncio.sleep(0.1)  # subscribed
+        rid = a.ids[0]
+        for mid, request in (("m-1", rid), ("m-2", "gone")):
+            await bus.publish("decisions", Decision(mid, request, a.name, b.name, 1, -1.0, "predicted", 0.0))  # fmt: skip
+        got = []
+        async with asyncio.timeout(10):
+            async for entry in events:
+                assert isinstance(entry.msg, Event)
+                got.append(entry.msg)
+                if len(got) == 2:
+                    break
+    finally:
+        follower.cancel()
+    by = {e.migration: e for e in got}
+    assert by["m-1"].event is EventKind.RESUMED and by["m-1"].request == rid
+    assert by["m-2"].event is EventKind.REFUSED
+    assert rid in b.ids and rid not in a.ids
+    assert (stats.moved, stats.refused) == (1, 1)
+
+
 def test_small_run_of_a_real_scheduler(capsys: pytest.CaptureFixture[str]) -> None:
     parser = argparse.ArgumentParser()
     configure(parser)
@@ -95,6 +148,10 @@ def test_small_run_of_a_real_scheduler(capsys: pytest.CaptureFixture[str]) -> No
     assert 0.5 * r["ticks_expected"] <= r["ticks"] <= r["ticks_expected"] + 2
     assert 0 < r["tick_p50_ms"] <= r["tick_p99_ms"] < 2500
     assert r["decisions_published"] > 0  # the imbalance was planned on
+    # The emulated fleet carried the decisions out: the moves resolved.
+    assert r["moves_followed"]["resumed"] > 0
+    assert set(r["tick_phase_p50_p99_ms"]) == {"view", "plan", "publish"}
+    assert all(0 < p50 <= p99 for p50, p99 in r["tick_phase_p50_p99_ms"].values())
     assert r["streams_bounded"] and not r["lag_grows"]
     assert r["redis_used_memory_mib_max"] > 0 and r["redis_cpu_pct"] > 0
     assert r["scheduler_cpu_pct"] > 0
@@ -131,11 +188,19 @@ def _verdict(lag_s: list[float], lag: list[int]) -> dict[str, object]:
     ]
     hist = {
         "buckets": {0.01: 240.0, math.inf: 240.0},
+        "phases": {p: {0.01: 240.0, math.inf: 240.0} for p in PHASES},
         "ticks": 240.0,
         "tick_sum": 1.0,
         "decided": 3.0,
     }
-    zero = {"buckets": {}, "ticks": 0.0, "tick_sum": 0.0, "decided": 0.0, "entries_read": 1000}
+    zero = {
+        "buckets": {},
+        "phases": {p: {} for p in PHASES},
+        "ticks": 0.0,
+        "tick_sum": 0.0,
+        "decided": 0.0,
+        "entries_read": 1000,
+    }
     return summarise(
         args, Settings(), zero, hist, samples, 60.0, 1.0, 480, {"redis": 0, "scheduler": 0},
         {"redis": 1, "scheduler": 6}, GenStats(),
