@@ -49,6 +49,7 @@ PREDICTION_SPREAD = 0.3  # R-hat = true remaining x lognormal(0, spread)
 PIPELINE = 64  # reports per round trip at most (~450 KiB at 64 requests each)
 LINK_BYTES_PER_S = 25e9 / 8  # an emulated KV transfer link: 25 Gbit/s
 HANDSHAKE_S = 0.05  # release, handoff and resume around the transfer
+PUBLISHERS = 8  # events of carried-out moves published at once, at most
 
 
 def _report_fields() -> tuple[tuple[str, Any], ...]:
@@ -259,6 +260,9 @@ async def follow(bus: Bus, fleet: Fleet, stats: GenStats) -> None:
     one scheduler publishes them."""
     by_name = {inst.name: inst for inst in fleet.instances}
     moving: set[asyncio.Task[None]] = set()
+    # A tick can decide hundreds of moves (the first at 1,024 instances): their
+    # events go out a few at a time, not on hundreds of connections at once.
+    publishing = asyncio.Semaphore(PUBLISHERS)
 
     async def carry_out(d: Decision) -> None:
         source, target = by_name.get(d.source), by_name.get(d.target)
@@ -273,17 +277,18 @@ async def follow(bus: Bus, fleet: Fleet, stats: GenStats) -> None:
             stats.refused += 1
         else:
             stats.moved += 1
-        await bus.publish(
-            "events",
-            Event.now(
-                kind,
-                "proxy:bench",
-                request=d.request,
-                migration=d.id,
-                instance=d.target,
-                detail="" if moved is not None else "request not running on its source",
-            ),
-        )
+        async with publishing:
+            await bus.publish(
+                "events",
+                Event.now(
+                    kind,
+                    "proxy:bench",
+                    request=d.request,
+                    migration=d.id,
+                    instance=d.target,
+                    detail="" if moved is not None else "request not running on its source",
+                ),
+            )
 
     try:
         async for entry in Subscriber(bus, "decisions", Decision, start="$"):

@@ -52,6 +52,7 @@ from benchmarks.emulated_workers import (
     report_body,
 )
 from star.bus import Bus
+from star.logs import configure_logging
 from star.ports import free_port
 from star.process import set_gc_gen0_threshold
 from star.settings import BusSettings, RedisSettings, Settings, load_settings, parse_assignment
@@ -622,6 +623,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark described by ``args``; print a table or ``--json``."""
     settings = load_settings(overrides=dict(map(parse_assignment, args.scheduler_set)))
+    configure_logging(settings.log)  # this process's own warnings: stderr (stdout is the result)
     prefix = f"bench-sched-{os.getpid()}"
     run_dir = Path(tempfile.mkdtemp(prefix="star-bench-scheduler-"))
     costs = cpu_costs(args, settings)  # before the processes start: nothing else runs here
