@@ -140,7 +140,8 @@ class _Booked:
             if known:
                 loads = [self.loads[m] for m in known]
                 moved[known] = request_column(name, loads)
-        return np.concatenate((reported, moved))[self.booking.rows]
+        out: np.ndarray = np.concatenate((reported, moved))[self.booking.rows]
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -407,7 +408,8 @@ class ClusterView:
     def load_entries(self, workloads: dict[str, float], now_wall: float) -> list[LoadEntry]:
         """The dispatch view for proxies (every live instance, both roles, but draining)."""
         booked: dict[str, int] = {}
-        for flight in [*self.in_flight.values(), *self.settling.values()]:
+        flights: list[InFlight | Settling] = [*self.in_flight.values(), *self.settling.values()]
+        for flight in flights:
             if flight.load is not None and not (
                 isinstance(flight, Settling)
                 and self._lists(flight.decision.target, flight.decision.request)
