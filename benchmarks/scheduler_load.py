@@ -52,7 +52,7 @@ from benchmarks.emulated_workers import (
     report_body,
 )
 from star.bus import Bus
-from star.logs import configure_logging
+from star.logs import stdout_to_stderr
 from star.ports import free_port
 from star.process import set_gc_gen0_threshold
 from star.settings import BusSettings, RedisSettings, Settings, load_settings, parse_assignment
@@ -623,13 +623,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark described by ``args``; print a table or ``--json``."""
     settings = load_settings(overrides=dict(map(parse_assignment, args.scheduler_set)))
-    configure_logging(settings.log)  # this process's own warnings: stderr (stdout is the result)
     prefix = f"bench-sched-{os.getpid()}"
     run_dir = Path(tempfile.mkdtemp(prefix="star-bench-scheduler-"))
     costs = cpu_costs(args, settings)  # before the processes start: nothing else runs here
     procs = start_processes(run_dir, prefix, args)
     try:
-        result = asyncio.run(measure(args, procs, prefix, settings))
+        with stdout_to_stderr():  # this process's own warnings: stdout is the table or --json
+            result = asyncio.run(measure(args, procs, prefix, settings))
         result["cpu_costs"] = costs
         result["scheduler_set"] = args.scheduler_set
     finally:
