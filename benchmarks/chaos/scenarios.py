@@ -31,6 +31,7 @@ _NOT_MOVED = {EventKind.REFUSED, EventKind.FINISHED, EventKind.ABORTED, EventKin
 PARTITION_S = 10.0  # how long a partition lasts
 SHAPED_S = 15.0  # how long a link stays delayed or lossy
 REDIS_DOWN_S = 3.0  # how long Redis stays dead before it is started again
+LEADER_WAIT_S = 10.0  # scheduler-kill: how long to wait for a leader to kill
 
 
 @dataclass
@@ -276,8 +277,14 @@ async def proxy_kill(ctx: Ctx) -> None:
 async def scheduler_kill(ctx: Ctx) -> None:
     """SIGKILL the scheduler leader; the standby takes over."""
     leader = await ctx.leader()
+    # The lock can lapse for a moment on a loaded box (a 1.5 s TTL: seen once
+    # while the previous scenario's engine restarted); wait for a leader to kill.
+    until = time.monotonic() + LEADER_WAIT_S
+    while not leader and time.monotonic() < until:
+        await asyncio.sleep(0.1)
+        leader = await ctx.leader()
     if not leader:
-        raise RuntimeError("no scheduler leads")
+        raise RuntimeError(f"no scheduler leads (waited {LEADER_WAIT_S:g} s)")
     ctx.fault()
     ctx.fleet.kill(leader)
     ctx.healed()
