@@ -395,8 +395,8 @@ def test_a_cell_document_from_what_a_run_recorded() -> None:
 
 def test_the_figures_draw_one_panel_per_mode_run(tmp_path: Path) -> None:
     from benchmarks.e2e.cell import document
-    from benchmarks.e2e.fleet import CellResult
     from benchmarks.e2e.figures import draw_all
+    from benchmarks.e2e.fleet import CellResult
 
     t0 = 100.0
     reports = [
