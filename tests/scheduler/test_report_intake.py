@@ -55,14 +55,21 @@ async def test_no_report_is_applied_while_a_tick_runs(bus: Bus) -> None:
         await bus.publish("reports", report(f"d{i}", [10, 20]))
     svc = SchedulerService(Settings(), node="test")
     svc.bus = bus
+    observe = svc.accuracy.observe
+    all_seen = asyncio.Event()
+
+    def spy(r: Report, now: float | None = None) -> None:
+        observe(r, now)
+        if len(svc.view.seen) == 5:
+            all_seen.set()
+
+    svc.accuracy.observe = spy  # type: ignore[method-assign]
     svc._intake_open.clear()  # as _ticks does around run_tick
     task = asyncio.create_task(svc._reports())
     try:
         await asyncio.sleep(0.3)  # read from the stream, held at the gate
         assert not svc.view.seen
         svc._intake_open.set()  # the tick ended
-        async with asyncio.timeout(10):
-            while len(svc.view.seen) < 5:
-                await asyncio.sleep(0.01)
+        await asyncio.wait_for(all_seen.wait(), 10)
     finally:
         task.cancel()
