@@ -31,7 +31,7 @@ _NOT_MOVED = {EventKind.REFUSED, EventKind.FINISHED, EventKind.ABORTED, EventKin
 PARTITION_S = 10.0  # how long a partition lasts
 SHAPED_S = 15.0  # how long a link stays delayed or lossy
 REDIS_DOWN_S = 3.0  # how long Redis stays dead before it is started again
-LEADER_WAIT_S = 10.0  # scheduler-kill: how long to wait for a leader to kill
+LEADER_WAIT_S = 10.0  # how long a scheduler fault waits for a leader to strike
 
 
 @dataclass
@@ -147,15 +147,28 @@ class Ctx:
             return ""
         return value.decode().split("|")[0] if value else ""
 
-    async def wait_leader(self, not_node: str, within_s: float = 60.0) -> float | None:
-        """Seconds from the fault until a node other than ``not_node`` leads."""
+    async def next_leader(self, not_node: str = "", within_s: float = 60.0) -> str:
+        """The first node other than ``not_node`` seen leading within ``within_s`` ('' if none)."""
         deadline = time.monotonic() + within_s
         while time.monotonic() < deadline:
             node = await self.leader()
             if node and node != not_node:
-                return self.since_fault()
+                return node
             await asyncio.sleep(0.1)
-        return None
+        return ""
+
+    async def wait_leader(self, not_node: str, within_s: float = 60.0) -> float | None:
+        """Seconds from the fault until a node other than ``not_node`` leads."""
+        return self.since_fault() if await self.next_leader(not_node, within_s) else None
+
+    async def leader_to_strike(self) -> str:
+        """The leader a scheduler fault is aimed at. The lock can lapse for a moment
+        on a loaded box (a 1.5 s TTL: seen once while the previous scenario's engine
+        restarted), so a leader is waited for, up to :data:`LEADER_WAIT_S`."""
+        leader = await self.next_leader(within_s=LEADER_WAIT_S)
+        if not leader:
+            raise RuntimeError(f"no scheduler leads (waited {LEADER_WAIT_S:g} s)")
+        return leader
 
     async def reports_resumed(self, instances: list[str], within_s: float = 90.0) -> float | None:
         """Seconds from the heal until each of ``instances`` has reported since."""
@@ -276,15 +289,7 @@ async def proxy_kill(ctx: Ctx) -> None:
 
 async def scheduler_kill(ctx: Ctx) -> None:
     """SIGKILL the scheduler leader; the standby takes over."""
-    leader = await ctx.leader()
-    # The lock can lapse for a moment on a loaded box (a 1.5 s TTL: seen once
-    # while the previous scenario's engine restarted); wait for a leader to kill.
-    until = time.monotonic() + LEADER_WAIT_S
-    while not leader and time.monotonic() < until:
-        await asyncio.sleep(0.1)
-        leader = await ctx.leader()
-    if not leader:
-        raise RuntimeError(f"no scheduler leads (waited {LEADER_WAIT_S:g} s)")
+    leader = await ctx.leader_to_strike()
     ctx.fault()
     ctx.fleet.kill(leader)
     ctx.healed()
@@ -343,9 +348,7 @@ async def partition_decode_pull(ctx: Ctx) -> None:
 
 async def partition_scheduler_redis(ctx: Ctx) -> None:
     """The scheduler leader's host cut from Redis for 10 s; the standby takes over."""
-    leader = await ctx.leader()
-    if not leader:
-        raise RuntimeError("no scheduler leads")
+    leader = await ctx.leader_to_strike()
     host = ctx.fleet.host_of(leader)
     ctx.fleet.net.partition(host, "redis")
     ctx.fault()
