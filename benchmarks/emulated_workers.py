@@ -85,6 +85,14 @@ class Emulated:
     serial: int = 0
     seq: int = 0
 
+    def held(self, request: str) -> tuple[int, int] | None:
+        """Where ``request`` sits in the batch and the tokens it holds (None: not here)."""
+        try:
+            j = self.ids.index(request)
+        except ValueError:
+            return None
+        return j, int(self.prompt[j] + self.generated[j])
+
 
 @dataclass
 class Fleet:
@@ -172,15 +180,14 @@ def advance(fleet: Fleet, inst: Emulated) -> None:
 def migrate(source: Emulated, target: Emulated, request: str) -> int | None:
     """Move ``request`` from ``source``'s batch to the end of ``target``'s; its
     tokens (None: not running on ``source``, finished or moved meanwhile)."""
-    try:
-        j = source.ids.index(request)
-    except ValueError:
+    held = source.held(request)
+    if held is None:
         return None
+    j, tokens = held
     target.prompt = np.append(target.prompt, source.prompt[j])
     target.output = np.append(target.output, source.output[j])
     target.generated = np.append(target.generated, source.generated[j])
     target.ids.append(source.ids.pop(j))
-    tokens = int(source.prompt[j] + source.generated[j])
     source.prompt = np.delete(source.prompt, j)
     source.output = np.delete(source.output, j)
     source.generated = np.delete(source.generated, j)
@@ -266,29 +273,21 @@ async def follow(bus: Bus, fleet: Fleet, stats: GenStats) -> None:
 
     async def carry_out(d: Decision) -> None:
         source, target = by_name.get(d.source), by_name.get(d.target)
-        j = source.ids.index(d.request) if source and d.request in source.ids else None
-        tokens = 0 if j is None or source is None else int(source.prompt[j] + source.generated[j])
+        held = source.held(d.request) if source is not None else None
+        tokens = held[1] if held is not None else 0
         await asyncio.sleep(HANDSHAKE_S + tokens * BYTES_PER_TOKEN / LINK_BYTES_PER_S)
-        moved = None
-        if source is not None and target is not None:
-            moved = migrate(source, target, d.request)
-        kind = EventKind.RESUMED if moved is not None else EventKind.REFUSED
-        if moved is None:
-            stats.refused += 1
-        else:
+        moved = None if source is None or target is None else migrate(source, target, d.request)
+        if moved is not None:
             stats.moved += 1
+            kind, detail = EventKind.RESUMED, ""
+        else:
+            stats.refused += 1
+            kind, detail = EventKind.REFUSED, "request not running on its source"
+        event = Event.now(
+            kind, "proxy:bench", request=d.request, migration=d.id, instance=d.target, detail=detail
+        )
         async with publishing:
-            await bus.publish(
-                "events",
-                Event.now(
-                    kind,
-                    "proxy:bench",
-                    request=d.request,
-                    migration=d.id,
-                    instance=d.target,
-                    detail="" if moved is not None else "request not running on its source",
-                ),
-            )
+            await bus.publish("events", event)
 
     try:
         async for entry in Subscriber(bus, "decisions", Decision, start="$"):

@@ -367,12 +367,11 @@ async def measure(
         moves = {"resumed": gen.moved - moved0, "refused": gen.refused - refused0}
     finally:
         stop.set()
-        if follower is not None:
-            follower.cancel()
         with contextlib.suppress(Exception):
             await generator
-        with contextlib.suppress(BaseException):
-            if follower is not None:
+        if follower is not None:
+            follower.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await follower
         await bus.close()
     result = summarise(args, settings, base, final, samples, wall, warmup_s, sent, cpu0, cpu1, gen)
@@ -401,7 +400,9 @@ def summarise(
     cpu1: dict[str, float],
     gen: GenStats,
 ) -> dict[str, Any]:
-    def since_base(final_buckets: dict[float, float], base_buckets: dict[float, float]) -> Any:
+    def since_base(
+        final_buckets: dict[float, float], base_buckets: dict[float, float]
+    ) -> dict[float, float]:
         return {le: n - base_buckets.get(le, 0.0) for le, n in final_buckets.items()}
 
     buckets = since_base(final["buckets"], base["buckets"])

@@ -288,18 +288,18 @@ class SchedulerService(Service):
         snapshot = self.view.snapshot(self.params)
         self.metrics.live_instances.set(len(self.view.live()))
         self._warn_unknown(snapshot)
-        planned = time.perf_counter()
+        viewed = time.perf_counter()
         result = plan_on(snapshot.arrays, snapshot.ids, snapshot.request, self.params)
-        published = time.perf_counter()
+        planned = time.perf_counter()
         phase = self.metrics.tick_phase_seconds
-        phase.labels("view").observe(planned - started)
-        phase.labels("plan").observe(published - planned)
+        phase.labels("view").observe(viewed - started)
+        phase.labels("plan").observe(planned - viewed)
         if not leader:
             return
         try:
             await self._publish(result, now)
         finally:
-            phase.labels("publish").observe(time.perf_counter() - published)
+            phase.labels("publish").observe(time.perf_counter() - planned)
 
     async def _publish(self, result: Plan, now: float) -> None:
         """The leader's part of a tick: each move as a fenced decision, booked
