@@ -202,7 +202,7 @@ class EngineHandle:
         loop = asyncio.get_running_loop()
         future = loop.run_in_executor(None, cls.build, spec)
         try:
-            return await asyncio.shield(future)
+            handle = await asyncio.shield(future)
         except asyncio.CancelledError:
             # The build cannot be interrupted; shut the engine down once it exists.
             def _discard(f: asyncio.Future[EngineHandle]) -> None:
@@ -211,6 +211,13 @@ class EngineHandle:
 
             future.add_done_callback(_discard)
             raise
+        try:
+            # Before any request: a seeded one with a chunked prompt kills a CPU engine without it.
+            await handle.llm.collective_rpc("star_seeded_install")
+        except BaseException:
+            await handle.shutdown()
+            raise
+        return handle
 
     # -- requests -------------------------------------------------------------------------
 

@@ -282,3 +282,33 @@ def test_curl_as_the_readme_shows_streams_tokens(cluster: LocalCluster) -> None:
     assert events[-1] == "[DONE]"
     text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
     assert len(events) > 10 and text.strip()
+
+
+def test_seeded_long_prompts_do_not_kill_the_prefill_engine(cluster: LocalCluster) -> None:
+    """The mix that took the prefill engine down (issue 27, item 7): four seeded
+    completions with ~3,900-token prompts (chunked: 2,048 tokens a step) beside
+    four short unseeded ones. Every one is served, no worker restarts, and a
+    seeded answer is the same alone as in the mix."""
+    before = cluster.pids()
+
+    def seeded(i: int) -> dict[str, Any]:
+        ids = [(7 * j + 13 * i + 3) % 500 + 5 for j in range(3_900)]
+        return {"model": MODEL, "prompt": ids, "max_tokens": 16, "temperature": 1, "seed": 40 + i}
+
+    def short(i: int) -> dict[str, Any]:
+        return {"model": MODEL, "prompt": card_prompt(), "max_tokens": 16, "temperature": 1}
+
+    async def complete(bodies: list[dict[str, Any]]) -> list[str]:
+        async with httpx.AsyncClient(timeout=300) as client:
+            url = f"{cluster.url}/v1/completions"
+            responses = await asyncio.gather(*(client.post(url, json=b) for b in bodies))
+        for resp in responses:
+            assert resp.status_code == 200, resp.text
+            assert resp.json()["choices"][0]["finish_reason"] in ("stop", "length")
+        return [resp.json()["choices"][0]["text"] for resp in responses]
+
+    mixed = asyncio.run(complete([seeded(i) for i in range(4)] + [short(i) for i in range(4)]))
+    alone = [asyncio.run(complete([seeded(i)]))[0] for i in range(4)]
+    assert alone == mixed[:4]
+    assert cluster.pids() == before
+    cluster.check()
