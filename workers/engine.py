@@ -55,6 +55,17 @@ from workers.vllm_ext import RELEASE_KEY, release_id
 
 log = structlog.get_logger(__name__)
 
+ENDED_IN_ERROR = (
+    "the engine could not continue this request: its structured output left no token to "
+    "sample (a grammar that rejects every token allowed_token_ids allows, or one that "
+    "does not compile)"
+)
+"""Why a request vLLM finished with ``finish_reason="error"`` fails. With STAR's
+engines (no multimodal inputs, failed KV loads recomputed) vLLM 0.32 ends a
+request that way only for its structured output (``Scheduler.update_from_output``:
+"grammar rejected tokens"; grammar compile errors): the request's constraints,
+so a 400, where vLLM's own server answers 500. Its last token is not sent."""
+
 
 @dataclass(slots=True)
 class _Live:
@@ -260,6 +271,8 @@ class EngineHandle:
                             yield TokenDelta(token_ids=new, num_prompt_tokens=live.prompt_tokens)
                         _settle(live, handoff(live, out.kv_transfer_params or {}))
                         return
+                    if finished and completion.finish_reason == "error":
+                        raise BadRequest(ENDED_IN_ERROR)
                     yield TokenDelta(
                         token_ids=new,
                         finish_reason=(completion.finish_reason or "stop") if finished else None,

@@ -312,3 +312,25 @@ def test_seeded_long_prompts_do_not_kill_the_prefill_engine(cluster: LocalCluste
     assert alone == mixed[:4]
     assert cluster.pids() == before
     cluster.check()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_structured_output_with_no_allowed_token_is_a_400(
+    cluster: LocalCluster, stream: bool
+) -> None:
+    """A grammar that rejects every token ``allowed_token_ids`` leaves: vLLM ends the
+    request with finish_reason "error" (its server answers 500); STAR says why, as a 400."""
+    body = {
+        "model": MODEL,
+        "prompt": "give me a fruit",
+        "max_tokens": 8,
+        "structured_outputs": {"choice": ["owl", "fox", "plum"]},
+        "allowed_token_ids": [15, 57, 63],
+        "stream": stream,
+    }
+    resp = httpx.post(f"{cluster.url}/v1/completions", json=body, timeout=120)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert "structured output left no token to sample" in error["message"]
+    assert "prefill-0" not in error["message"]
