@@ -92,7 +92,7 @@ def configure_logging(
         renderer = structlog.processors.JSONRenderer()
     else:
         renderer = structlog.dev.ConsoleRenderer(
-            colors=stream.isatty(), exception_formatter=_console_traceback()
+            colors=stream.isatty(), exception_formatter=_console_traceback(hidden)
         )
 
     structlog.configure(
@@ -113,11 +113,53 @@ def configure_logging(
     root.setLevel(max(level, logging.WARNING))
 
 
-def _console_traceback() -> structlog.typing.ExceptionRenderer:
+def _console_traceback(secrets: tuple[str, ...]) -> structlog.typing.ExceptionRenderer:
     """rich's traceback without local variables, or the plain one without rich."""
     if importlib.util.find_spec("rich") is None:
         return structlog.dev.plain_traceback
-    return structlog.dev.RichTracebackFormatter(show_locals=False)
+    return _RedactingRichTraceback(secrets)
+
+
+class _RedactingRichTraceback:
+    """rich's traceback (structlog's settings, no locals) with each exception's
+    message and notes masked before rich lays them out: its colours and line
+    wrapping split a URL (``?password=`` highlighted as a key and a value), so
+    the mask over the rendered line could no longer recognise it."""
+
+    def __init__(self, secrets: tuple[str, ...]) -> None:
+        self.secrets = secrets
+        self.options = structlog.dev.RichTracebackFormatter(show_locals=False)
+
+    def __call__(self, sio: TextIO, exc_info: structlog.typing.ExcInfo) -> None:
+        from rich.console import Console
+        from rich.traceback import Traceback
+
+        o = self.options
+        trace = Traceback.extract(*exc_info, show_locals=False)
+        self._mask(trace.stacks)
+        tb = Traceback(
+            trace,
+            width=o.width,
+            extra_lines=o.extra_lines,
+            theme=o.theme,
+            word_wrap=o.word_wrap,
+            indent_guides=o.indent_guides,
+            suppress=o.suppress,
+            max_frames=o.max_frames,
+        )
+        if hasattr(tb, "code_width"):  # rich >= 13.8
+            tb.code_width = o.code_width
+        sio.write("\n")
+        Console(file=sio, color_system=o.color_system, width=o.width).print(tb)
+
+    def _mask(self, stacks: Any) -> None:
+        for stack in stacks:
+            stack.exc_value = redact_text(stack.exc_value, self.secrets)
+            stack.notes = [redact_text(note, self.secrets) for note in stack.notes]
+            if stack.syntax_error is not None:
+                stack.syntax_error.line = redact_text(stack.syntax_error.line, self.secrets)
+                stack.syntax_error.msg = redact_text(stack.syntax_error.msg, self.secrets)
+            self._mask(stack.exceptions)
 
 
 class _Redact:

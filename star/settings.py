@@ -25,9 +25,9 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import quote, unquote, urlsplit
+from urllib.parse import urlsplit
 
-from star.redact import MASK, redact_url
+from star.redact import MASK, redact_url, url_secrets
 
 ENV_PREFIX = "STAR_"
 CONFIG_ENV = "STAR_CONFIG"
@@ -377,9 +377,7 @@ def secret_values(settings: Settings) -> list[str]:
             continue
         if f.metadata.get("secret"):
             out.add(value)
-        password = urlsplit(value).password if "://" in value else None
-        if password:
-            out.update({password, unquote(password), quote(unquote(password), safe="")})
+        out.update(url_secrets(value))
     return sorted(out)
 
 

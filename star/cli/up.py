@@ -549,7 +549,7 @@ def _wait_redis(url: str, launcher: Launcher, timeout_s: float) -> None:
     while not _redis_answers(url):
         dead = launcher.dead()
         if dead is not None or time.monotonic() > deadline:
-            raise ClusterError(f"private redis-server did not start at {url}")
+            raise ClusterError(f"private redis-server did not start at {redact_url(url)}")
         time.sleep(0.05)
 
 
@@ -608,7 +608,7 @@ def run(args: argparse.Namespace) -> int:
         cluster.start()
         if cluster.private_redis:
             print(
-                f"star up: no Redis at {redact_url(settings.redis.url)}; started a private one at {cluster.redis_url}"
+                f"star up: no Redis at {redact_url(settings.redis.url)}; started a private one at {redact_url(cluster.redis_url)}"
             )
         print(
             f"star up: starting {args.prefill} prefill + {args.decode} decode workers, scheduler, proxy (logs: {cluster.run_dir})"
@@ -624,7 +624,7 @@ def run(args: argparse.Namespace) -> int:
 
         name = "star-tiny" if not model else model
         # What another terminal's star commands need to find this cluster.
-        find = [f"STAR_REDIS_URL={cluster.redis_url} "] if cluster.private_redis else []
+        find = [f"STAR_REDIS_URL={redact_url(cluster.redis_url)} "] if cluster.private_redis else []
         if settings.bus.prefix != BusSettings().prefix:
             find.append(f"STAR_BUS_PREFIX={settings.bus.prefix} ")
         star = "".join(find) + "star"
