@@ -7,8 +7,12 @@ workload; per request the client's TTFT, TPOT and E2E, per decode instance
 over time its KV use, running and waiting requests, step time and vLLM's own
 preemption counter, and every decision and migration outcome go to
 ``--out`` (one folder per cell; finished cells are skipped, so a stopped run
-resumes). The table (mean and 95 % t-interval over seeds, ratios against
-``no-migration``) and the figures are made from that folder.
+resumes). Every mode of a seed serves the same requests, greedy, so with the
+same output lengths; the first table pairs them request by request against
+``no-migration`` (:mod:`benchmarks.e2e.compare`: length match, P99 TPOT
+pooled over seeds with a bootstrap interval of the ratio, completed
+migrations apart from decisions), the second gives each cell's numbers as a
+mean and 95 % t-interval over seeds; the figures are made from that folder.
 
     star bench e2e --quick                       # 2 regimes x 2 modes x 1 rate x 1 seed
     star bench e2e --out build/e2e --figures docs/img
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import sys
 import tempfile
@@ -26,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.e2e.compare import comparison_rows, comparison_table
 from benchmarks.e2e.regimes import DEFAULT_RATES, QUICK_RATES, REGIMES
 from benchmarks.e2e.report import (
     MODES,
@@ -192,20 +198,37 @@ def run(args: argparse.Namespace) -> int:
     if not args.json:
         _resimulate(docs, out)
     rows = [row(d) for d in docs]
+    compared = comparison_rows([(d["row"], load_requests(out, cell_of(d))) for d in docs])
     if args.figures:
         from benchmarks.e2e.figures import draw_all
 
         for path in draw_all(docs, Path(args.figures)):
             print(f"bench e2e: wrote {path}", file=sys.stderr)
     if args.json:
-        print(json.dumps(rows, indent=1, default=lambda v: None))
+        for c in compared:  # each comparison row carries the rows of its cells
+            group = (c["regime"], c["rate"], c["mode"])
+            c["cells"] = [r for r in rows if (r["regime"], float(r["rate"]), r["mode"]) == group]
+        print(json.dumps(_plain(compared), indent=1, allow_nan=False))
     else:
+        print(comparison_table(compared))
+        print()
         print(table(aggregate(rows)))
         print()
         print(sim_table(docs))
         print()
         print(live_table(docs))
     return 0
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with NaN (no value: JSON has no word for it) as None, recursively."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
 
 
 def _resimulate(docs: list[dict[str, Any]], out: Path) -> None:

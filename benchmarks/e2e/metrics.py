@@ -9,7 +9,12 @@ device timing), every decision and every lifecycle event.
 Definitions (paper §6.1-6.3):
 
 - goodput: completed requests per second with TTFT <= the TTFT SLO and
-  TPOT <= the TPOT SLO (DistServe's definition, as in the paper);
+  TPOT <= the TPOT SLO at the cell's offered rate (the paper's §6 per-run
+  rate; it cannot exceed the offered rate, so where the baseline meets the
+  SLO the ratio's ceiling is near 1. DistServe's goodput is another number:
+  the highest rate that sustains an attainment target, found by a sweep);
+- migrations: completed moves (RESUMED events); ``decisions`` counts every
+  decision, refused and expired ones included;
 - preemptions: the increase of vLLM's counter on each decode instance over
   the run, summed (the counter is cumulative since the engine started);
 - execution-time variance (Fig. 10): in each 1 s bin, the variance across
@@ -204,7 +209,8 @@ def summarize(
         "p50_ttft_ms": _pct(ttfts, 50),
         "p99_ttft_ms": _pct(ttfts, 99),
         "preemptions": preemptions(series),
-        "migrations": len(decisions),
+        "migrations": outcomes.get(EventKind.RESUMED.value, 0),  # completed moves
+        "decisions": len(decisions),  # every decision, refused and expired ones too
         "migration_outcomes": outcomes,
         "exec_time_variance": float(np.mean(variance)) if variance else math.nan,
         "max_kv_use": max(max_kv) if max_kv else math.nan,

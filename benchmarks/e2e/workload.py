@@ -1,8 +1,8 @@
 """The end-to-end workloads: what each client sends, and whether its final length is known.
 
 - ``task``: the tiny model's countdown-list task with natural lengths (the
-  length predictor's own regime: lengths depend on the prompt and on
-  sampling). Final lengths are unknown in advance, so ``oracle`` cannot run.
+  length predictor's own regime: lengths depend on the prompt; decoding is
+  greedy, so a prompt's length is the same in every mode). Final lengths are unknown in advance, so ``oracle`` cannot run.
 - ``replay``: ``ignore_eos`` with output lengths drawn from a heavy-tailed
   distribution shaped like the paper's Table 3 (ShareGPT on
   DeepSeek-R1-Distill-Qwen-7B: P50 4.7 % of the 32K cap, mean 23 %, over
@@ -55,8 +55,14 @@ class Workload:
 
     @property
     def extra(self) -> dict[str, object]:
-        """Request fields every request of this workload carries."""
-        return {"ignore_eos": True} if self.known_lengths else {}
+        """Request fields every request of this workload carries.
+
+        Greedy decoding, so every mode of a seed serves the same requests with
+        the same output lengths (paired by construction: a migration keeps a
+        greedy answer exact); ``ignore_eos`` where the length is fixed.
+        """
+        greedy: dict[str, object] = {"temperature": 0.0}
+        return {**greedy, "ignore_eos": True} if self.known_lengths else greedy
 
     def requests(
         self, n: int, rng: np.random.Generator, count_tokens: Callable[[str], int] | None = None

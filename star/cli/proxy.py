@@ -5,9 +5,15 @@ from __future__ import annotations
 import argparse
 import socket
 
+import structlog
+
 from star.cli.common import CliError, add_settings_args, guarded, settings_from_args
 from star.logs import configure_logging
 from star.settings import secret_values
+
+CMDLINE_KEY_WARNING = (
+    "--api-key is visible to local users in the process list; use STAR_PROXY_API_KEY"
+)
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -20,13 +26,29 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             "decoded on a decode worker chosen by the dispatch policy, using the "
             "scheduler's view in <prefix>:load or, without a scheduler, the workers' reports."
         ),
-        epilog="example: star proxy --port 8000 --model /path/to/model",
+        epilog=(
+            "example: STAR_PROXY_API_KEY=$KEY star proxy --port 8000 --model /path/to/model "
+            "(give the API key in STAR_PROXY_API_KEY or as proxy.api_key in the --config file: "
+            "a key on the command line, --api-key, is visible to every local user in the "
+            "process list)"
+        ),
     )
-    parser.add_argument("--model", help="model directory for the tokenizer (default: worker.model, else the tiny demo model)")
-    parser.add_argument("--served-model-name", help="model name clients use (default: the --model value)")
+    parser.add_argument(
+        "--model",
+        help="model directory for the tokenizer (default: worker.model, else the tiny demo model)",
+    )
+    parser.add_argument(
+        "--served-model-name", help="model name clients use (default: the --model value)"
+    )
     parser.add_argument("--host", help="listen address (proxy.host)")
     parser.add_argument("--port", type=int, help="listen port (proxy.port)")
-    parser.add_argument("--api-key", help="require this bearer token (proxy.api_key)")
+    parser.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help="require this bearer token (proxy.api_key). Deprecated: a command line is "
+        "visible to every local user in the process list; set STAR_PROXY_API_KEY in the "
+        "environment (or proxy.api_key in the --config file) instead",
+    )
     parser.add_argument(
         "--fd",
         type=int,
@@ -47,8 +69,15 @@ def run(args: argparse.Namespace) -> int:
     from star.model import tiny_model_path
 
     model = args.model or settings.worker.model or str(tiny_model_path())
-    name = args.served_model_name or (None if (args.model or settings.worker.model) else "star-tiny")
+    name = args.served_model_name or (
+        None if (args.model or settings.worker.model) else "star-tiny"
+    )
     configure_logging(settings.log, secrets=secret_values(settings), role="proxy")
+    if args.api_key:  # on the command line: /proc/PID/cmdline is world-readable
+        structlog.get_logger(__name__).warning(
+            "api_key_on_command_line",
+            detail=CMDLINE_KEY_WARNING,
+        )
     sock = None
     if args.fd is not None:
         try:

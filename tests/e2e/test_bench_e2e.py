@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -37,6 +36,8 @@ def _bench(out: Path, env: dict[str, str], *extra: str) -> subprocess.CompletedP
             "1",
             "--num-prompts",
             "6",
+            "--workload",
+            "task",  # natural output lengths: the same in every mode only if decoding is greedy
             "--cap",
             "256",
             "--out",
@@ -60,16 +61,23 @@ def test_two_modes_on_real_fleets_then_resume(tmp_path: Path) -> None:
         done = _bench(out, env, "--json")
         assert done.returncode == 0, done.stderr[-3000:]
         rows = json.loads(done.stdout)
-        assert sorted(r["mode"] for r in rows) == ["no-migration", "predicted"]
+        assert [r["mode"] for r in rows] == ["no-migration", "predicted"]
         for r in rows:
-            assert (r["regime"], r["rate"], r["seed"]) == ("device", 4.0, 1)
+            assert (r["regime"], r["rate"], r["seeds"]) == ("device", 4.0, 1)
             assert r["timing"] == "emulated device timing"
-            assert r["goodput"] >= 0 and r["throughput"] > 0
+            # Paired by construction: greedy decoding gives every request of the seed
+            # the baseline's output length (sampled, 3-11 % of natural lengths matched).
+            assert r["length_match"] == 1.0 and r["requests"] == 6
+            assert r["p99_tpot_ratio"] is not None and r["p99_tpot_ms"] > 0
+            assert 0 <= r["migrations_completed"] <= r["decisions"]
+            (cell,) = r["cells"]
+            assert cell["seed"] == 1 and cell["throughput"] > 0
             # The CPU idles in padding (0 on real timing). How much depends on the
             # machine: 0.12-0.17 on a box whose own step takes ~7 of the 8 ms.
-            assert r["preemptions"] >= 0 and r["pad_share"] > 0
-        nomig = next(r for r in rows if r["mode"] == "no-migration")
-        assert nomig["migrations"] == 0  # the baseline never migrates
+            assert cell["pad_share"] > 0
+        nomig = rows[0]
+        assert nomig["decisions"] == nomig["migrations_completed"] == 0  # never migrates
+        assert nomig["p99_tpot_ratio"] == 1.0 and nomig["note"] == "baseline"
 
         for mode in ("no-migration", "predicted"):
             cell = out / "device" / mode / "rate-4" / "seed-1"
@@ -90,5 +98,5 @@ def test_two_modes_on_real_fleets_then_resume(tmp_path: Path) -> None:
         again = _bench(out, env)
         assert again.returncode == 0, again.stderr[-3000:]
         assert "2 of 2 cells already done" in again.stderr
+        assert "| device (emulated device timing) | 4 | predicted | 1 | 6 | 100% |" in again.stdout
         assert "| device (emulated device timing) | 4 | predicted | 1 |" in again.stdout
-    assert os.path.exists(out)
