@@ -11,9 +11,19 @@ transport's buffer is over its high-water mark the body is not pulled, so a
 client that stops reading holds at most one buffer of its stream here, and
 after ``write_stall_timeout_s`` without draining it the stream is cut.
 
-Error responses made here (400 malformed, 413 body too large, 431 head too
-large, 429 too many requests, 503 draining, 500 handler bug) use OpenAI's
-error body, like the ones the application raises through :class:`HttpError`.
+Error responses made here (400 malformed, 408 request too slow, 413 body too
+large, 431 head too large, 429 too many requests, 503 draining or too many
+connections, 500 handler bug) use OpenAI's error body, like the ones the
+application raises through :class:`HttpError`.
+
+Parsing is as strict as nginx where h11 is lenient: a bare LF line ending in
+a request head, and a request with both ``Content-Length`` and
+``Transfer-Encoding`` (RFC 9112 §6.1, a request-smuggling vector), get 400 and
+the connection is closed. Limits (``proxy.*`` settings): open connections
+(``max_connections``), idle keep-alive time (``idle_timeout_s``), the time a
+head may take from its first byte (``head_timeout_s``) and a body from the end
+of its head (``body_timeout_s``). An optional ``head_check`` (the API key) runs
+as soon as a head arrives, so a refused client's body is never read.
 
 A client that disconnects gets its handler task cancelled (message
 ``"client disconnected"``); the application's backend aborts upstream in
@@ -26,7 +36,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
+import secrets
 import socket
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -36,6 +49,7 @@ import h11
 import structlog
 
 from star.aio import deadline
+from star.handshake import is_loopback
 from star.settings import ProxySettings
 
 log = structlog.get_logger()
@@ -47,6 +61,11 @@ SHUTDOWN = "server shutdown"
 # the socket (h11 buffers them unparsed, so its own size limit does not apply).
 _PIPELINE_BUFFER = 256 * 1024
 _LINGER_S = 2.0
+_LIMIT_LOG_EVERY_S = 10.0
+# The end of a request head as h11 finds it (it accepts bare LF line endings).
+_HEAD_END = re.compile(rb"\n\r?\n")
+# What a connection is waiting for; each has its own timeout.
+_IDLE, _HEAD, _BODY = "idle", "head", "body"
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +120,9 @@ class StreamingResponse:
 
 
 Handler = Callable[[Request], Awaitable[Response | StreamingResponse]]
+# Called with a request whose head has arrived (``body`` still empty) before
+# its body is read; raising HttpError answers with it and closes (401 early).
+HeadCheck = Callable[[Request], None]
 # Called with (request path, or "" when the head was unreadable; status) for
 # every response the server sends, including the ones it makes itself.
 Observer = Callable[[str, int], None]
@@ -157,9 +179,10 @@ class HttpServer:
     ``settings`` gives the listen address and the limits (``sock``, an
     already-bound listening socket, replaces the address); ``exempt_paths``
     (health checks, metrics) do not count toward ``max_streams`` so they keep
-    answering under load. ``idle_timeout_s`` closes keep-alive connections
-    with no request in flight, and bounds how long one request head/body may
-    take to arrive. ``observer`` sees the status of every response (metrics).
+    answering under load. ``idle_timeout_s`` (default
+    ``settings.idle_timeout_s``) closes keep-alive connections with no
+    request in flight. ``head_check`` sees each request head before its body
+    is read. ``observer`` sees the status of every response (metrics).
     """
 
     def __init__(
@@ -168,17 +191,22 @@ class HttpServer:
         settings: ProxySettings,
         *,
         exempt_paths: Iterable[str] = ("/health", "/metrics"),
-        idle_timeout_s: float = 75.0,
+        idle_timeout_s: float | None = None,
+        head_check: HeadCheck | None = None,
         observer: Observer | None = None,
         sock: socket.socket | None = None,
     ) -> None:
         self.handler = handler
         self.sock = sock
         self.observer = observer
+        self.head_check = head_check
         self.settings = settings
         self.exempt_paths = frozenset(exempt_paths)
-        self.idle_timeout_s = idle_timeout_s
+        self.idle_timeout_s = settings.idle_timeout_s if idle_timeout_s is None else idle_timeout_s
         self.active = 0  # requests in flight that count toward max_streams
+        self.open = 0  # connections that count toward max_connections
+        self.refused = 0  # connections refused at max_connections since the last log line
+        self._refused_logged = 0.0
         self.draining = False
         self._server: asyncio.Server | None = None
         self._connections: set[_Connection] = set()
@@ -211,6 +239,14 @@ class HttpServer:
             )
         host, port = self.address
         log.info("http_listening", host=host, port=port)
+        if not self.settings.api_key and not is_loopback(host):
+            log.warning(
+                "http_open_without_api_key",
+                host=host,
+                port=port,
+                hint="any host that reaches this port may use the API: set proxy.api_key "
+                "(STAR_PROXY_API_KEY) or bind proxy.host to 127.0.0.1",
+            )
 
     async def serve(self) -> None:
         """Start, then wait until :meth:`shutdown` has finished."""
@@ -250,6 +286,19 @@ class HttpServer:
 
     # -- called by connections ---------------------------------------------
 
+    def _refuse(self) -> None:
+        """Count a connection refused at ``max_connections``; log now and then, not per refusal."""
+        self.refused += 1
+        now = time.monotonic()
+        if now - self._refused_logged >= _LIMIT_LOG_EVERY_S:
+            log.warning(
+                "http_connection_limit",
+                limit=self.settings.max_connections,
+                refused=self.refused,
+                setting="proxy.max_connections",
+            )
+            self._refused_logged, self.refused = now, 0
+
     def _spawn(self, conn: _Connection, request: Request, counted: bool) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(conn.run(request, counted))
         self._tasks.add(task)
@@ -284,6 +333,8 @@ class _Connection(asyncio.Protocol):
         self._write_paused = False
         self._drain: asyncio.Future[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self._phase: str | None = None  # what the timer waits for: _IDLE, _HEAD, _BODY
+        self._counted = False  # toward max_connections
         self._head_only = False  # the request in flight is HEAD: send no body bytes
         self._lingering = False
         self._path = ""  # of the request being answered, for the observer
@@ -296,15 +347,33 @@ class _Connection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)
         peer = transport.get_extra_info("peername")
         self.client = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else ""
-        self.server._connections.add(self)
-        if self.server.draining:
+        server = self.server
+        server._connections.add(self)
+        if server.draining:
             self.close()
             return
-        self._arm_timer()
+        if server.open >= self.settings.max_connections:
+            server._refuse()
+            limit = self.settings.max_connections
+            self._reject(
+                HttpError(
+                    503,
+                    f"too many open connections to this server (limit {limit}); retry later",
+                    code="too_many_connections",
+                    headers=[("retry-after", "1")],
+                )
+            )
+            return
+        server.open += 1
+        self._counted = True
+        self._arm(_IDLE)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.server._connections.discard(self)
+        if self._counted:
+            self._counted = False
+            self.server.open -= 1
         self._disarm_timer()
         if self.task is not None and not self.task.done():
             self.task.cancel(DISCONNECTED)
@@ -342,6 +411,8 @@ class _Connection(asyncio.Protocol):
     def _process(self) -> None:
         """Pull h11 events until a request is complete or more bytes are needed."""
         while self.task is None and not self._closing:
+            if self.h11.their_state is h11.IDLE and not self._check_head_bytes():
+                return
             try:
                 event = self.h11.next_event()
             except h11.RemoteProtocolError as exc:
@@ -373,20 +444,56 @@ class _Connection(asyncio.Protocol):
                 self.close()
                 return
 
+    def _check_head_bytes(self) -> bool:
+        """Before h11 parses a head: start its timer, refuse bare LF. False: rejected."""
+        pending = self.h11.trailing_data[0]
+        if not pending:
+            return True
+        if self._phase == _IDLE:
+            self._arm(_HEAD)  # the first byte of a request: the head timeout runs from here
+        if _bare_lf(pending):
+            self._reject(
+                HttpError(
+                    400,
+                    "malformed HTTP request: a line of the head ends in a bare LF (CRLF required)",
+                    code="bad_request",
+                )
+            )
+            return False
+        return True
+
     def _start_request(self, head: h11.Request) -> bool:
+        """Checks on a complete head; the body is not read unless they pass (False: rejected)."""
+        self._head_only = head.method == b"HEAD"
+        self._path = urlsplit(head.target.decode("latin-1")).path
         # h11's max_incomplete_event_size only bites while a head is still
         # incomplete; one that arrived whole in a single read is measured here.
         if _head_size(head) > self.settings.max_header_bytes:
             self._reject(HttpError(431, "request head too large", code="request_header_too_large"))
             return False
+        names = {name for name, _ in head.headers}
+        if b"content-length" in names and b"transfer-encoding" in names:
+            # RFC 9112 §6.1: the framing is ambiguous (request smuggling); close.
+            error = HttpError(
+                400,
+                "malformed HTTP request: both Content-Length and Transfer-Encoding are set",
+                code="bad_request",
+            )
+            self._reject(error)
+            return False
+        if self.server.head_check is not None:
+            try:
+                self.server.head_check(self._request(head, b""))
+            except HttpError as exc:  # e.g. 401: refused before its body is read
+                self._reject(exc)
+                return False
         length = _content_length(head.headers)
         if length is not None and length > self.settings.max_body_bytes:
             # Refuse before reading the body; the connection cannot be reused.
             self._reject(self._too_large())
             return False
         self._head, self._body, self._body_size = head, [], 0
-        self._head_only = head.method == b"HEAD"
-        self._path = urlsplit(head.target.decode("latin-1")).path
+        self._arm(_BODY)
         if self.h11.they_are_waiting_for_100_continue:
             self._send(h11.InformationalResponse(status_code=100, headers=[]))
         return True
@@ -398,20 +505,22 @@ class _Connection(asyncio.Protocol):
             code="request_too_large",
         )
 
-    def _dispatch(self) -> None:
-        head = self._head
-        assert head is not None
-        self._head = None
-        target = head.target.decode("latin-1")
-        parts = urlsplit(target)
-        request = Request(
+    def _request(self, head: h11.Request, body: bytes) -> Request:
+        parts = urlsplit(head.target.decode("latin-1"))
+        return Request(
             method=head.method.decode("ascii"),
             path=parts.path or "/",
             query=parts.query,
             headers=tuple((k.decode("latin-1"), v.decode("latin-1")) for k, v in head.headers),
-            body=b"".join(self._body),
+            body=body,
             client=self.client,
         )
+
+    def _dispatch(self) -> None:
+        head = self._head
+        assert head is not None
+        self._head = None
+        request = self._request(head, b"".join(self._body))
         self._body = []
         counted = request.path not in self.server.exempt_paths
         self._disarm_timer()
@@ -444,8 +553,14 @@ class _Connection(asyncio.Protocol):
             except HttpError as exc:
                 response = exc.response()
             except Exception:
-                log.exception("http_handler_failed", method=request.method, path=request.path)
-                response = HttpError(500, "internal server error").response()
+                request_id = new_request_id()
+                log.exception(
+                    "http_handler_failed",
+                    method=request.method,
+                    path=request.path,
+                    request_id=request_id,
+                )
+                response = internal_error(request_id).response()
             if isinstance(response, StreamingResponse):
                 await self._stream(response)
             else:
@@ -559,6 +674,7 @@ class _Connection(asyncio.Protocol):
                 response = error.response()
                 headers = [
                     ("content-type", response.content_type),
+                    *response.headers,
                     ("connection", "close"),
                     ("content-length", str(len(response.body))),
                 ]
@@ -585,7 +701,7 @@ class _Connection(asyncio.Protocol):
         if self.server.draining:
             self.close()
             return
-        self._arm_timer()
+        self._arm(_IDLE)
         if self._reading_paused:
             assert self.transport is not None
             self.transport.resume_reading()
@@ -637,20 +753,69 @@ class _Connection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.abort()
 
-    def _arm_timer(self) -> None:
+    def _arm(self, phase: str) -> None:
+        """Start the timeout of ``phase`` (waiting for a request, its head, its body)."""
         self._disarm_timer()
-        loop = asyncio.get_running_loop()
-        self._timer = loop.call_later(self.server.idle_timeout_s, self._idle)
+        self._phase = phase
+        if phase == _IDLE:
+            timeout_s = self.server.idle_timeout_s
+        elif phase == _HEAD:
+            timeout_s = self.settings.head_timeout_s
+        else:
+            timeout_s = self.settings.body_timeout_s
+        self._timer = asyncio.get_running_loop().call_later(timeout_s, self._expired)
 
     def _disarm_timer(self) -> None:
+        self._phase = None
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
 
-    def _idle(self) -> None:
-        self._timer = None
-        if self.task is None:
+    def _expired(self) -> None:
+        phase, self._timer, self._phase = self._phase, None, None
+        if self.task is not None or self._closing:
+            return
+        if phase == _IDLE:
             self.close()
+            return
+        setting = f"proxy.{phase}_timeout_s"
+        timeout_s = getattr(self.settings, f"{phase}_timeout_s")
+        log.info(
+            "http_request_too_slow",
+            client=self.client,
+            path=self._path,
+            waiting_for=phase,
+            timeout_s=timeout_s,
+            setting=setting,
+        )
+        self._reject(
+            HttpError(
+                408,
+                f"request {phase} not received within {timeout_s:g} s",
+                code="request_timeout",
+            )
+        )
+
+
+def new_request_id() -> str:
+    """An id for an error the client sees and the log explains (``req-`` + 16 hex)."""
+    return "req-" + secrets.token_hex(8)
+
+
+def internal_error(request_id: str) -> HttpError:
+    """The 500 for a bug: no exception text, the id that finds it in the log."""
+    return HttpError(500, f"internal server error (request id {request_id})")
+
+
+def _bare_lf(data: bytes) -> bool:
+    """Whether the request head at the start of ``data`` has a line ending in LF without CR.
+
+    Only the head (up to its blank line, or all of ``data`` while the head is
+    incomplete) is looked at; a body may hold any bytes.
+    """
+    end = _HEAD_END.search(data)
+    head = data[: end.end()] if end else data
+    return head.count(b"\n") != head.count(b"\r\n")
 
 
 def _content_length(headers: Iterable[tuple[bytes, bytes]]) -> int | None:

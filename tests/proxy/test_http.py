@@ -8,6 +8,7 @@ import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
+import structlog
 
 from proxy.http import HttpError, HttpServer, Request, Response, StreamingResponse
 from star.settings import ProxySettings
@@ -27,7 +28,7 @@ async def serve() -> AsyncIterator[Callable[..., Awaitable[HttpServer]]]:
     servers: list[HttpServer] = []
 
     async def start(
-        handler: Handler = echo, idle_timeout_s: float = 75.0, **kw: object
+        handler: Handler = echo, idle_timeout_s: float | None = None, **kw: object
     ) -> HttpServer:
         settings = ProxySettings(host="127.0.0.1", port=0, **kw)  # type: ignore[arg-type]
         seen: list[tuple[str, int]] = []
@@ -311,9 +312,8 @@ async def test_expect_100_continue_gets_an_interim_response(serve) -> None:
 async def test_idle_connection_is_closed_after_timeout(serve) -> None:
     server = await serve(idle_timeout_s=0.1)
     reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-    writer.write(b"GET / HTTP/1.1\r\n")  # a head that never completes
     async with asyncio.timeout(30):
-        assert await reader.read() == b""
+        assert await reader.read() == b""  # nothing sent: closed without a word
     writer.close()
     with contextlib.suppress(ConnectionError):
         await writer.wait_closed()
@@ -367,3 +367,212 @@ async def test_slow_reader_applies_backpressure(serve) -> None:
     (resp,) = parse_responses(b"".join(parts))
     assert resp.body == chunk * 20_000
     writer.close()
+
+
+# -- as strict as nginx (issue 27 item 5) ---------------------------------------------
+
+
+async def _connect(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    return await asyncio.open_connection("127.0.0.1", port)
+
+
+async def _close(writer: asyncio.StreamWriter) -> None:
+    writer.close()
+    with contextlib.suppress(ConnectionError):
+        await writer.wait_closed()
+
+
+async def test_connections_beyond_max_connections_get_503_and_are_closed(serve) -> None:
+    server = await serve(max_connections=3)
+    idle = [await _connect(server.port) for _ in range(3)]
+    for reader, writer in idle:  # one request each, then idle keep-alive: they still count
+        writer.write(request_bytes("GET", "/keep"))
+        async with asyncio.timeout(30):
+            head = await reader.readuntil(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200")
+    reader, writer = await _connect(server.port)
+    writer.write(request_bytes("GET", "/over"))
+    async with asyncio.timeout(30):
+        (resp,) = parse_responses(await reader.read())  # answered, then closed
+    err = assert_openai_error(resp, 503)
+    assert err["code"] == "too_many_connections" and "limit 3" in str(err["message"])
+    assert resp.headers["connection"] == "close" and resp.headers["retry-after"] == "1"
+    await _close(writer)
+    assert ("/over", 200) not in server.seen  # type: ignore[attr-defined]
+    # A connection that goes frees its place.
+    await _close(idle[0][1])
+    await until(lambda: server.open == 2)
+    data = await exchange(server.port, request_bytes("GET", "/in", headers={"connection": "close"}))
+    (ok,) = parse_responses(data)
+    assert ok.status == 200 and ok.json()["path"] == "/in"
+    for _, w in idle[1:]:
+        await _close(w)
+    await until(lambda: server.open == 0)
+
+
+async def test_a_head_trickling_past_head_timeout_gets_408(serve) -> None:
+    # Slowloris: a byte now and then keeps an idle timer alive; the head timer runs
+    # from the first byte, whatever follows.
+    server = await serve(head_timeout_s=0.5)
+    reader, writer = await _connect(server.port)
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    answer = asyncio.create_task(reader.read())
+    for byte in b"GET / HTTP/1.1\r\nhost: a\r\nx-slow: " + b"a" * 200:
+        if answer.done():
+            break
+        writer.write(bytes([byte]))
+        await asyncio.sleep(0.02)
+    async with asyncio.timeout(30):
+        (resp,) = parse_responses(await answer)
+    took = loop.time() - start
+    err = assert_openai_error(resp, 408)
+    assert err["code"] == "request_timeout" and "head" in str(err["message"])
+    assert resp.headers["connection"] == "close"
+    assert 0.4 < took < 3.0
+    await _close(writer)
+
+
+async def test_a_body_slower_than_body_timeout_gets_408(serve) -> None:
+    calls: list[Request] = []
+
+    async def handler(request: Request) -> Response:
+        calls.append(request)
+        return Response.json({})
+
+    server = await serve(handler, body_timeout_s=0.3)
+    reader, writer = await _connect(server.port)
+    writer.write(b"POST /b HTTP/1.1\r\nhost: a\r\ncontent-length: 10\r\n\r\nabc")  # 7 short
+    async with asyncio.timeout(30):
+        (resp,) = parse_responses(await reader.read())
+    err = assert_openai_error(resp, 408)
+    assert "body" in str(err["message"])
+    assert calls == []
+    assert ("/b", 408) in server.seen  # type: ignore[attr-defined]
+    await _close(writer)
+
+
+async def test_timeouts_are_settings() -> None:
+    settings = ProxySettings()
+    assert (settings.head_timeout_s, settings.body_timeout_s, settings.idle_timeout_s) == (
+        30.0,
+        60.0,
+        75.0,
+    )
+    server = HttpServer(echo, ProxySettings(idle_timeout_s=5.0))
+    assert server.idle_timeout_s == 5.0
+
+
+async def test_head_check_refuses_before_the_body_is_read(serve) -> None:
+    calls: list[Request] = []
+
+    def check(request: Request) -> None:
+        assert request.body == b""
+        if request.header("authorization") != "Bearer k":
+            raise HttpError(401, "no key", headers=[("www-authenticate", "Bearer")])
+
+    async def handler(request: Request) -> Response:
+        calls.append(request)
+        return Response.json({"body": len(request.body)})
+
+    settings = ProxySettings(host="127.0.0.1", port=0)
+    server = HttpServer(handler, settings, head_check=check)
+    await server.start()
+    try:
+        # A body announced and never sent, behind "expect: 100-continue": the 401
+        # comes at once, without a 100 before it.
+        raw = b"POST /x HTTP/1.1\r\nhost: a\r\ncontent-length: 1000000\r\nexpect: 100-continue\r\n\r\n"
+        (resp,) = parse_responses(await exchange(server.port, raw, wait_s=10))
+        assert resp.status == 401 and resp.headers["www-authenticate"] == "Bearer"
+        assert resp.headers["connection"] == "close"
+        raw = request_bytes(
+            "POST", "/x", b"abc", {"authorization": "Bearer k", "connection": "close"}
+        )
+        (ok,) = parse_responses(await exchange(server.port, raw))
+        assert ok.status == 200 and ok.json() == {"body": 3}
+        assert len(calls) == 1
+    finally:
+        await server.shutdown(timeout_s=1.0)
+
+
+async def test_content_length_and_transfer_encoding_together_get_400_and_close(serve) -> None:
+    # RFC 9112 §6.1: the framing is ambiguous; a server that picks one and reads on
+    # serves whatever the other reading would have called body (request smuggling).
+    server = await serve()
+    smuggled = request_bytes("GET", "/smuggled", headers={"connection": "close"})
+    raw = (
+        b"POST /a HTTP/1.1\r\nhost: a\r\ncontent-length: 5\r\ntransfer-encoding: chunked\r\n\r\n"
+        b"0\r\n\r\n" + smuggled
+    )
+    responses = parse_responses(await exchange(server.port, raw, wait_s=10))
+    assert len(responses) == 1, [r.status for r in responses]
+    err = assert_openai_error(responses[0], 400)
+    assert "Content-Length and Transfer-Encoding" in str(err["message"])
+    assert responses[0].headers["connection"] == "close"
+    assert [path for path, _ in server.seen] == ["/a"]  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"GET / HTTP/1.1\nhost: a\n\n",
+        b"GET / HTTP/1.1\r\nhost: a\n\r\n",
+        b"GET / HTTP/1.1\r\nhost: a\r\n\n",
+        b"GET /first HTTP/1.1\r\nhost: a\r\n\r\nGET /second HTTP/1.1\nhost: a\r\n\r\n",
+    ],
+)
+async def test_bare_lf_line_endings_get_400(serve, raw: bytes) -> None:
+    server = await serve()
+    responses = parse_responses(await exchange(server.port, raw, wait_s=10))
+    assert responses, "no answer"
+    err = assert_openai_error(responses[-1], 400)
+    assert "bare LF" in str(err["message"])
+    assert responses[-1].headers["connection"] == "close"
+    assert [r.status for r in responses[:-1]] == [200] * (len(responses) - 1)
+
+
+async def test_crlf_split_across_reads_and_lf_in_a_body_are_fine(serve) -> None:
+    server = await serve()
+    reader, writer = await _connect(server.port)
+    for part in (b"POST /s HTTP/1.1\r", b"\nhost: a\r\ncontent-length: 3\r\n", b"\r", b"\na\nb"):
+        writer.write(part)
+        await writer.drain()
+        await asyncio.sleep(0.05)
+    async with asyncio.timeout(30):
+        head = await reader.readuntil(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200")
+    await _close(writer)
+
+
+async def test_a_500_names_a_request_id_the_log_explains(serve) -> None:
+    async def handler(request: Request) -> Response:
+        raise RuntimeError("secret internals at 10.9.8.7:7001")
+
+    server = await serve(handler)
+    with structlog.testing.capture_logs() as logs:
+        (resp,) = parse_responses(
+            await exchange(server.port, request_bytes("GET", "/", headers={"connection": "close"}))
+        )
+    err = assert_openai_error(resp, 500)
+    message = str(err["message"])
+    assert "10.9.8.7" not in message and "RuntimeError" not in message
+    request_id = message.rsplit("request id ", 1)[1].rstrip(")")
+    (line,) = [e for e in logs if e["event"] == "http_handler_failed"]
+    assert line["request_id"] == request_id and line["exc_info"]
+
+
+@pytest.mark.parametrize(
+    ("host", "key", "warned"),
+    [("0.0.0.0", "", True), ("0.0.0.0", "sekrit", False), ("127.0.0.1", "", False)],
+)
+async def test_binding_beyond_loopback_without_a_key_warns(
+    host: str, key: str, warned: bool
+) -> None:
+    server = HttpServer(echo, ProxySettings(host=host, port=0, api_key=key))
+    with structlog.testing.capture_logs() as logs:
+        await server.start()
+    await server.shutdown(timeout_s=1.0)
+    lines = [e for e in logs if e["event"] == "http_open_without_api_key"]
+    assert bool(lines) is warned
+    if warned:
+        assert lines[0]["log_level"] == "warning" and "proxy.api_key" in lines[0]["hint"]
