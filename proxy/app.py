@@ -11,8 +11,13 @@ behind an :class:`~proxy.http.HttpServer`::
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``,
 ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics``.
-With ``settings.api_key`` set, ``/v1/*`` needs ``Authorization: Bearer <key>``,
-and so do ``/health`` and ``/metrics`` with ``settings.protect_metrics``.
+With ``settings.api_key`` set, ``/v1/*`` needs ``Authorization: Bearer <key>``
+(checked as soon as the request head arrives, before the body is read), and
+so do ``/health`` and ``/metrics`` with ``settings.protect_metrics``; without
+it, ``/health`` answers a keyless probe with ``{"ok": ...}`` alone (the
+instance list is for key holders). Errors with status 500 and up carry a fixed
+message and the request id; what went wrong (instances, addresses, exception
+text) goes to the log line of that request id.
 """
 
 from __future__ import annotations
@@ -34,7 +39,15 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 
 from proxy.backend import Backend, BackendError, TokenBatch
-from proxy.http import HttpError, HttpServer, Request, Response, StreamingResponse
+from proxy.http import (
+    HttpError,
+    HttpServer,
+    Request,
+    Response,
+    StreamingResponse,
+    internal_error,
+    new_request_id,
+)
 from proxy.openai import (
     ParsedRequest,
     Relay,
@@ -178,8 +191,7 @@ class ProxyApp:
     async def __call__(self, request: Request) -> Response | StreamingResponse:
         """Handle one request (the :data:`proxy.http.Handler`)."""
         path = request.path
-        if path.startswith("/v1/") or (self.settings.protect_metrics and path in _PROBES):
-            self._authorize(request)
+        self.check_head(request)
         if path == COMPLETIONS:
             _method(request, "POST")
             return await self._generate(request, parse_completion)
@@ -194,11 +206,17 @@ class ProxyApp:
             return Response.json(model_payload(find_model(self.models, path[len(MODELS) + 1 :])))
         if path == "/health":
             _method(request, "GET")
-            return self._health()
+            return self._health(request)
         if path == "/metrics":
             _method(request, "GET")
             return Response(200, generate_latest(self.metrics.registry), CONTENT_TYPE_LATEST)
         raise HttpError(404, f"no route for {request.method} {path}", code="not_found")
+
+    def check_head(self, request: Request) -> None:
+        """The API key, where a route needs it (the server's head check: 401 before the body)."""
+        path = request.path
+        if path.startswith("/v1/") or (self.settings.protect_metrics and path in _PROBES):
+            self._authorize(request)
 
     def _authorize(self, request: Request) -> None:
         if not self._key:
@@ -217,16 +235,23 @@ class ProxyApp:
                 401, "Incorrect API key provided.", code="invalid_api_key", headers=challenge
             )
 
-    def _health(self) -> Response:
+    def _health(self, request: Request) -> Response:
         try:
             status = dict(self.backend.health())
         except Exception as exc:  # a health probe must answer, not crash
-            log.warning("health_failed", error=str(exc))
-            status = {"ok": False, "error": str(exc)}
+            request_id = new_request_id()
+            log.warning("health_failed", error=str(exc), request_id=request_id)
+            status = {"ok": False, "error": f"health check failed (request id {request_id})"}
         ok = bool(status.get("ok", True))
+        code = 200 if ok else 503
+        if self._key:
+            try:
+                self._authorize(request)
+            except HttpError:  # a load balancer's probe: up or not, no instance list
+                return Response.json({"ok": ok}, code)
         status["ok"] = ok
         status["active_streams"] = self.active
-        return Response.json(status, 200 if ok else 503)
+        return Response.json(status, code)
 
     # -- generation -------------------------------------------------------------
 
@@ -261,16 +286,17 @@ class ProxyApp:
             return StreamingResponse(body)
         except BackendError as exc:
             self._done(relay, timing, "failed", error=exc.message)
-            raise _http_error(exc) from None
+            raise _http_error(exc, gen.request_id) from None
         except (RuntimeError, ValueError) as exc:  # the backend broke the stream contract
             self._done(relay, timing, "failed", error=str(exc))
-            raise HttpError(502, f"upstream error: {exc}", code="upstream_error") from None
+            raise _upstream_error(gen.request_id) from None
         except HttpError as exc:
             self._done(relay, timing, "failed", error=exc.message)
             raise
-        except Exception as exc:  # the server logs it and answers 500
+        except Exception as exc:  # a bug: the traceback to the log, the request id to the client
             self._done(relay, timing, "failed", error=repr(exc))
-            raise
+            log.exception("generate_failed", request_id=gen.request_id)
+            raise internal_error(gen.request_id) from None
         except BaseException:
             self._done(relay, timing, "cancelled")
             raise
@@ -307,15 +333,15 @@ class ProxyApp:
             yield relay.end()
         except BackendError as exc:
             outcome, error = "failed", exc.message
-            yield relay.error_event(_http_error(exc))
+            yield relay.error_event(_http_error(exc, relay.req.request_id))
         except (RuntimeError, ValueError) as exc:
             outcome, error = "failed", str(exc)
-            yield relay.error_event(HttpError(502, f"upstream error: {exc}", code="upstream_error"))
+            yield relay.error_event(_upstream_error(relay.req.request_id))
         except Exception as exc:
             # Headers are out: tell the client in-band, log the bug here, once.
             log.exception("relay_failed", request_id=relay.req.request_id)
             outcome, error = "failed", repr(exc)
-            yield relay.error_event(HttpError(500, "internal server error"))
+            yield relay.error_event(internal_error(relay.req.request_id))
         finally:
             await _aclose(stream)
             self._done(relay, timing, outcome, error=error)
@@ -353,8 +379,25 @@ def _method(request: Request, allowed: str) -> None:
         )
 
 
-def _http_error(exc: BackendError) -> HttpError:
-    return HttpError(exc.status, exc.message, type=exc.error_type, code=exc.code)
+def _http_error(exc: BackendError, request_id: str) -> HttpError:
+    """What the client sees of a backend failure (the request's log line has the rest)."""
+    if exc.status < 500:
+        message = exc.message if exc.public is None else exc.public
+    elif exc.status == 503:
+        message = (
+            f"no inference instance can take the request now, retry later (request id {request_id})"
+        )
+    else:
+        message = f"the inference backend failed the request (request id {request_id})"
+    return HttpError(exc.status, message, type=exc.error_type, code=exc.code)
+
+
+def _upstream_error(request_id: str) -> HttpError:
+    return HttpError(
+        502,
+        f"the inference backend failed the request (request id {request_id})",
+        code="upstream_error",
+    )
 
 
 async def _aclose(stream: AsyncIterator[Any]) -> None:
@@ -369,6 +412,7 @@ def create_server(app: ProxyApp, settings: ProxySettings, **kwargs: Any) -> Http
         app,
         settings,
         exempt_paths=("/health", "/metrics"),
+        head_check=app.check_head,
         observer=app.metrics.observe_response,
         **kwargs,
     )

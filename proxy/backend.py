@@ -33,7 +33,6 @@ FinishReason = Literal["stop", "length", "abort"]
 RequestKind = Literal["completion", "chat"]
 
 
-
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
     """One request as the backend sees it: token ids in, sampling as vLLM kwargs.
@@ -95,15 +94,19 @@ class BackendError(Exception):
 
     Raised before the first batch, it becomes that HTTP error; raised
     mid-stream, it becomes an SSE error event (the status line is gone).
+    ``message`` is for the log and may name instances, addresses and
+    exception text: the client sees it only for a 4xx, and then ``public``
+    instead where given; a 5xx gets a fixed text and the request id.
     """
 
     status: int = 502
     error_type: str = "upstream_error"
 
-    def __init__(self, message: str, *, code: str | None = None) -> None:
+    def __init__(self, message: str, *, code: str | None = None, public: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.code = code
+        self.public = public
 
 
 class BackendUnavailable(BackendError):
@@ -130,8 +133,8 @@ class RequestRejected(BackendError):
 def error_from(msg: Error, instance: str) -> BackendError:
     """The client-facing error for a worker's :class:`~star.wire.Error` frame on ``instance``."""
     text = f"{instance}: {msg.message}"
-    if msg.code == "bad_request":
-        return RequestRejected(text, code=msg.code)
+    if msg.code == "bad_request":  # the engine's word on the request, without where it ran
+        return RequestRejected(text, code=msg.code, public=msg.message)
     if msg.code in {"shutting_down", "engine_dead"}:
         return BackendUnavailable(text, code=msg.code)
     return BackendError(text, code=msg.code)

@@ -28,7 +28,10 @@ from proxy.validate import Fields, parse_object
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_N = 128
-MAX_STOP = 16
+MAX_STOP = 16  # stop strings per request (OpenAI allows 4; vLLM has no cap)
+# Characters per stop string: matching holds back and rescans up to this much
+# text per token (docs/operations.md, "HTTP limits").
+MAX_STOP_CHARS = 256
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
 
@@ -241,7 +244,7 @@ def _finish_parse(
     if max_tokens > room:
         raise _context_error(card, len(prompt), max_tokens, kind)
     sampling = _sampling(f, card, max_tokens)
-    stop = f.str_list("stop", MAX_STOP)
+    stop = f.str_list("stop", MAX_STOP, MAX_STOP_CHARS)
     text = TextOptions(
         include_stop_str_in_output=f.bool_("include_stop_str_in_output", False),
         skip_special_tokens=f.bool_("skip_special_tokens", True),

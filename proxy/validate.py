@@ -4,13 +4,48 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any, NoReturn
 
 from proxy.http import HttpError
 
+# Nesting of arrays and objects a request body may have (the top-level object
+# is 1). A real request nests a few levels (chat content parts, a JSON schema
+# for structured outputs: a dozen or two); the bound is checked on the bytes,
+# before json's decoder or anything after it (the wire encoder) recurses.
+MAX_JSON_DEPTH = 64
+# A JSON string, or one bracket: the tokens that decide nesting depth.
+_DEPTH_TOKENS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')
+
+
+def json_depth_exceeds(body: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether ``body`` nests arrays and objects deeper than ``limit`` (no recursion).
+
+    Brackets inside strings do not count. On malformed JSON the answer is a
+    guess, and the decoder reports the body as invalid either way.
+    """
+    if body.count(b"[") + body.count(b"{") <= limit:
+        return False  # the usual body: too few brackets to nest that deep
+    depth = 0
+    for match in _DEPTH_TOKENS.finditer(body):
+        token = match.group()
+        if token in (b"[", b"{"):
+            depth += 1
+            if depth > limit:
+                return True
+        elif token in (b"]", b"}"):
+            depth -= 1
+    return False
+
 
 def parse_object(body: bytes) -> dict[str, Any]:
     """Decode a JSON object body (NaN and Infinity are not JSON and are refused)."""
+    if json_depth_exceeds(body):
+        raise HttpError(
+            400,
+            f"request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels",
+            code="invalid_json",
+        )
     try:
         data = json.loads(body, parse_constant=_no_constant)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -155,17 +190,22 @@ class Fields:
             self._wrong_type(name, "an object", value)
         return value
 
-    def str_list(self, name: str, max_items: int) -> list[str]:
-        """A string or an array of strings (``stop``)."""
+    def str_list(self, name: str, max_items: int, max_chars: int | None = None) -> list[str]:
+        """A string or an array of strings (``stop``), each at most ``max_chars`` long."""
         value = self.data.get(name)
         if value is None:
             return []
         if isinstance(value, str):
-            return [value]
+            value = [value]
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             self._wrong_type(name, "a string or an array of strings", value)
         if len(value) > max_items:
             self.fail(name, f"Invalid '{{param}}': at most {max_items} items, got {len(value)}.")
+        if max_chars is not None and (longest := max(map(len, value), default=0)) > max_chars:
+            self.fail(
+                name,
+                f"Invalid '{{param}}': each string at most {max_chars} characters, got {longest}.",
+            )
         return list(value)
 
     def token_ids(self, name: str, vocab: int) -> list[int]:
