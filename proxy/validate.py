@@ -14,28 +14,28 @@ from proxy.http import HttpError
 # for structured outputs: a dozen or two); the bound is checked on the bytes,
 # before json's decoder or anything after it (the wire encoder) recurses.
 MAX_JSON_DEPTH = 64
-# A JSON string, or one bracket: the tokens that decide nesting depth.
-_DEPTH_TOKENS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+# Brackets become +1 and -1 (as int8); every other byte is dropped.
+_STEPS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")
+_NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
 
 
 def json_depth_exceeds(body: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
     """Whether ``body`` nests arrays and objects deeper than ``limit`` (no recursion).
 
-    Brackets inside strings do not count. On malformed JSON the answer is a
-    guess, and the decoder reports the body as invalid either way.
+    Brackets inside strings do not count. The work is in C: strings cut out,
+    brackets turned into +1/-1 steps, the depth their running sum's maximum
+    (4 MiB of brackets: ~20 ms). On malformed JSON the answer is a guess, and
+    the decoder reports the body as invalid anyway.
     """
     if body.count(b"[") + body.count(b"{") <= limit:
         return False  # the usual body: too few brackets to nest that deep
-    depth = 0
-    for match in _DEPTH_TOKENS.finditer(body):
-        token = match.group()
-        if token in (b"[", b"{"):
-            depth += 1
-            if depth > limit:
-                return True
-        elif token in (b"]", b"}"):
-            depth -= 1
-    return False
+    import numpy as np  # only for bodies with many brackets
+
+    steps = _JSON_STRING.sub(b"", body).translate(_STEPS, _NOT_BRACKETS)
+    if not steps:
+        return False
+    return int(np.frombuffer(steps, np.int8).cumsum(dtype=np.int32).max()) > limit
 
 
 def parse_object(body: bytes) -> dict[str, Any]:
