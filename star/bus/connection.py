@@ -11,8 +11,9 @@ from typing import Any, Self, TypeVar, cast
 
 import redis.asyncio as aioredis
 import structlog
+from redis._parsers.base import BaseParser
 from redis.backoff import NoBackoff
-from redis.exceptions import AuthenticationError
+from redis.exceptions import AuthenticationError, RedisError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
@@ -26,9 +27,58 @@ log = structlog.get_logger(__name__)
 
 T = TypeVar("T")
 
-# What "Redis is not there right now" looks like (BusyLoadingError, raised
-# while a restarted server loads its AOF, is a ConnectionError).
-TRANSIENT: tuple[type[BaseException], ...] = (RedisConnectionError, RedisTimeoutError, OSError)
+
+class BusyError(ResponseError):
+    """``BUSY``: a script or function has run past ``busy-reply-threshold``."""
+
+
+class UnblockedError(ResponseError):
+    """``UNBLOCKED``: a blocking command was ended because the server became a
+    replica (or by ``CLIENT UNBLOCK ... ERROR``)."""
+
+
+# Error replies that mean "no usable master right now", not "this command is
+# wrong": a demoted master (READONLY, and UNBLOCKED for a blocked XREADGROUP
+# when it turns replica), a replica cut off from its master (MASTERDOWN), a
+# full Redis under noeviction (OOM), one loading its data set (LOADING), a
+# slot in migration (TRYAGAIN), a long script (BUSY). Each heals on its own or
+# by a failover, so each is an outage like a refused connection: backed off,
+# reconnected and given up on after reconnect_timeout_s exactly as one.
+OUTAGE_REPLIES = ("READONLY", "UNBLOCKED", "MASTERDOWN", "OOM", "LOADING", "TRYAGAIN", "BUSY")
+
+# Workaround: redis-py turns an error reply into an exception class by its
+# first word (BaseParser.parse_error, which the pure-Python and the hiredis
+# parsers, RESP2 and RESP3, all call) through the table
+# BaseParser.EXCEPTION_CLASSES, and raises a bare ResponseError for a prefix it
+# does not know. BUSY and UNBLOCKED are not in it (redis-py 8.1), so STAR adds
+# its own classes for them; only a whole first word matches, so BUSYGROUP and
+# BUSYKEY stay plain ResponseErrors. The classes of all OUTAGE_REPLIES then go
+# into TRANSIENT, the one tuple every retry loop and every "Redis is down"
+# handler catches. Should redis-py map one of these prefixes itself one day,
+# its class is kept (setdefault) and used.
+_REPLY_CLASSES = BaseParser.EXCEPTION_CLASSES
+_REPLY_CLASSES.setdefault("BUSY", BusyError)
+_REPLY_CLASSES.setdefault("UNBLOCKED", UnblockedError)
+
+
+def _outage_class(prefix: str) -> type[RedisError]:
+    cls = _REPLY_CLASSES.get(prefix)
+    if not isinstance(cls, type) or not issubclass(cls, RedisError) or cls is ResponseError:
+        raise RuntimeError(
+            f"redis-py maps {prefix} error replies to {cls!r}, not a class of its own"
+        )
+    return cls
+
+
+# What "Redis is not there right now" looks like: no connection, no answer in
+# time, or one of OUTAGE_REPLIES (LOADING is redis-py's BusyLoadingError, a
+# ConnectionError already).
+TRANSIENT: tuple[type[BaseException], ...] = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    OSError,
+    *dict.fromkeys(_outage_class(p) for p in OUTAGE_REPLIES),
+)
 
 
 class BusError(Exception):
@@ -186,7 +236,8 @@ class Connection:
         await self.redis.aclose()
 
     async def retrying(self, what: str, op: Callable[[], Awaitable[T]]) -> T:
-        """Run ``op`` until it succeeds, backing off while Redis is unreachable.
+        """Run ``op`` until it succeeds, backing off while Redis is unreachable
+        or answers as no usable master (:data:`OUTAGE_REPLIES`).
 
         Delays double from ``backoff_base_s`` up to ``backoff_max_s``; each
         failure is logged once; after ``reconnect_timeout_s`` without success
@@ -224,6 +275,12 @@ class Connection:
                     delay_s=round(delay, 3),
                     error=str(exc),
                 )
+                if isinstance(exc, ResponseError):
+                    # The server answered, as no usable master (OUTAGE_REPLIES):
+                    # the next attempt dials again (resolving the host name
+                    # again) instead of asking the same server on a pooled
+                    # connection. Connections in use (a blocked read) stay.
+                    await self.redis.connection_pool.disconnect(inuse_connections=False)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, cfg.backoff_max_s)
                 continue

@@ -111,16 +111,17 @@ class GroupReader:
                 count=cfg.read_count,
                 block=self.bus.block_ms(block_ms),
             )
+        except TRANSIENT:
+            # After a reconnect our own pending entries come first again. (Before
+            # ResponseError: READONLY, UNBLOCKED, OOM... are ResponseErrors too.)
+            self._backlog = True
+            raise
         except ResponseError as exc:
             if "NOGROUP" in str(exc):
                 log.warning("consumer_group_recreated", stream=self.key, group=self.group)
                 self._group_ready = False
                 self._backlog = True
                 return []
-            raise
-        except TRANSIENT:
-            # After a reconnect our own pending entries come first again.
-            self._backlog = True
             raise
         return first_stream_rows(rows)
 
