@@ -23,7 +23,7 @@ from proxy import sse
 from proxy.backend import GenerationRequest, RequestKind, TokenBatch, is_migratable
 from proxy.detok import TextStream
 from proxy.http import HttpError
-from proxy.tokenizer import ChatTemplateError, ModelCard
+from proxy.tokenizer import ChatTemplateError, ModelCard, PromptTooLong
 from proxy.validate import Fields, parse_object
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -113,6 +113,8 @@ def parse_chat(body: bytes, models: Mapping[str, ModelCard]) -> ParsedRequest:
         prompt = card.encode_chat(messages, add_generation_prompt, **template_kwargs)
     except ChatTemplateError as exc:
         raise HttpError(400, str(exc), param="messages") from exc
+    except PromptTooLong as exc:
+        raise _size_error(card, exc, "chat") from None
     if "max_completion_tokens" in f.data and f.raw("max_completion_tokens") is not None:
         f.data["max_tokens"] = f.data["max_completion_tokens"]
         f.param_alias["max_tokens"] = "max_completion_tokens"
@@ -131,7 +133,10 @@ def _completion_prompt(f: Fields, card: ModelCard) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        ids = card.encode(prompt)
+        try:
+            ids = card.encode(prompt)
+        except PromptTooLong as exc:
+            raise _size_error(card, exc, "completion") from None
     elif isinstance(prompt, list) and all(
         isinstance(t, int) and not isinstance(t, bool) for t in prompt
     ):
@@ -275,6 +280,19 @@ def _context_error(
         f"{'messages' if kind == 'chat' else 'prompt'}, {max_tokens} for the completion). "
         "Please reduce the length of the prompt or the completion.",
         param="messages" if kind == "chat" else "prompt",
+        code="context_length_exceeded",
+    )
+
+
+def _size_error(card: ModelCard, exc: PromptTooLong, kind: RequestKind) -> HttpError:
+    """The context error for a prompt refused on its size, before it was tokenised."""
+    where = "messages" if kind == "chat" else "prompt"
+    return HttpError(
+        400,
+        f"This model's maximum context length is {card.max_model_len} tokens. However, you "
+        f"requested at least {exc.min_tokens} tokens in the {where} ({exc.size_bytes} bytes of "
+        "text). Please reduce the length of the prompt.",
+        param=where,
         code="context_length_exceeded",
     )
 

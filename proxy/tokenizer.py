@@ -7,11 +7,16 @@ Loaded once at start from a Hugging Face style model directory
 ``transformers``' ``apply_chat_template`` does (same sandbox, filters and
 globals), without importing ``transformers`` (seconds of start-up and a torch
 dependency the proxy does not need).
+
+Tokenising costs about a microsecond per byte, so a prompt far longer than the
+context is refused on its length in bytes before it is tokenised, where the
+tokenizer allows a sound bound (:func:`bytes_per_token`).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -23,7 +28,7 @@ from typing import Any, NoReturn
 import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, pre_tokenizers
 
 DEFAULT_MAX_MODEL_LEN = 2048
 # Sampling defaults a model may ship in generation_config.json; vLLM's OpenAI
@@ -39,6 +44,15 @@ class ModelLoadError(RuntimeError):
     """The model directory lacks what the proxy needs, or it is malformed."""
 
 
+class PromptTooLong(ValueError):
+    """A prompt refused on its size alone: it has more than ``min_tokens`` tokens for sure."""
+
+    def __init__(self, min_tokens: int, size_bytes: int) -> None:
+        super().__init__(f"at least {min_tokens} tokens ({size_bytes} bytes)")
+        self.min_tokens = min_tokens
+        self.size_bytes = size_bytes
+
+
 @dataclass(frozen=True, eq=False)
 class ModelCard:
     """One served model: the name clients use plus everything needed to (de)tokenise."""
@@ -51,6 +65,12 @@ class ModelCard:
     generation_defaults: Mapping[str, Any] = field(default_factory=dict)
     created: int = field(default_factory=lambda: int(time.time()))
     owned_by: str = "star"
+    # The most bytes of prompt text one token can stand for, or None when the
+    # tokenizer allows no such bound (see bytes_per_token).
+    max_bytes_per_token: int | None = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "max_bytes_per_token", bytes_per_token(self.tokenizer))
 
     @classmethod
     def load(
@@ -87,8 +107,30 @@ class ModelCard:
         )
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of a completion prompt (with the tokenizer's BOS etc., like vLLM)."""
+        """Token ids of a completion prompt (with the tokenizer's BOS etc., like vLLM).
+
+        Raises :class:`PromptTooLong`, without tokenising, for a text too long
+        in bytes to fit the context whatever its tokens.
+        """
+        self.check_size(text)
         return list(self.tokenizer.encode(text, add_special_tokens=True).ids)
+
+    def check_size(self, text: str) -> None:
+        """Raise :class:`PromptTooLong` if ``text`` has more than ``max_model_len`` tokens for sure.
+
+        A token stands for at most ``max_bytes_per_token`` bytes of text, so a
+        text of more than ``max_model_len * max_bytes_per_token`` bytes has
+        more tokens than the context holds. Costs at most one UTF-8 encode.
+        """
+        per_token = self.max_bytes_per_token
+        if per_token is None:
+            return
+        limit = self.max_model_len * per_token
+        if len(text) * 4 <= limit:
+            return  # a character is at most 4 bytes
+        size = len(text.encode("utf-8", "surrogatepass"))
+        if size > limit:
+            raise PromptTooLong(math.ceil(size / per_token), size)
 
     def render_chat(
         self,
@@ -116,8 +158,12 @@ class ModelCard:
         add_generation_prompt: bool = True,
         **kwargs: Any,
     ) -> list[int]:
-        """Token ids of a conversation; the template supplies BOS, so none is added."""
+        """Token ids of a conversation; the template supplies BOS, so none is added.
+
+        Raises :class:`PromptTooLong` as :meth:`encode` does, on the rendered text.
+        """
         text = self.render_chat(messages, add_generation_prompt, **kwargs)
+        self.check_size(text)
         return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
 
     @cached_property
@@ -137,6 +183,92 @@ def compile_template(source: str) -> jinja2.Template:
         return env.from_string(source)
     except jinja2.TemplateError as exc:
         raise ChatTemplateError(f"chat template does not compile: {exc}") from exc
+
+
+# How many times fewer UTF-8 bytes a normalizer can leave of a text (None: no
+# bound, as with one that strips or collapses characters). Unicode forms: the
+# largest ratio over every code point and composition (U+212A KELVIN SIGN ->
+# "K", a Hangul syllable from three jamo: 3; U+1FBF9 -> "9" under NFKC: 4);
+# tests/proxy/test_prompt_size.py checks these against unicodedata.
+_SHRINK = {"NFC": 3, "NFD": 3, "NFKC": 4, "NFKD": 4, "Lowercase": 3, "Prepend": 1, "ByteLevel": 1}
+# Pre-tokenizers that keep every byte of the text (they split, map or add).
+_KEEPING = {"ByteLevel", "Metaspace", "Digits", "UnicodeScripts", "Split", "Punctuation"}
+
+
+def bytes_per_token(tokenizer: Tokenizer) -> int | None:
+    """The most bytes of input text one token of ``tokenizer`` can stand for, if bounded.
+
+    Sound only where the pipeline drops nothing: every byte of the normalised
+    text ends up in some token. That holds for a BPE model that is byte-level
+    (with all 256 byte symbols), has byte fallback (all 256 ``<0xNN>``
+    tokens), or maps each unknown character to its own unknown token; behind
+    normalizers that shrink text by a bounded factor and pre-tokenizers that
+    remove nothing; with added tokens that absorb no whitespace. Then a token
+    covers at most its own length (in bytes; a byte-level symbol is one byte,
+    an unknown token one character, at most 4) of the normalised text, which
+    is at least the input's length divided by the normalizer's factor.
+    Anything else (WordPiece, Unigram, a Strip or Replace-by-regex normalizer,
+    a whitespace-dropping pre-tokenizer) gives None: no size check.
+    """
+    spec = json.loads(tokenizer.to_str())
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE":
+        return None
+    shrink = _shrink(spec.get("normalizer"))
+    pre = spec.get("pre_tokenizer")
+    if shrink is None or not _keeps_bytes(pre):
+        return None
+    vocab: dict[str, int] = model.get("vocab") or {}
+    if _has(pre, "ByteLevel") and all(c in vocab for c in pre_tokenizers.ByteLevel.alphabet()):
+        longest = max(map(len, vocab), default=1)  # one symbol per byte
+    elif model.get("byte_fallback") and all(f"<0x{b:02X}>" in vocab for b in range(256)):
+        longest = max((len(t.encode()) for t in vocab), default=1)
+    elif model.get("unk_token") in vocab and not model.get("fuse_unk"):
+        longest = max(4, max((len(t.encode()) for t in vocab), default=1))
+    else:
+        return None  # characters outside the vocabulary would vanish
+    for added in spec.get("added_tokens") or []:
+        if added.get("lstrip") or added.get("rstrip"):
+            return None  # it swallows the whitespace next to it, however long
+        longest = max(longest, len(str(added.get("content", "")).encode()))
+    return longest * shrink
+
+
+def _shrink(normalizer: Mapping[str, Any] | None) -> int | None:
+    if normalizer is None:
+        return 1
+    kind = normalizer.get("type")
+    if kind == "Sequence":
+        factor = 1
+        for part in normalizer.get("normalizers") or []:
+            step = _shrink(part)
+            if step is None:
+                return None
+            factor *= step
+        return factor
+    if kind == "Replace":
+        pattern, content = normalizer.get("pattern") or {}, normalizer.get("content")
+        literal = pattern.get("String")
+        if not isinstance(literal, str) or not isinstance(content, str) or not content:
+            return None  # a regex can match any length
+        return max(1, math.ceil(len(literal.encode()) / len(content.encode())))
+    return _SHRINK.get(str(kind))
+
+
+def _keeps_bytes(pre: Mapping[str, Any] | None) -> bool:
+    if pre is None:
+        return True
+    if pre.get("type") == "Sequence":
+        return all(_keeps_bytes(p) for p in pre.get("pretokenizers") or [])
+    return pre.get("type") in _KEEPING and pre.get("behavior") != "Removed"
+
+
+def _has(pre: Mapping[str, Any] | None, kind: str) -> bool:
+    if pre is None:
+        return False
+    if pre.get("type") == "Sequence":
+        return any(_has(p, kind) for p in pre.get("pretokenizers") or [])
+    return pre.get("type") == kind
 
 
 def _raise(message: str) -> NoReturn:
