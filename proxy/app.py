@@ -57,6 +57,7 @@ from proxy.openai import (
     parse_chat,
     parse_completion,
 )
+from proxy.parsing import Parsing
 from proxy.tokenizer import ModelCard
 from star.settings import ProxySettings
 
@@ -187,6 +188,7 @@ class ProxyApp:
         self.metrics = metrics or ProxyMetrics()
         self.active = 0  # generation requests in flight (the gauge, readable)
         self._key = settings.api_key.encode()
+        self.parsing = Parsing(self.models)
 
     async def __call__(self, request: Request) -> Response | StreamingResponse:
         """Handle one request (the :data:`proxy.http.Handler`)."""
@@ -256,7 +258,7 @@ class ProxyApp:
     # -- generation -------------------------------------------------------------
 
     async def _generate(self, request: Request, parse: Parser) -> Response | StreamingResponse:
-        parsed = parse(request.body, self.models)
+        parsed = await self.parsing.parse(parse, request.body)  # large bodies off the loop
         gen = parsed.gen
         relay = Relay(parsed)
         timing = _Timing(self.metrics, gen.arrival_s)

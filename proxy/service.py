@@ -8,6 +8,7 @@ import socket
 
 import structlog
 
+from proxy import parsing
 from proxy.app import ProxyApp, create_server
 from proxy.cluster import ClusterBackend, Directory
 from proxy.decode_run import follow_decisions
@@ -63,6 +64,7 @@ class ProxyService(Service):
         )
         self.backend = backend
         app = ProxyApp(backend, [card], self.settings.proxy)
+        parsing.start()  # forking later would stall the loop: start the parse workers now
         self.server = create_server(app, self.settings.proxy, sock=self.sock)
         await self.server.start()
         host, port = self.server.address
@@ -95,6 +97,7 @@ class ProxyService(Service):
             await self.server.shutdown(self.settings.proxy.drain_timeout_s)
 
     async def cleanup(self) -> None:
+        await asyncio.to_thread(parsing.shutdown)
         await self.pool.close()
         if self.bus is not None:
             await self.bus.close()

@@ -15,6 +15,7 @@ tokenizer allows a sound bound (:func:`bytes_per_token`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -65,12 +66,25 @@ class ModelCard:
     generation_defaults: Mapping[str, Any] = field(default_factory=dict)
     created: int = field(default_factory=lambda: int(time.time()))
     owned_by: str = "star"
+    # Where ``tokenizer`` was read from: a worker process loads it from there
+    # (see __reduce__) instead of being sent its JSON.
+    tokenizer_file: str | None = None
     # The most bytes of prompt text one token can stand for, or None when the
     # tokenizer allows no such bound (see bytes_per_token).
     max_bytes_per_token: int | None = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "max_bytes_per_token", bytes_per_token(self.tokenizer))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled for a worker process: the fields, and the tokenizer by its file if known."""
+        fields = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.init and f.name != "tokenizer"
+        }
+        source = self.tokenizer_file or self.tokenizer.to_str()
+        return (_unpickle_card, (source, self.tokenizer_file is not None, fields))
 
     @classmethod
     def load(
@@ -82,12 +96,9 @@ class ModelCard:
         if not tok_file.is_file():
             raise ModelLoadError(f"{str(root)!r} has no tokenizer.json")
         try:
-            tokenizer = Tokenizer.from_file(str(tok_file))
+            tokenizer = _read_tokenizer(str(tok_file), from_file=True)
         except Exception as exc:  # tokenizers raises plain Exceptions
             raise ModelLoadError(f"{str(tok_file)!r} is not a valid tokenizer: {exc}") from exc
-        # A tokenizer.json saved with truncation/padding on would silently cut prompts.
-        tokenizer.no_truncation()
-        tokenizer.no_padding()
         config = _read_json(root / "tokenizer_config.json")
         template = _chat_template(root, config)
         special = {
@@ -104,6 +115,7 @@ class ModelCard:
             special_tokens=special,
             max_model_len=max_model_len or _max_len(root, config),
             generation_defaults=defaults,
+            tokenizer_file=str(tok_file.resolve()),
         )
 
     def encode(self, text: str) -> list[int]:
@@ -269,6 +281,18 @@ def _has(pre: Mapping[str, Any] | None, kind: str) -> bool:
     if pre.get("type") == "Sequence":
         return any(_has(p, kind) for p in pre.get("pretokenizers") or [])
     return pre.get("type") == kind
+
+
+def _read_tokenizer(source: str, *, from_file: bool) -> Tokenizer:
+    tokenizer = Tokenizer.from_file(source) if from_file else Tokenizer.from_str(source)
+    # A tokenizer.json saved with truncation/padding on would silently cut prompts.
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    return tokenizer
+
+
+def _unpickle_card(source: str, from_file: bool, fields: dict[str, Any]) -> ModelCard:
+    return ModelCard(tokenizer=_read_tokenizer(source, from_file=from_file), **fields)
 
 
 def _raise(message: str) -> NoReturn:
