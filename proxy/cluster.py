@@ -12,7 +12,10 @@ the scheduler publishes with its view (``<prefix>:dispatch``, its
 request it runs the prompt on a prefill worker (one token, KV held for
 NIXL), then opens the decode stream on the chosen decode worker with the
 prefill's ``kv_transfer_params`` so the decode worker pulls the KV through
-NIXL, and relays the decode worker's tokens.
+NIXL, and relays the decode worker's tokens. While no prefill instance
+answers (none up or reachable, or the chosen one went away during the
+prefill), the request runs whole on the chosen decode instance instead,
+prefill included (``proxy.prefill_fallback``; off: 503 as before).
 """
 
 from __future__ import annotations
@@ -20,11 +23,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import structlog
+from prometheus_client.core import CounterMetricFamily, Metric
 
 from proxy.backend import (
     BackendError,
@@ -253,12 +257,19 @@ class ClusterBackend:
         policy: str,  # proxy.dispatch: the decode policy while no scheduler publishes one
         origin: str,
         events: asyncio.Queue[Event] | None = None,
+        prefill_fallback: bool = True,  # proxy.prefill_fallback
     ) -> None:
         self.directory = directory
         self.pool = pool
         self.policy = policy
         self.origin = origin
         self.events = events
+        self.prefill_fallback = prefill_fallback
+        # Requests prefilled on their decode instance because no prefill
+        # instance answered (star_proxy_prefill_fallbacks_total), and those of
+        # the episode under way (None: none is; it ends at a prefill that works).
+        self.prefill_fallbacks = 0
+        self._episode: int | None = None
         self.runs: dict[str, DecodeRun] = {}  # request id -> its decode run
         self.migrator = Migrator(self.runs, self.decode_address, self._emit, origin)
 
@@ -266,7 +277,8 @@ class ClusterBackend:
         prefill = self.directory.members("prefill")
         decode = self.directory.members("decode")
         return {
-            "ok": bool(prefill and decode),
+            # Without a prefill instance the decode instances serve whole requests.
+            "ok": bool(decode and (prefill or self.prefill_fallback)),
             "prefill": sorted(m.instance for m in prefill),
             "decode": sorted(m.instance for m in decode),
             "streams": len(self.runs),
@@ -284,9 +296,47 @@ class ClusterBackend:
             raise RequestRejected("n > 1 is not supported by this proxy yet")
         sampling = dict(req.sampling)
         sampling.pop("n", None)
-        kv_params = await self._prefill(req, sampling)
+        kv_params = await self._prefill_or_local(req, sampling)
         async for batch in self._decode(req, sampling, kv_params):
             yield batch
+
+    def collect(self) -> Iterator[Metric]:
+        """Prometheus custom-collector hook (registered beside the app's metrics)."""
+        yield CounterMetricFamily(
+            "star_proxy_prefill_fallbacks",
+            "requests prefilled on their decode instance because no prefill instance answered",
+            value=self.prefill_fallbacks,
+        )
+
+    async def _prefill_or_local(
+        self, req: GenerationRequest, sampling: dict[str, Any]
+    ) -> dict[str, Any] | None:
+        """The prefill's kv params, or None: the decode instance prefills it itself.
+
+        None while no prefill instance answers: none up or reachable, or the
+        chosen one went away (or is shutting down, its engine dead) before
+        the prefill finished. A refusal of the request itself (400) or another
+        failure of the engine is the client's answer as before.
+        """
+        try:
+            kv_params = await self._prefill(req, sampling)
+        except BackendUnavailable as exc:
+            if not self.prefill_fallback:
+                raise
+            self.prefill_fallbacks += 1
+            if self._episode is None:
+                self._episode = 0
+                log.warning(
+                    "prefill_unavailable_decode_prefills",
+                    request_id=req.request_id,
+                    error=str(exc),
+                )
+            self._episode += 1
+            return None
+        if self._episode is not None:
+            log.info("prefill_available_again", requests_prefilled_on_decode=self._episode)
+            self._episode = None
+        return kv_params
 
     async def _connect(self, member: Member) -> WorkerClient:
         try:
@@ -355,9 +405,14 @@ class ClusterBackend:
                 await _abort(client, stream.id)
 
     async def _decode(
-        self, req: GenerationRequest, sampling: dict[str, Any], kv_params: dict[str, Any]
+        self, req: GenerationRequest, sampling: dict[str, Any], kv_params: dict[str, Any] | None
     ) -> AsyncIterator[TokenBatch]:
-        """Decode on the chosen instance; migrations re-route it (:mod:`proxy.migration`)."""
+        """Decode on the chosen instance; migrations re-route it (:mod:`proxy.migration`).
+
+        Without ``kv_params`` (no prefill instance answered) the instance
+        prefills the prompt itself; the run is the same from there on (a
+        recovery's legs start that way too), migrations included.
+        """
         member = await self.pick_decode(len(req.prompt_token_ids))
         run = DecodeRun(
             self,
@@ -372,6 +427,7 @@ class ClusterBackend:
                 self.origin,
                 request=req.request_id,
                 instance=member.instance,
+                detail="" if kv_params is not None else "local prefill",
             )
         )
         outcome = "aborted"

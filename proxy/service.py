@@ -61,9 +61,11 @@ class ProxyService(Service):
             self.settings.proxy.dispatch,
             f"proxy:{self.node}",
             self.events,
+            self.settings.proxy.prefill_fallback,
         )
         self.backend = backend
         app = ProxyApp(backend, [card], self.settings.proxy)
+        app.metrics.registry.register(backend)  # star_proxy_prefill_fallbacks_total
         parsing.start()  # forking later would stall the loop: start the parse workers now
         self.server = create_server(app, self.settings.proxy, sock=self.sock)
         await self.server.start()

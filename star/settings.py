@@ -218,6 +218,7 @@ class ProxySettings:
     body_timeout_s: float = _opt(60.0, "a request body must be complete this long after its head, or 408 and close (slow-body clients)", positive)
     dispatch: str = _opt("current-load", "P->D policy while no scheduler publishes one (a leader's scheduler.dispatch wins)", one_of(*DISPATCH_POLICIES))
     dispatch_charge: str = _opt("expected", "what a current-load dispatch books on its decode instance until the next load view: expected (the prompt plus the mean output length of the requests this proxy saw finish: no herd onto one instance between views) or prompt (the prompt alone)", one_of(*DISPATCH_CHARGES))
+    prefill_fallback: bool = _opt(True, "while no prefill instance answers (none up or reachable, or the chosen one went away mid-prefill), a request runs whole (prefill included) on the decode instance the dispatch policy picks (false: those requests get 503)")
     drain_timeout_s: float = _opt(30.0, "on SIGTERM, wait this long for open streams", positive)
     write_stall_timeout_s: float = _opt(60.0, "cut a stream whose client leaves the proxy's write buffer for it full this long (a client that stopped reading)", positive)
 
