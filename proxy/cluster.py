@@ -3,10 +3,12 @@
 :class:`Directory` knows the live instances: the scheduler's dispatch view
 (``<prefix>:load``) when it is fresh, otherwise the proxy's own view built
 from the workers' reports (so serving goes on while no scheduler runs).
-:func:`choose` applies the P->D dispatch policy (DESIGN §3) to that view,
-corrected by what this proxy dispatched since the view was taken: the policy
-the scheduler publishes with its view (``<prefix>:dispatch``, its
+:meth:`Directory.pick` applies the P->D dispatch policy (DESIGN §3) to that
+view, corrected by what this proxy dispatched since the view was taken: the
+policy the scheduler publishes with its view (``<prefix>:dispatch``, its
 ``scheduler.dispatch``) while fresh, else the proxy's own ``proxy.dispatch``.
+The rule is the simulator's, :func:`star.planner.dispatch.choose_on_view`
+(a load-aware pick passes over an instance that cannot hold the request).
 
 :class:`ClusterBackend` implements :class:`proxy.backend.Backend`: for each
 request it runs the prompt on a prefill worker (one token, KV held for
@@ -21,12 +23,12 @@ prefill included (``proxy.prefill_fallback``; off: 503 as before).
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import structlog
 from prometheus_client.core import CounterMetricFamily, Metric
 
@@ -41,9 +43,9 @@ from proxy.backend import (
 from proxy.decode_run import DecodeRun, Migrator
 from proxy.upstream import ConnectionLost, Stream, WorkerClient, WorkerPool
 from star.bus import Bus, BusUnavailable, Outage, Subscriber
-from star.planner.dispatch import OutputMean, booking
+from star.planner.dispatch import OutputMean, booking, choose_on_view
 from star.sampling import migration_blocker
-from star.settings import DISPATCH_POLICIES
+from star.settings import dispatch_policy
 from star.wire import Abort, Error, Event, EventKind, Generate, Report, Tokens
 
 log = structlog.get_logger(__name__)
@@ -75,25 +77,6 @@ class Member:
         )
 
 
-def choose(policy: str, members: list[Member], pending: dict[str, int], rr: int) -> Member:
-    """Pick a decode instance: ``round-robin``, ``current-load`` or ``predicted``.
-
-    ``pending`` is the tokens this proxy dispatched to each instance since its
-    view was taken. ``predicted`` uses the scheduler's time-weighted workload
-    w_i (reported prediction included), falling back to tokens.
-    """
-    if not members:
-        raise BackendUnavailable("no decode instance is up")
-    ordered = sorted(members, key=lambda m: m.instance)
-    if policy == "round-robin":
-        return ordered[rr % len(ordered)]
-    if policy == "current-load":
-        return min(ordered, key=lambda m: (m.tokens + pending.get(m.instance, 0), m.running))
-    if policy == "predicted":
-        return min(ordered, key=lambda m: (m.workload + pending.get(m.instance, 0), m.running))
-    raise ValueError(f"unknown dispatch policy {policy!r}")
-
-
 class Directory:
     """Live instances from ``<prefix>:load`` (preferred) or ``<prefix>:reports``."""
 
@@ -107,9 +90,11 @@ class Directory:
         self.outputs = OutputMean()
         self._reports: dict[str, tuple[float, Report]] = {}
         self._load: dict[str, tuple[float, Member]] = {}
-        self._pending: dict[str, int] = {}
+        # Tokens this proxy dispatched to each instance since its view was taken
+        # (dropped when its view or report changes).
+        self._pending: dict[str, float] = {}
         self._down: dict[str, float] = {}  # address -> until (monotonic)
-        self._rr = itertools.count()
+        self._picks: dict[str, int] = {}  # role -> picks so far (round-robin's position)
         # The scheduler's published dispatch policy, when last read (monotonic).
         self._policy: tuple[float, str] | None = None
         self._bad_policy = ""
@@ -158,7 +143,7 @@ class Directory:
     def _follow_policy(self, policy: str | None, now: float) -> None:
         if policy is None:
             return  # none published (no scheduler, or its key expired): ages out
-        if policy not in DISPATCH_POLICIES:
+        if dispatch_policy(policy) is not None:
             if policy != self._bad_policy:
                 log.warning("dispatch_policy_unknown_ignored", policy=policy)
                 self._bad_policy = policy
@@ -225,16 +210,35 @@ class Directory:
         return known[1].address
 
     def pick(self, role: str, policy: str, tokens: int) -> Member:
-        members = self.members(role)
+        """A ``role`` instance for a request of ``tokens`` by ``policy``: the
+        simulator's rule (:func:`choose_on_view`) on :meth:`members` in name order.
+
+        The view is each instance's tokens (``workload`` for ``predicted``) plus
+        what this proxy dispatched to it since, and its capacity; round-robin
+        counts this role's picks. A ``current-load`` decode pick books
+        :func:`booking` (``proxy.dispatch_charge``), any other pick ``tokens``.
+        """
+        members = sorted(self.members(role), key=lambda m: m.instance)
         if not members:
             raise BackendUnavailable(
                 f"no {role} instance is up (no fresh reports on {self.bus.keys.reports})"
             )
-        member = choose(policy, members, self._pending, next(self._rr))
-        booked = tokens
+        pending = np.array([self._pending.get(m.instance, 0.0) for m in members])
+        rr = self._picks.get(role, 0)
+        self._picks[role] = rr + 1
+        i = choose_on_view(
+            policy,
+            np.array([m.tokens for m in members], dtype=np.float64) + pending,
+            np.array([m.capacity_tokens for m in members], dtype=np.float64),
+            tokens,
+            rr,
+            np.array([m.workload for m in members], dtype=np.float64) + pending,
+        )
+        member = members[i]
+        booked = float(tokens)
         if role == "decode" and policy == "current-load":
-            booked = round(booking(tokens, self.charge, self.outputs.mean))
-        self._pending[member.instance] = self._pending.get(member.instance, 0) + booked
+            booked = booking(tokens, self.charge, self.outputs.mean)
+        self._pending[member.instance] = self._pending.get(member.instance, 0.0) + booked
         return member
 
     def finished(self, output_tokens: int) -> None:
@@ -370,10 +374,14 @@ class ClusterBackend:
         await self._connect(member)
         return member
 
-    async def pick_decode(self, tokens: int) -> Member:
-        """The decode instance for a request of ``tokens``, by the scheduler's
-        published policy, or ``proxy.dispatch`` while none is published."""
-        return await self.pick_reachable("decode", self.directory.policy(self.policy), tokens)
+    async def pick_decode(self, prompt_tokens: int) -> Member:
+        """The decode instance for a request of ``prompt_tokens``, by the
+        scheduler's published policy, or ``proxy.dispatch`` while none is
+        published (or the scheduler's is stale). It joins holding the prompt's
+        KV and the prefill's first token: ``prompt_tokens + 1``, as in the
+        simulator."""
+        policy = self.directory.policy(self.policy)
+        return await self.pick_reachable("decode", policy, prompt_tokens + 1)
 
     async def _prefill(self, req: GenerationRequest, sampling: dict[str, Any]) -> dict[str, Any]:
         member = await self.pick_reachable("prefill", "current-load", len(req.prompt_token_ids))
@@ -494,4 +502,4 @@ async def _abort(client: Any, stream_id: int) -> None:
         pass  # the worker is gone; it frees the KV when it notices
 
 
-__all__ = ["ClusterBackend", "Directory", "Member", "choose"]
+__all__ = ["ClusterBackend", "Directory", "Member"]

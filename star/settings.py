@@ -102,6 +102,10 @@ def _opt(default: Any, help: str, check: Check | None = None, secret: bool = Fal
 DISPATCH_POLICIES = ("round-robin", "current-load", "predicted")
 DISPATCH_CHARGES = ("expected", "prompt")  # star.planner.dispatch.booking says what each books
 
+# The one check of a P->D policy (star.planner.dispatch says what each does): the
+# configured ones below, and the one a scheduler publishes, which a proxy follows.
+dispatch_policy = one_of(*DISPATCH_POLICIES)
+
 
 # -- the areas ----------------------------------------------------------------
 
@@ -159,7 +163,7 @@ class SchedulerSettings:
 
     interval_s: float = _opt(0.25, "planner tick interval", positive)
     mode: str = _opt("predicted", "no-migration, current, predicted, oracle (true lengths, known for requests sent with ignore_eos and max_tokens; others count as unknown) or bins:K", planner_mode)
-    dispatch: str = _opt("current-load", "P->D dispatch policy the leader publishes with the load view (<prefix>:dispatch); the proxies follow it while it is fresh", one_of(*DISPATCH_POLICIES))
+    dispatch: str = _opt("current-load", "P->D dispatch policy the leader publishes with the load view (<prefix>:dispatch); the proxies follow it while it is fresh", dispatch_policy)
     theta: float = _opt(0.1, "classification threshold: overloaded if w_i > (1+theta) * mean", non_negative)
     horizon: int = _opt(64, "H: future grid points tau_1..tau_H", non_negative)
     delta: int = _opt(32, "decode steps between grid points", positive)
@@ -216,7 +220,7 @@ class ProxySettings:
     idle_timeout_s: float = _opt(75.0, "close a connection, new or kept alive, that sends no byte of a request this long", positive)
     head_timeout_s: float = _opt(30.0, "a request head must be complete this long after its first byte, or 408 and close (slow-header clients)", positive)
     body_timeout_s: float = _opt(60.0, "a request body must be complete this long after its head, or 408 and close (slow-body clients)", positive)
-    dispatch: str = _opt("current-load", "P->D policy while no scheduler publishes one (a leader's scheduler.dispatch wins)", one_of(*DISPATCH_POLICIES))
+    dispatch: str = _opt("current-load", "P->D policy while no scheduler publishes one (a leader's scheduler.dispatch wins)", dispatch_policy)
     dispatch_charge: str = _opt("expected", "what a current-load dispatch books on its decode instance until the next load view: expected (the prompt plus the mean output length of the requests this proxy saw finish: no herd onto one instance between views) or prompt (the prompt alone)", one_of(*DISPATCH_CHARGES))
     prefill_fallback: bool = _opt(True, "while no prefill instance answers (none up or reachable, or the chosen one went away mid-prefill), a request runs whole (prefill included) on the decode instance the dispatch policy picks (false: those requests get 503)")
     drain_timeout_s: float = _opt(30.0, "on SIGTERM, wait this long for open streams", positive)

@@ -17,6 +17,13 @@ max_j L_i(tau_j) + c_new(tau_j) > capacity over the horizon) unless none can;
 adding the request raises every instance's w_i by the same amount, so this
 capacity look-ahead is what "after adding" changes in the choice. Ties go to
 the first instance in the given order.
+
+:func:`choose_on_view` is the rule on a load view of one number per instance
+(what the proxies read, ``<prefix>:load``, and the simulator's ``current-load``
+view): the simulator's ``round-robin`` and ``current-load`` dispatch and every
+proxy dispatch go through it, so the simulator and the fleet choose alike.
+:func:`choose_decode` is the rule on the planner's full input (the simulator's
+``predicted`` dispatch).
 """
 
 from __future__ import annotations
@@ -71,21 +78,14 @@ def choose_decode(
     ``rr_counter`` is the caller's round-robin position (it owns the counter
     so that this function stays pure).
     """
-    if policy not in POLICIES:
-        raise ValueError(
-            f"unknown dispatch policy {policy!r}; expected one of {', '.join(POLICIES)}"
-        )
     if not instances:
         raise ValueError("no decode instances to dispatch to")
-    if policy == "round-robin":
-        return instances[rr_counter % len(instances)].id
-
     cap = np.array([inst.capacity_tokens for inst in instances], dtype=np.float64)
-    if policy == "current-load":
+    if policy != "predicted":  # round-robin and current-load read one number per instance
         load = np.array(
             [sum(r.tokens for r in inst.requests) for inst in instances], dtype=np.float64
         )
-        return instances[least_loaded(load, cap, new_tokens)].id
+        return instances[choose_on_view(policy, load, cap, new_tokens, rr_counter)].id
 
     future = _future_params(params)
     traces = instance_traces(instances, future)
@@ -95,6 +95,43 @@ def choose_decode(
     after = traces + added
     fits = after.max(axis=1) <= cap
     return instances[_least(after @ beta, fits)].id
+
+
+def choose_on_view(
+    policy: str,
+    load: FloatArray,
+    capacity: FloatArray,
+    new_tokens: float,
+    rr_counter: int,
+    work: FloatArray | None = None,
+) -> int:
+    """P->D dispatch on a load view: the index of the instance chosen for a
+    request with ``new_tokens`` in its KV (the prompt and its first token).
+
+    ``load`` is each instance's token load L_i(0) as the view has it plus what
+    the caller dispatched to it since (:func:`booking`), ``capacity`` its KV
+    capacity; ``rr_counter`` the caller's round-robin position (its decode
+    dispatches so far). ``round-robin``: ``rr_counter`` modulo the count;
+    ``current-load``: :func:`least_loaded`; ``predicted``: the least ``work``
+    (the scheduler's w_i = sum_j beta_j L_i(tau_j), ``load`` if not given)
+    among the instances that can hold ``new_tokens`` more now, or among all if
+    none can -- a view of one number per instance carries no horizon, so
+    :func:`choose_decode`'s look-ahead over it is not checked here.
+
+    ``policy`` is one of ``DISPATCH_POLICIES``; :mod:`star.settings` validates
+    it (configured, or published by a scheduler: ``dispatch_policy``).
+    """
+    n = len(load)
+    if n == 0:
+        raise ValueError("no decode instances to dispatch to")
+    if policy == "round-robin":
+        return rr_counter % n
+    if policy == "current-load":
+        return least_loaded(load, capacity, new_tokens)
+    if policy == "predicted":
+        score = load if work is None else work
+        return _least(score, load + new_tokens <= capacity)
+    raise ValueError(f"unknown dispatch policy {policy!r}; expected one of {', '.join(POLICIES)}")
 
 
 def least_loaded(load: FloatArray, capacity: FloatArray, new_tokens: float) -> int:

@@ -3,8 +3,8 @@
 ``simulate(SimConfig(...))`` runs one cluster for a simulated duration and
 returns a :class:`SimResult`; :func:`star.sim.sweep.sweep` runs many on a
 process pool. Every tick calls the live scheduler's planner
-(:func:`star.planner.plan`) and every P->D dispatch its
-:func:`star.planner.dispatch.choose_decode`.
+(:func:`star.planner.plan`) and every P->D dispatch the proxies' rule,
+:func:`star.planner.dispatch.choose_on_view` (``predicted``: ``choose_decode``).
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@
 dispatch and KV transfer, continuous batching with vLLM-style preemption,
 and migrations that pause a request between source and target. It runs the
 live code's decisions: every tick calls :func:`star.planner.core.decide`
-and every dispatch :func:`star.planner.dispatch.choose_decode`; a move in
+and every dispatch the proxies' :func:`star.planner.dispatch.choose_on_view`
+(``predicted``: :func:`~star.planner.dispatch.choose_decode`); a move in
 flight is booked by :mod:`star.planner.flight`. Instance events are
 scheduled at the exact iteration boundary (:mod:`star.sim.decode`), and
 the planner is skipped on ticks its own classification would leave idle
@@ -25,7 +26,7 @@ import numpy.typing as npt
 
 from star.planner import Instance, ModeKind, Request
 from star.planner.core import decide
-from star.planner.dispatch import OutputMean, booking, choose_decode, least_loaded
+from star.planner.dispatch import OutputMean, booking, choose_decode, choose_on_view
 from star.planner.trace import grid, weights
 from star.sim.config import SimConfig
 from star.sim.decode import duration, steps_until
@@ -504,26 +505,24 @@ class Simulator:
             self.view_mean_output = self.outputs.mean
 
     def _dispatch(self, r: int, now: float) -> int:
-        """P->D dispatch on the current load view (:func:`choose_decode`, or for
-        ``current-load`` its array form :func:`least_loaded`)."""
+        """P->D dispatch on the current load view: ``round-robin`` and
+        ``current-load`` by :func:`choose_on_view`, the proxies' rule;
+        ``predicted`` by :func:`choose_decode` on the planner's full input."""
         policy = self.cfg.dispatch
         req = self.requests
         fleet = self.fleet
         tokens = int(req.prompt[r]) + 1
-        if policy == "round-robin":
-            if not self.view:  # loads are not read: one fixed list of instances
-                self.view = [
-                    Instance(iid, (), self.capacity, self.bytes_per_token) for iid in fleet.ids
-                ]
-            chosen = choose_decode(policy, self.view, tokens, None, self.params, self.round_robin)
+        if policy == "round-robin":  # loads are not read
+            idle = np.zeros(len(fleet.ids))
+            i = choose_on_view(policy, idle, fleet.capacity, tokens, self.round_robin)
             self.round_robin += 1
-            return fleet.index[chosen]
+            return i
         if policy == "current-load":
             if self.view_load is None:
                 self._refresh_view(Snapshot(self, now))
             load = self.view_load
             assert load is not None
-            i = least_loaded(load, fleet.capacity, tokens)
+            i = choose_on_view(policy, load, fleet.capacity, tokens, self.round_robin)
             load[i] += booking(tokens, self.cfg.dispatch_charge, self.view_mean_output)
             self.view_hits[i] += 1
             return i

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from star.planner import Mode, PlannerParams
-from star.planner.dispatch import POLICIES, choose_decode
+from star.planner.dispatch import POLICIES, choose_decode, choose_on_view
 from tests.planner.helpers import inst, req
 
 P = PlannerParams(horizon=4, delta=500, beta_decay=1.0)
@@ -66,3 +67,40 @@ def test_bad_policy_is_quoted() -> None:
 def test_no_instances_is_an_error(policy: str) -> None:
     with pytest.raises(ValueError, match="no decode instances"):
         choose_decode(policy, [], 1, None, P, 0)
+
+
+# -- on a load view of one number per instance (the proxies', the simulator's) --------
+
+
+def test_on_a_view_round_robin_follows_the_callers_counter() -> None:
+    load, cap = np.array([5.0, 0.0, 9.0]), np.full(3, 10.0)
+    picks = [choose_on_view("round-robin", load, cap, 100, k) for k in range(4)]
+    assert picks == [0, 1, 2, 0]
+
+
+def test_on_a_view_load_aware_policies_pass_over_instances_without_room() -> None:
+    load = np.array([100.0, 900.0, 2000.0])
+    cap = np.array([1000.0, 10_000.0, 10_000.0])
+    work = np.array([5000.0, 3000.0, 1000.0])
+    assert choose_on_view("current-load", load, cap, 10, 0) == 0
+    assert choose_on_view("current-load", load, cap, 901, 0) == 1  # 100 + 901 > 1,000
+    assert choose_on_view("predicted", load, cap, 10, 0, work) == 2
+    assert choose_on_view("predicted", load, cap, 8001, 0, work) == 1  # 2,000 + 8,001 > cap
+    assert choose_on_view("predicted", load, cap, 10, 0) == 0  # no work: the load
+    # nobody fits: the least anyway
+    assert choose_on_view("current-load", load, cap, 10**9, 0) == 0
+    assert choose_on_view("predicted", load, cap, 10**9, 0, work) == 2
+
+
+def test_on_a_view_ties_go_to_the_first_instance() -> None:
+    load, cap = np.array([7.0, 3.0, 3.0]), np.full(3, 100.0)
+    assert choose_on_view("current-load", load, cap, 1, 0) == 1
+    assert choose_on_view("predicted", load, cap, 1, 0, load) == 1
+
+
+def test_on_a_view_a_bad_policy_is_quoted_and_no_instances_an_error() -> None:
+    one = np.ones(1)
+    with pytest.raises(ValueError, match="unknown dispatch policy 'least-loaded'"):
+        choose_on_view("least-loaded", one, one, 1, 0)
+    with pytest.raises(ValueError, match="no decode instances"):
+        choose_on_view("current-load", np.zeros(0), np.zeros(0), 1, 0)

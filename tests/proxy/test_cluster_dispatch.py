@@ -211,3 +211,67 @@ def test_a_decode_dispatch_books_its_expected_footprint_until_the_next_view(
     prefill.finished(2000)
     prefill.pick("prefill", "current-load", 10)
     assert prefill._pending["prefill-0"] == 10
+
+
+# -- the simulator's rule (star.planner.dispatch.choose_on_view) -----------------------
+
+
+async def test_without_a_scheduler_the_rule_runs_on_the_workers_reports() -> None:
+    # No load view, no published policy: proxy.dispatch on the reports. decode-0
+    # holds the least but has no room for the request; decode-1 has.
+    b, _ = backend(
+        [
+            report("decode-0", address="h:1", used=1_000, capacity=1_500),
+            report("decode-1", address="h:2", used=2_000, capacity=10_000),
+        ],
+        dead=set(),
+    )
+    assert b.directory.policy(b.policy) == "current-load"
+    assert (await b.pick_decode(1000)).instance == "decode-1"
+    assert (await b.pick_decode(10)).instance == "decode-0"  # 11 tokens fit
+    # Reports gone stale (a starved host, Redis down): the same rule on the last known.
+    long_ago = time.monotonic() - 3600
+    for name, (_t, r) in list(b.directory._reports.items()):
+        b.directory._reports[name] = (long_ago, r)
+    b.directory._pending.clear()
+    assert (await b.pick_decode(1000)).instance == "decode-1"
+    # Nobody has room: the least loaded anyway, not a 503.
+    assert (await b.pick_decode(50_000)).instance == "decode-0"
+
+
+async def test_predicted_passes_over_an_instance_without_room() -> None:
+    # decode-1 has the least work over the horizon but cannot hold the request now.
+    now = time.time()
+    view = [
+        LoadEntry("decode-0", "decode", "h:1", 100, 10_000, 5000.0, 1, now),
+        LoadEntry("decode-1", "decode", "h:2", 9_900, 10_000, 1000.0, 1, now),
+    ]
+    bus = SimpleNamespace(keys=SimpleNamespace(reports="t:reports"))
+
+    async def read_dispatch() -> tuple[dict[str, LoadEntry], str]:
+        return {e.instance: e for e in view}, "predicted"
+
+    bus.read_dispatch = read_dispatch
+    directory = Directory(bus, staleness_s=60)  # type: ignore[arg-type]
+    await directory.refresh()
+    b = ClusterBackend(directory, Pool(set()), "current-load", "test")  # type: ignore[arg-type]
+    assert (await b.pick_decode(500)).instance == "decode-0"
+    assert (await b.pick_decode(10)).instance == "decode-1"
+
+
+async def test_round_robin_counts_decode_picks_alone() -> None:
+    # Each request picks a prefill instance first: one counter for both roles
+    # sent every request to the same one of two decode instances.
+    b, _ = backend(
+        [
+            report("prefill-0", role="prefill", address="h:0"),
+            report("decode-0", address="h:1"),
+            report("decode-1", address="h:2"),
+        ],
+        dead=set(),
+    )
+    picks = []
+    for _ in range(4):
+        await b.pick_reachable("prefill", "current-load", 10)
+        picks.append((await b.pick_reachable("decode", "round-robin", 11)).instance)
+    assert picks == ["decode-0", "decode-1", "decode-0", "decode-1"]
