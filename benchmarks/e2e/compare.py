@@ -1,8 +1,12 @@
 """Each mode against ``no-migration``, paired request by request and pooled over seeds (pure).
 
-Every mode of a seed serves the same requests (same prompts, arrival times
-and, with greedy decoding, the same output lengths: :mod:`benchmarks.e2e.workload`),
-so request ``i`` of seed ``s`` is one pair. Per (regime, rate, mode):
+Every mode of a seed serves the same requests (same prompts, send times and,
+with greedy decoding, the same output lengths: :mod:`benchmarks.e2e.workload`),
+so request ``i`` of seed ``s`` is one pair. Only the **steady-state window**
+counts: requests sent in the first or last :data:`WINDOW_EDGE` of a cell's
+send span (the fleet filling from empty, and draining once arrivals stop)
+are left out, and counted (``ramp_excluded``, ``drain_excluded``). Per
+(regime, rate, mode):
 
 - ``length_match``: the share of pairs whose output lengths are equal. Below
   :data:`LENGTH_MATCH_MIN` the arms did not serve the same work and no ratio
@@ -15,10 +19,14 @@ so request ``i`` of seed ``s`` is one pair. Per (regime, rate, mode):
   holds 1.0.
 - ``preemptions`` and ``migrations_completed`` summed over seeds (vLLM's
   counter; RESUMED moves, refused decisions apart in ``decisions``).
+- ``capacity_goodput_rps`` and its ratio (per regime and mode, over the rates
+  swept): the highest rate at which at least :data:`ATTAINMENT` of the
+  window's requests meet the SLO, by :func:`capacity` (documented there).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -31,54 +39,75 @@ BASELINE = "no-migration"
 LENGTH_MATCH_MIN = 0.95
 BOOTSTRAP = 2000
 PERCENTILE = 99.0
+WINDOW_EDGE = 0.1  # share of the send span left out at each end
+ATTAINMENT = 0.9  # capacity goodput: the share of requests that must meet the SLO
 
 
 @dataclass(frozen=True, slots=True)
 class Arm:
-    """One cell's requests by schedule index: output length and TPOT (ms; NaN when none)."""
+    """One cell's requests by schedule index (ms; NaN TPOT when under 2 tokens)."""
 
     seed: int
-    lengths: Mapping[int, int]
+    sent_s: Mapping[int, float]  # every request, served or not
+    lengths: Mapping[int, int]  # completed requests only
     tpot_ms: Mapping[int, float]
+    met: Mapping[int, bool]  # every request: completed within both SLOs
     preemptions: int
     migrations: int
     decisions: int
     p99_ttft_ms: float
 
     @classmethod
-    def from_cell(cls, row: Mapping[str, Any], requests: Sequence[Mapping[str, Any]]) -> Arm:
-        """From a cell's row and its ``requests.csv`` rows (strings as written, or values)."""
+    def from_cell(
+        cls,
+        row: Mapping[str, Any],
+        requests: Sequence[Mapping[str, Any]],
+        slo_ms: tuple[float, float] = (math.inf, math.inf),
+    ) -> Arm:
+        """From a cell's row, its ``requests.csv`` rows (strings as written, or values)
+        and its SLO (TTFT, TPOT in ms)."""
+        sent: dict[int, float] = {}
         lengths: dict[int, int] = {}
         tpot: dict[int, float] = {}
+        met: dict[int, bool] = {}
         for r in requests:
+            i = int(r["index"])
+            sent[i] = float(r.get("sent_s") or 0.0)
+            met[i] = False
             if str(r["ok"]) != "True":
                 continue
-            i = int(r["index"])
             lengths[i] = int(r["output_tokens"])
             raw = r.get("tpot_s")
             tpot[i] = float(raw) * 1e3 if raw not in (None, "") else math.nan
+            ttft = float(r.get("ttft_s") or 0.0) * 1e3
+            met[i] = ttft <= slo_ms[0] and (math.isnan(tpot[i]) or tpot[i] <= slo_ms[1])
         return cls(
             seed=int(row["seed"]),
+            sent_s=sent,
             lengths=lengths,
             tpot_ms=tpot,
+            met=met,
             preemptions=int(row.get("preemptions") or 0),
             migrations=_completed(row),
             decisions=int(row.get("decisions", row.get("migrations")) or 0),
             p99_ttft_ms=float(row.get("p99_ttft_ms") or math.nan),
         )
 
+    def window(self) -> tuple[set[int], int, int]:
+        """(Indices sent in the steady-state window, left out at the start, at the end)."""
+        if not self.sent_s:
+            return set(), 0, 0
+        first, last = min(self.sent_s.values()), max(self.sent_s.values())
+        lo = first + WINDOW_EDGE * (last - first)
+        hi = last - WINDOW_EDGE * (last - first)
+        inside = {i for i, t in self.sent_s.items() if lo <= t <= hi}
+        ramp = sum(t < lo for t in self.sent_s.values())
+        return inside, ramp, len(self.sent_s) - len(inside) - ramp
+
 
 def _completed(row: Mapping[str, Any]) -> int:
     outcomes = row.get("migration_outcomes") or {}
     return int(outcomes.get("resumed", 0))
-
-
-def _pairs(base: Arm, arm: Arm) -> tuple[list[int], int]:
-    """Indices both arms completed with a TPOT, and how many of them have equal lengths."""
-    both = sorted(set(base.lengths) & set(arm.lengths))
-    same = sum(base.lengths[i] == arm.lengths[i] for i in both)
-    paired = [i for i in both if not math.isnan(base.tpot_ms[i]) and not math.isnan(arm.tpot_ms[i])]
-    return paired, same if both else 0
 
 
 def _p99(values: npt.NDArray[np.float64]) -> float:
@@ -93,12 +122,15 @@ def compare(
     seeds = sorted(a.seed for a in arm if a.seed in by_seed)
     b_parts: list[npt.NDArray[np.float64]] = []
     a_parts: list[npt.NDArray[np.float64]] = []
-    compared = same = 0
+    compared = same = ramp = drain = 0
     for s in seeds:
         b, a = by_seed[s], next(x for x in arm if x.seed == s)
-        paired, matched = _pairs(b, a)
-        compared += len(set(b.lengths) & set(a.lengths))
-        same += matched
+        inside, r, d = b.window()
+        ramp, drain = ramp + r, drain + d
+        both = sorted(set(b.lengths) & set(a.lengths) & inside)
+        compared += len(both)
+        same += sum(b.lengths[i] == a.lengths[i] for i in both)
+        paired = [i for i in both if not (math.isnan(b.tpot_ms[i]) or math.isnan(a.tpot_ms[i]))]
         b_parts.append(np.array([b.tpot_ms[i] for i in paired], dtype=float))
         a_parts.append(np.array([a.tpot_ms[i] for i in paired], dtype=float))
     match = same / compared if compared else math.nan
@@ -108,6 +140,8 @@ def compare(
     out: dict[str, Any] = {
         "seeds": len(seeds),
         "requests": int(b_all.size),
+        "ramp_excluded": ramp,
+        "drain_excluded": drain,
         "length_match": match,
         "p99_tpot_ms": arm_p99,
         "baseline_p99_tpot_ms": base_p99,
@@ -135,13 +169,97 @@ def compare(
         ra = _p99(np.concatenate([p[i] for p, i in zip(a_parts, picks, strict=True)]))
         ratios[k] = ra / rb if rb > 0 else math.nan
     low, high = (float(x) for x in np.nanpercentile(ratios, [2.5, 97.5]))
+    holds_one = low <= 1.0 <= high
     out.update(
         p99_tpot_ratio=ratio,
         p99_tpot_ratio_low=low,
         p99_tpot_ratio_high=high,
-        significant=not (low <= 1.0 <= high),
-        note="" if not (low <= 1.0 <= high) else "not significant (the interval holds 1.0)",
+        significant=not holds_one,
+        note="not significant (the interval holds 1.0)" if holds_one else "",
     )
+    return out
+
+
+def capacity(points: Sequence[tuple[float, float]]) -> tuple[float | None, str]:
+    """The capacity goodput (req/s) from (rate, attainment) points of a rate sweep, and how found.
+
+    The rule, fixed before any run: walk the swept rates upwards while the
+    share of requests meeting the SLO is at least :data:`ATTAINMENT`; the
+    capacity is where the line between the last rate that holds and the
+    first that does not crosses :data:`ATTAINMENT` ("interpolated"). When
+    every rate holds, it is the highest rate swept (">=", a lower bound);
+    when the lowest does not, there is none (None, "below the sweep").
+    """
+    pts = sorted(points)
+    if not pts:
+        return None, "no rates"
+    if pts[0][1] < ATTAINMENT:
+        return None, "below the sweep"
+    for (r0, a0), (r1, a1) in itertools.pairwise(pts):
+        if a1 < ATTAINMENT:
+            return r0 + (r1 - r0) * (a0 - ATTAINMENT) / (a0 - a1), "interpolated"
+    return pts[-1][0], ">="
+
+
+def _attainment(arms: Sequence[Arm], picks: Mapping[int, npt.NDArray[np.int64]] | None) -> float:
+    """Share of the window's requests that met the SLO, pooled over seeds (``picks``: resampled)."""
+    met = total = 0
+    for a in arms:
+        inside = sorted(a.window()[0])
+        if picks is not None:
+            inside = [inside[j] for j in picks[a.seed]]
+        met += sum(a.met[i] for i in inside)
+        total += len(inside)
+    return met / total if total else math.nan
+
+
+def capacity_rows(
+    sweeps: Mapping[str, Mapping[float, Sequence[Arm]]], seed: int = 0, bootstrap: int = 500
+) -> dict[str, dict[str, Any]]:
+    """Per mode of one regime (``sweeps[mode][rate]``: its arms): capacity goodput, and for
+    every mode but the baseline its ratio with a bootstrap interval (pairs resampled within
+    each rate and seed, the same for both arms)."""
+    out: dict[str, dict[str, Any]] = {}
+    base = sweeps.get(BASELINE, {})
+    rng = np.random.default_rng(seed)
+    for mode, by_rate in sweeps.items():
+        cap, how = capacity([(r, _attainment(arms, None)) for r, arms in by_rate.items()])
+        row: dict[str, Any] = {"capacity_goodput_rps": cap, "capacity_found": how}
+        rates = sorted(set(by_rate) & set(base))
+        if mode != BASELINE and rates:
+            base_cap, base_how = capacity([(r, _attainment(base[r], None)) for r in rates])
+            mine, my_how = capacity([(r, _attainment(by_rate[r], None)) for r in rates])
+            if not (base_how == my_how == "interpolated"):
+                # A bound is no point: the sweep must cross the target in both arms.
+                row["capacity_goodput_ratio"] = None
+                row["capacity_note"] = "no ratio: the sweep does not find both capacities"
+                out[mode] = row
+                continue
+            ratio = mine / base_cap if mine is not None and base_cap else None
+            draws = []
+            for _ in range(bootstrap):
+                picks = {
+                    r: {a.seed: rng.integers(0, n, n) for a in base[r] if (n := len(a.window()[0]))}
+                    for r in rates
+                }
+                b_cap, _ = capacity([(r, _attainment(base[r], picks[r])) for r in rates])
+                m_cap, _ = capacity(
+                    [
+                        (r, _attainment([a for a in by_rate[r] if a.seed in picks[r]], picks[r]))
+                        for r in rates
+                    ]
+                )
+                if b_cap and m_cap is not None:
+                    draws.append(m_cap / b_cap)
+            low, high = (
+                (float(x) for x in np.percentile(draws, [2.5, 97.5])) if draws else (None, None)
+            )
+            row |= {
+                "capacity_goodput_ratio": ratio,
+                "capacity_goodput_ratio_low": low,
+                "capacity_goodput_ratio_high": high,
+            }
+        out[mode] = row
     return out
 
 
@@ -149,11 +267,18 @@ def comparison_rows(
     cells: Sequence[tuple[Mapping[str, Any], Sequence[Mapping[str, Any]]]],
     bootstrap: int = BOOTSTRAP,
 ) -> list[dict[str, Any]]:
-    """One row per (regime, rate, mode) from finished cells: (row, requests) pairs."""
+    """One row per (regime, rate, mode) from finished cells: (``cell.json`` document, requests)."""
     groups: dict[tuple[str, float, str], list[tuple[Mapping[str, Any], Arm]]] = {}
-    for row, requests in cells:
+    for doc, requests in cells:
+        row = doc["row"]
+        reg = (doc.get("config") or {}).get("regime") or {}
+        slo = (float(reg.get("slo_ttft_ms", math.inf)), float(reg.get("slo_tpot_ms", math.inf)))
         key = (str(row["regime"]), float(row["rate"]), str(row["mode"]))
-        groups.setdefault(key, []).append((row, Arm.from_cell(row, requests)))
+        groups.setdefault(key, []).append((row, Arm.from_cell(row, requests, slo)))
+    sweeps: dict[str, dict[str, dict[float, list[Arm]]]] = {}
+    for (regime, rate, mode), members in groups.items():
+        sweeps.setdefault(regime, {}).setdefault(mode, {})[rate] = [a for _, a in members]
+    capacities = {regime: capacity_rows(by_mode) for regime, by_mode in sweeps.items()}
     out = []
     for (regime, rate, mode), members in sorted(groups.items(), key=_order):
         arms = [a for _, a in members]
@@ -161,6 +286,9 @@ def comparison_rows(
         result = compare(base, arms, bootstrap=bootstrap) if base else {"note": "no baseline"}
         if mode == BASELINE:
             result = {**result, "p99_tpot_ratio": 1.0, "note": "baseline"}
+        cap = dict(capacities[regime].get(mode, {}))
+        if result.get("p99_tpot_ratio") is None and mode != BASELINE:
+            cap["capacity_goodput_ratio"] = None  # unpaired: no ratio of any kind
         out.append(
             {
                 "regime": regime,
@@ -173,6 +301,8 @@ def comparison_rows(
                 "migrations_completed": sum(a.migrations for a in arms),
                 "decisions": sum(a.decisions for a in arms),
                 "p99_ttft_ms": _mean([a.p99_ttft_ms for a in arms]),
+                "slo_attainment": _attainment(arms, None),
+                **cap,
             }
         )
     return out
@@ -194,31 +324,46 @@ def comparison_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """The paired comparison as a markdown table (what ``star bench e2e`` prints first)."""
     lines = [
         "| regime | rate | mode | seeds | pairs | length match | P99 TPOT ms (pooled) "
-        "| × no-mig. [95 % CI] | preemptions | migrations done / decided | note |",
-        "|" + "---|" * 11,
+        "| × no-mig. [95 % CI] | SLO met | capacity req/s | × no-mig. [95 % CI] "
+        "| preemptions | migrations done / decided | note |",
+        "|" + "---|" * 14,
     ]
     for r in rows:
         label = r["regime"] + (
             " (emulated device timing)" if r.get("timing") == "emulated device timing" else ""
         )
-        if r["mode"] == BASELINE:
-            ratio = "—"
-        elif r.get("p99_tpot_ratio") is None:
-            ratio = "-"
-        else:
-            ratio = (
-                f"{r['p99_tpot_ratio']:.2f} [{r['p99_tpot_ratio_low']:.2f}, "
-                f"{r['p99_tpot_ratio_high']:.2f}]"
-            )
         match = r.get("length_match")
         lines.append(
             f"| {label} | {r['rate']:g} | {r['mode']} | {r.get('seeds', '-')} "
             f"| {r.get('requests', '-')} "
             f"| {'-' if match is None or math.isnan(match) else f'{match:.0%}'} "
-            f"| {_f(r.get('p99_tpot_ms'))} | {ratio} | {r['preemptions']} "
+            f"| {_f(r.get('p99_tpot_ms'))} | {_ratio(r, 'p99_tpot_ratio')} "
+            f"| {_pct(r.get('slo_attainment'))} | {_capacity(r)} "
+            f"| {_ratio(r, 'capacity_goodput_ratio')} | {r['preemptions']} "
             f"| {r['migrations_completed']} / {r['decisions']} | {r.get('note', '')} |"
         )
     return "\n".join(lines)
+
+
+def _ratio(r: Mapping[str, Any], key: str) -> str:
+    if r["mode"] == BASELINE:
+        return "—"
+    if r.get(key) is None:
+        return "-"
+    low, high = r.get(key + "_low"), r.get(key + "_high")
+    spread = "" if low is None or high is None else f" [{low:.2f}, {high:.2f}]"
+    return f"{r[key]:.2f}{spread}"
+
+
+def _capacity(r: Mapping[str, Any]) -> str:
+    cap, how = r.get("capacity_goodput_rps"), r.get("capacity_found", "")
+    if cap is None:
+        return how or "-"
+    return f"≥ {cap:g}" if how == ">=" else f"{cap:.2f}"
+
+
+def _pct(v: Any) -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.0%}"
 
 
 def _f(v: Any) -> str:

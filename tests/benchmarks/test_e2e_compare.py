@@ -8,28 +8,61 @@ from typing import Any
 import numpy as np
 import pytest
 
-from benchmarks.e2e.compare import LENGTH_MATCH_MIN, Arm, compare, comparison_rows, comparison_table
+from benchmarks.e2e.compare import (
+    ATTAINMENT,
+    LENGTH_MATCH_MIN,
+    Arm,
+    capacity,
+    compare,
+    comparison_rows,
+    comparison_table,
+)
+
+SLO = (1000.0, 25.0)
 
 
-def _requests(tpot_ms: list[float], lengths: list[int] | None = None) -> list[dict[str, Any]]:
+def _requests(
+    tpot_ms: list[float], lengths: list[int] | None = None, ttft_s: float = 0.1
+) -> list[dict[str, Any]]:
+    """Requests sent 1 s apart: the steady-state window holds those sent from 10 % to 90 %
+    of the span, i.e. the middle 80 % of them."""
     lengths = lengths or [100] * len(tpot_ms)
     return [
-        {"index": str(i), "ok": "True", "output_tokens": str(n), "tpot_s": str(t / 1e3)}
+        {
+            "index": str(i),
+            "sent_s": str(float(i)),
+            "ok": "True",
+            "output_tokens": str(n),
+            "ttft_s": str(ttft_s),
+            "tpot_s": str(t / 1e3),
+        }
         for i, (t, n) in enumerate(zip(tpot_ms, lengths, strict=True))
     ]
 
 
-def _row(mode: str, seed: int, **extra: Any) -> dict[str, Any]:
-    return {"regime": "device", "rate": 3.0, "mode": mode, "seed": seed, **extra}
+def _row(mode: str, seed: int, rate: float = 3.0, **extra: Any) -> dict[str, Any]:
+    return {"regime": "device", "rate": rate, "mode": mode, "seed": seed, **extra}
+
+
+def _doc(row: dict[str, Any]) -> dict[str, Any]:
+    return {"row": row, "config": {"regime": {"slo_ttft_ms": SLO[0], "slo_tpot_ms": SLO[1]}}}
 
 
 def _arm(seed: int, tpot_ms: list[float], lengths: list[int] | None = None) -> Arm:
-    return Arm.from_cell(_row("x", seed), _requests(tpot_ms, lengths))
+    return Arm.from_cell(_row("x", seed), _requests(tpot_ms, lengths), SLO)
 
 
 def _tpots(seed: int, n: int = 400, scale: float = 1.0) -> list[float]:
     rng = np.random.default_rng(seed)
     return [float(x) * scale for x in 10 + rng.exponential(5, n)]
+
+
+def test_the_window_leaves_out_ramp_up_and_drain() -> None:
+    arm = _arm(1, [10.0] * 101)  # sent at 0 .. 100 s
+    inside, ramp, drain = arm.window()
+    assert inside == set(range(10, 91)) and (ramp, drain) == (10, 10)
+    out = compare([arm], [arm], bootstrap=5)
+    assert (out["requests"], out["ramp_excluded"], out["drain_excluded"]) == (81, 10, 10)
 
 
 def test_identical_arms_are_a_ratio_of_one_and_not_significant() -> None:
@@ -39,7 +72,7 @@ def test_identical_arms_are_a_ratio_of_one_and_not_significant() -> None:
     assert out["p99_tpot_ratio"] == 1.0 and out["length_match"] == 1.0
     assert out["p99_tpot_ratio_low"] == out["p99_tpot_ratio_high"] == 1.0  # paired: no spread
     assert out["significant"] is False and "not significant" in out["note"]
-    assert out["seeds"] == 3 and out["requests"] == 1200
+    assert out["seeds"] == 3 and out["requests"] == 3 * 320
 
 
 def test_a_halved_tail_is_significant_and_its_interval_holds_the_point() -> None:
@@ -52,54 +85,76 @@ def test_a_halved_tail_is_significant_and_its_interval_holds_the_point() -> None
 
 
 def test_the_p99_is_pooled_over_seeds_not_averaged() -> None:
-    # Seed 1's tail is all in one request; pooled over 2 x 100 requests, P99 sits between.
-    base = [_arm(1, [10.0] * 99 + [1000.0]), _arm(2, [10.0] * 100)]
+    # Seed 1's tail is one request; pooled over both seeds' windows, P99 sits between.
+    spike = [10.0] * 50 + [1000.0] + [10.0] * 50
+    base = [_arm(1, spike), _arm(2, [10.0] * 101)]
     out = compare(base, base, bootstrap=10)
-    pooled = np.percentile([10.0] * 199 + [1000.0], 99)
-    assert out["p99_tpot_ms"] == pytest.approx(pooled)
-    assert out["p99_tpot_ms"] != pytest.approx((np.percentile([10.0] * 99 + [1000.0], 99) + 10) / 2)
+    pooled = np.percentile([10.0] * 161 + [1000.0], 99)
+    assert out["requests"] == 162 and out["p99_tpot_ms"] == pytest.approx(pooled)
+    averaged = (np.percentile([10.0] * 80 + [1000.0], 99) + 10.0) / 2
+    assert out["p99_tpot_ms"] != pytest.approx(averaged)
 
 
 def test_arms_with_other_output_lengths_are_not_compared() -> None:
-    n = 100
-    mismatched = int(n * (1 - LENGTH_MATCH_MIN)) + 1
-    base = [_arm(1, _tpots(1, n))]
-    other = [_arm(1, _tpots(1, n), [100] * (n - mismatched) + [7] * mismatched)]
-    out = compare(base, other, bootstrap=10)
-    assert out["length_match"] == pytest.approx((n - mismatched) / n)
+    n = 101
+    inside = 81
+    mismatched = int(inside * (1 - LENGTH_MATCH_MIN)) + 1
+    lengths = [100] * n
+    for i in range(40, 40 + mismatched):  # inside the window
+        lengths[i] = 7
+    out = compare([_arm(1, _tpots(1, n))], [_arm(1, _tpots(1, n), lengths)], bootstrap=10)
+    assert out["length_match"] == pytest.approx((inside - mismatched) / inside)
     assert out["p99_tpot_ratio"] is None and out["significant"] is None
     assert "did not serve the same work" in out["note"]
 
 
 def test_only_requests_both_arms_completed_are_paired() -> None:
-    base_rows = _requests([10.0, 20.0, 30.0])
-    arm_rows = _requests([10.0, 20.0, 30.0])
-    arm_rows[2]["ok"] = "False"
+    base_rows = _requests([10.0] * 11)
+    arm_rows = _requests([10.0] * 11)
+    arm_rows[5]["ok"] = "False"
     out = compare(
-        [Arm.from_cell(_row("a", 1), base_rows)],
-        [Arm.from_cell(_row("b", 1), arm_rows)],
+        [Arm.from_cell(_row("a", 1), base_rows, SLO)],
+        [Arm.from_cell(_row("b", 1), arm_rows, SLO)],
         bootstrap=10,
     )
-    assert out["requests"] == 2 and out["length_match"] == 1.0
+    assert out["requests"] == 8 and out["length_match"] == 1.0  # 9 in the window, one failed
+
+
+@pytest.mark.parametrize(
+    ("points", "expected"),
+    [
+        ([(1.0, 1.0), (2.0, 0.95), (3.0, 0.85)], (2.5, "interpolated")),
+        ([(3.0, 0.7), (1.0, 0.99), (2.0, 0.93)], (2.0 + 0.03 / 0.23, "interpolated")),
+        ([(1.0, 0.99), (2.0, 0.91)], (2.0, ">=")),
+        ([(1.0, 0.5), (2.0, 0.99)], (None, "below the sweep")),
+        ([], (None, "no rates")),
+        # the walk stops at the first rate that fails, whatever comes after
+        ([(1.0, 0.95), (2.0, 0.8), (3.0, 0.95)], (1.0 + 0.05 / 0.15, "interpolated")),
+    ],
+)
+def test_capacity_goodput_rule(
+    points: list[tuple[float, float]], expected: tuple[float | None, str]
+) -> None:
+    cap, how = capacity(points)
+    assert how == expected[1]
+    assert cap == (None if expected[0] is None else pytest.approx(expected[0]))
+    assert ATTAINMENT == 0.9
 
 
 def test_rows_count_completed_migrations_apart_from_decisions() -> None:
     cells = []
     for seed in (1, 2):
-        cells.append((_row("no-migration", seed, preemptions=4), _requests(_tpots(seed, 50))))
-        cells.append(
-            (
-                _row(
-                    "predicted",
-                    seed,
-                    preemptions=1,
-                    decisions=5,
-                    migrations=3,
-                    migration_outcomes={"resumed": 3, "refused": 2},
-                ),
-                _requests(_tpots(seed, 50, scale=0.9)),
-            )
+        base = _row("no-migration", seed, preemptions=4)
+        cells.append((_doc(base), _requests(_tpots(seed, 51))))
+        pred = _row(
+            "predicted",
+            seed,
+            preemptions=1,
+            decisions=5,
+            migrations=3,
+            migration_outcomes={"resumed": 3, "refused": 2},
         )
+        cells.append((_doc(pred), _requests(_tpots(seed, 51, scale=0.9))))
     rows = comparison_rows(cells, bootstrap=50)
     assert [r["mode"] for r in rows] == ["no-migration", "predicted"]
     base, pred = rows
@@ -108,11 +163,58 @@ def test_rows_count_completed_migrations_apart_from_decisions() -> None:
     assert (pred["migrations_completed"], pred["decisions"]) == (6, 10)
     assert pred["p99_tpot_ratio"] == pytest.approx(0.9)
     text = comparison_table(rows)
-    assert "| device | 3 | predicted | 2 | 100 | 100% |" in text
+    assert "| device | 3 | predicted | 2 | 82 | 100% |" in text
     assert "| 6 / 10 |" in text
 
 
+def test_capacity_goodput_over_a_rate_sweep() -> None:
+    # At each rate a share of the window misses the TPOT SLO (25 ms): the baseline
+    # crosses 90 % between 2 and 3 req/s, STAR between 3 and 4.
+    def cell(mode: str, rate: float, seed: int, missing: float) -> tuple[Any, Any]:
+        bad = set(range(10, 10 + round(missing * 81)))
+        tpots = [40.0 if i in bad else 10.0 for i in range(101)]
+        return _doc(_row(mode, seed, rate)), _requests(tpots)
+
+    miss = {
+        "no-migration": {1.0: 0.0, 2.0: 0.05, 3.0: 0.3, 4.0: 0.5},
+        "predicted": {1.0: 0.0, 2.0: 0.0, 3.0: 0.05, 4.0: 0.3},
+    }
+    cells = [
+        cell(mode, rate, seed, share)
+        for mode, by_rate in miss.items()
+        for rate, share in by_rate.items()
+        for seed in (1, 2)
+    ]
+    rows = comparison_rows(cells, bootstrap=20)
+    base = next(r for r in rows if r["mode"] == "no-migration")
+    pred = next(r for r in rows if r["mode"] == "predicted")
+    hold, fail = 1 - round(0.05 * 81) / 81, 1 - round(0.3 * 81) / 81
+    step = (hold - ATTAINMENT) / (hold - fail)
+    assert base["capacity_goodput_rps"] == pytest.approx(2.0 + step)
+    assert (pred["capacity_goodput_rps"], pred["capacity_found"]) == (
+        pytest.approx(3.0 + step),
+        "interpolated",
+    )
+    assert pred["capacity_goodput_ratio"] == pytest.approx((3.0 + step) / (2.0 + step))
+    low, high = pred["capacity_goodput_ratio_low"], pred["capacity_goodput_ratio_high"]
+    assert low <= pred["capacity_goodput_ratio"] <= high
+    assert f"| {3.0 + step:.2f} | {pred['capacity_goodput_ratio']:.2f} [" in comparison_table(rows)
+
+
+def test_no_capacity_ratio_unless_the_sweep_crosses_the_target_in_both_arms() -> None:
+    cells = [
+        (_doc(_row(mode, 1, rate)), _requests([10.0] * 51))
+        for mode in ("no-migration", "predicted")
+        for rate in (1.0, 2.0)
+    ]
+    pred = next(r for r in comparison_rows(cells, bootstrap=5) if r["mode"] == "predicted")
+    assert (pred["capacity_goodput_rps"], pred["capacity_found"]) == (2.0, ">=")
+    assert pred["capacity_goodput_ratio"] is None
+    assert pred["capacity_note"] == "no ratio: the sweep does not find both capacities"
+
+
 def test_a_mode_without_its_baseline_says_so() -> None:
-    rows = comparison_rows([(_row("predicted", 1), _requests([10.0]))], bootstrap=5)
+    rows = comparison_rows([(_doc(_row("predicted", 1)), _requests([10.0] * 11))], bootstrap=5)
     assert rows[0]["note"] == "no baseline" and rows[0].get("p99_tpot_ratio") is None
+    assert rows[0]["slo_attainment"] == 1.0
     assert math.isnan(rows[0]["p99_ttft_ms"])
