@@ -198,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.json:
         _resimulate(docs, out)
     rows = [row(d) for d in docs]
-    compared = comparison_rows([(d["row"], load_requests(out, cell_of(d))) for d in docs])
+    compared = comparison_rows([(d, load_requests(out, cell_of(d))) for d in docs])
     if args.figures:
         from benchmarks.e2e.figures import draw_all
 
