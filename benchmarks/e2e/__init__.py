@@ -119,7 +119,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add("--report-only", action="store_true", help="run nothing: table and figures from --out")
     add("--timeout", type=float, default=300.0, help="per-request read timeout, s")
     add("--no-progress", action="store_true", help="no progress bars")
-    add("--json", action="store_true", help="print the cells' rows as a JSON list")
+    add("--json", action="store_true", help="print the comparison's rows as a JSON list")
+    add(
+        "--predict",
+        metavar="FILE",
+        default=None,
+        help="pre-register: write what star simulate predicts for every cell of this sweep "
+        "(and the knee its rule picks) to FILE, with the date and commit, and run nothing; "
+        "commit FILE before the fleet runs (benchmarks/e2e/prereg.py)",
+    )
+    add(
+        "--prediction",
+        metavar="FILE",
+        default=None,
+        help="a pre-registration written by --predict: its P99 TPOT beside each result",
+    )
 
 
 def _cells(args: argparse.Namespace) -> list[Cell]:
@@ -177,6 +191,8 @@ def run(args: argparse.Namespace) -> int:
             setattr(args, key, value)
     out = Path(args.out)
     try:
+        if args.predict:
+            return _predict(args)
         cells = _cells(args)
     except ValueError as exc:
         print(f"bench e2e: {exc}", file=sys.stderr)
@@ -199,6 +215,12 @@ def run(args: argparse.Namespace) -> int:
         _resimulate(docs, out)
     rows = [row(d) for d in docs]
     compared = comparison_rows([(d, load_requests(out, cell_of(d))) for d in docs])
+    if args.prediction:
+        from benchmarks.e2e.prereg import load, predicted_p99
+
+        predicted = predicted_p99(load(Path(args.prediction)))
+        for c in compared:
+            c["predicted_p99_tpot_ms"] = predicted.get((c["regime"], c["rate"], c["mode"]))
     if args.figures:
         from benchmarks.e2e.figures import draw_all
 
@@ -217,6 +239,49 @@ def run(args: argparse.Namespace) -> int:
         print(sim_table(docs))
         print()
         print(live_table(docs))
+    return 0
+
+
+def _predict(args: argparse.Namespace) -> int:
+    """``--predict FILE``: the pre-registration of this sweep (see benchmarks/e2e/prereg.py)."""
+    from benchmarks.e2e import prereg
+    from benchmarks.e2e.regimes import bytes_per_token
+    from benchmarks.e2e.workload import Workload
+    from proxy.tokenizer import ModelCard
+    from star.model import tiny_model_path
+
+    model = Path(tiny_model_path())
+    card = ModelCard.load(model, "star-tiny")
+
+    def count(prompt: Any) -> int:
+        return len(card.encode(prompt) if isinstance(prompt, str) else card.encode_chat(prompt))
+
+    workload = Workload(args.workload, tuple(_csv(args.sizes)), args.cap)
+    cells = _cells(args)
+    rows = prereg.predict(
+        cells,
+        workload,
+        count,
+        num_prompts=args.num_prompts,
+        kv_requests=args.kv_requests,
+        max_model_len=args.max_model_len,
+        prefill=args.prefill,
+        decode=args.decode,
+        bytes_per_token=bytes_per_token(model),
+    )
+    design = {
+        "argv": sys.argv[1:],
+        "workload": workload.name,
+        "cap": workload.cap,
+        "num_prompts": args.num_prompts,
+        "prefill": args.prefill,
+        "decode": args.decode,
+        "cells": len(cells),
+    }
+    doc = prereg.write(Path(args.predict), rows, design)
+    print(f"bench e2e: pre-registered {len(rows)} cells in {args.predict}", file=sys.stderr)
+    for reg, knee in doc["knee"].items():
+        print(f"bench e2e: knee of {reg} by the rule: {knee if knee is not None else 'none'}")
     return 0
 
 

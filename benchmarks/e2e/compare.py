@@ -324,9 +324,9 @@ def comparison_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """The paired comparison as a markdown table (what ``star bench e2e`` prints first)."""
     lines = [
         "| regime | rate | mode | seeds | pairs | length match | P99 TPOT ms (pooled) "
-        "| × no-mig. [95 % CI] | SLO met | capacity req/s | × no-mig. [95 % CI] "
-        "| preemptions | migrations done / decided | note |",
-        "|" + "---|" * 14,
+        "| × no-mig. [95 % CI] | predicted P99 ms | SLO met | capacity req/s "
+        "| × no-mig. [95 % CI] | preemptions | migrations done / decided | note |",
+        "|" + "---|" * 15,
     ]
     for r in rows:
         label = r["regime"] + (
@@ -338,6 +338,7 @@ def comparison_table(rows: Sequence[Mapping[str, Any]]) -> str:
             f"| {r.get('requests', '-')} "
             f"| {'-' if match is None or math.isnan(match) else f'{match:.0%}'} "
             f"| {_f(r.get('p99_tpot_ms'))} | {_ratio(r, 'p99_tpot_ratio')} "
+            f"| {_f(r.get('predicted_p99_tpot_ms'))} "
             f"| {_pct(r.get('slo_attainment'))} | {_capacity(r)} "
             f"| {_ratio(r, 'capacity_goodput_ratio')} | {r['preemptions']} "
             f"| {r['migrations_completed']} / {r['decisions']} | {r.get('note', '')} |"

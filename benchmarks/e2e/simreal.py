@@ -24,7 +24,14 @@ import numpy as np
 from benchmarks.e2e.regimes import BLOCK
 
 DEFAULT_HANDOFF_S = 0.025  # star simulate's default, for cells that migrated nothing
-SIM_KEYS = ("p99_tpot_ms", "preemptions", "exec_time_variance", "goodput_rps", "migrations")
+SIM_KEYS = (
+    "p99_tpot_ms",
+    "preemptions",
+    "exec_time_variance",
+    "goodput_rps",
+    "throughput_rps",
+    "migrations",
+)
 
 
 def fitted_step(doc: dict[str, Any]) -> tuple[float, float]:

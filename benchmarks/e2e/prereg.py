@@ -1,0 +1,183 @@
+"""Pre-registration: what ``star simulate`` predicts for every cell of a sweep, before it runs.
+
+``star bench e2e ... --predict FILE`` builds each cell's seeded schedule (the
+same requests the fleet will get), replays it through the simulator with the
+regime's step model (:func:`benchmarks.e2e.simreal.simulate_cell`), and writes
+the predictions with the date, the commit and the knee the rule below picks,
+so they can be committed before the fleet runs. ``--prediction FILE`` puts
+them beside the fleet's results in the comparison table.
+
+The knee rule, fixed here: per regime, the lowest swept rate at which the
+simulated baseline (``no-migration``, mean over seeds) meets the SLO for
+less than :data:`KNEE_ATTAINMENT` of its finished requests; none when it
+meets it at every rate.
+
+Output lengths must be known before the run: ``replay`` and ShareGPT
+workloads (``ignore_eos``) qualify, ``task`` (natural lengths) does not.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import subprocess
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.e2e.regimes import regime
+from benchmarks.e2e.report import Cell
+from benchmarks.e2e.workload import Workload, schedule
+
+KNEE_ATTAINMENT = 0.95
+KNEE_RULE = (
+    "per regime, the lowest swept rate at which the simulated no-migration baseline "
+    f"(mean over seeds) meets the SLO for less than {KNEE_ATTAINMENT:.0%} of its finished requests"
+)
+
+
+class PredictionError(ValueError):
+    """The sweep cannot be predicted as asked (``str()`` says why)."""
+
+
+def predict(
+    cells: Sequence[Cell],
+    workload: Workload,
+    count_prompt: Callable[[Any], int],
+    *,
+    num_prompts: int,
+    kv_requests: float,
+    max_model_len: int,
+    prefill: int,
+    decode: int,
+    bytes_per_token: int,
+) -> list[dict[str, Any]]:
+    """The simulator's row for every cell (``count_prompt``: a request's prompt -> tokens)."""
+    from benchmarks.e2e.simreal import simulate_cell
+
+    if not workload.known_lengths:
+        raise PredictionError(
+            f"workload {workload.name!r} has natural output lengths, known only by running it; "
+            "pre-register a replay or ShareGPT workload (ignore_eos, lengths fixed)"
+        )
+    out = []
+    for cell in cells:
+        reg = regime(cell.regime, workload.cap, kv_requests, max_model_len)
+        requests, times = schedule(workload, num_prompts, cell.rate, cell.seed)
+        records = [
+            {
+                "ok": True,
+                "prompt_tokens": count_prompt(r.prompt),
+                "output_tokens": r.max_tokens,
+                "sent_s": t,
+            }
+            for r, t in zip(requests, times, strict=True)
+        ]
+        doc = {
+            "config": {
+                "regime": {
+                    "step_base_ms": reg.step_base_ms,
+                    "step_us_per_token": reg.step_us_per_token,
+                    "prefill_us_per_token": reg.prefill_us_per_token,
+                    "kv_tokens": reg.kv_tokens,
+                    "slo_ttft_ms": reg.slo_ttft_ms,
+                    "slo_tpot_ms": reg.slo_tpot_ms,
+                },
+                "decode": decode,
+                "prefill": prefill,
+                "cap": workload.cap,
+                "bytes_per_token": bytes_per_token,
+            },
+            "row": {
+                "regime": cell.regime,
+                "mode": cell.mode,
+                "rate": cell.rate,
+                "seed": cell.seed,
+                "duration_s": max(times) if times else 1.0,
+                "kv_capacity": reg.kv_tokens,
+            },
+        }
+        if reg.step_base_ms <= 0:
+            raise PredictionError(
+                f"regime {cell.regime!r} runs on the CPU's own step times, which the simulator "
+                "learns from a finished cell; pre-register the device regime"
+            )
+        sim = simulate_cell(doc, records)
+        out.append(
+            {
+                "regime": cell.regime,
+                "mode": cell.mode,
+                "rate": cell.rate,
+                "seed": cell.seed,
+                **{k: sim.get(k) for k in ("p99_tpot_ms", "preemptions", "migrations")},
+                "slo_attainment": _attainment(sim),
+            }
+        )
+    return out
+
+
+def _attainment(sim: dict[str, Any]) -> float | None:
+    good, done = sim.get("goodput_rps"), sim.get("throughput_rps")
+    return float(good) / float(done) if good is not None and done else None
+
+
+def knees(cells: Sequence[dict[str, Any]]) -> dict[str, float | None]:
+    """The knee of each regime by :data:`KNEE_RULE`."""
+    by_rate: dict[str, dict[float, list[float]]] = {}
+    for c in cells:
+        if c["mode"] == "no-migration" and c["slo_attainment"] is not None:
+            by_rate.setdefault(c["regime"], {}).setdefault(float(c["rate"]), []).append(
+                float(c["slo_attainment"])
+            )
+    out: dict[str, float | None] = {}
+    for reg, rates in by_rate.items():
+        below = [r for r, v in sorted(rates.items()) if float(np.mean(v)) < KNEE_ATTAINMENT]
+        out[reg] = below[0] if below else None
+    return out
+
+
+def write(path: Path, cells: list[dict[str, Any]], design: dict[str, Any]) -> dict[str, Any]:
+    """Write the registration (predictions, knee, date, commit, design) to ``path``."""
+    doc = {
+        "registered": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "commit": _commit(),
+        "design": design,
+        "knee_rule": KNEE_RULE,
+        "knee": knees(cells),
+        "cells": cells,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1))
+    return doc
+
+
+def _commit() -> str | None:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=Path(__file__).parent,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def load(path: Path) -> dict[str, Any]:
+    doc: dict[str, Any] = json.loads(path.read_text())
+    if "cells" not in doc or "knee" not in doc:
+        raise PredictionError(f"{path} is not a pre-registration written by --predict")
+    return doc
+
+
+def predicted_p99(doc: dict[str, Any]) -> dict[tuple[str, float, str], float]:
+    """Mean over seeds of the predicted P99 TPOT, per (regime, rate, mode)."""
+    groups: dict[tuple[str, float, str], list[float]] = {}
+    for c in doc["cells"]:
+        if c.get("p99_tpot_ms") is not None:
+            key = (c["regime"], float(c["rate"]), c["mode"])
+            groups.setdefault(key, []).append(float(c["p99_tpot_ms"]))
+    return {k: float(np.mean(v)) for k, v in groups.items()}
