@@ -1,11 +1,16 @@
-"""``star config show``: the effective configuration and where each value came from."""
+"""``star config show``: the effective configuration and where each value came from.
+``star config acl``: the Redis ACL users of a cluster, one per role."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
+from pathlib import Path
 
-from star.cli.common import add_settings_args, guarded, settings_from_args
+from star.bus.acl import ROLES, AclError, acl_file, role_users
+from star.cli.common import CliError, add_settings_args, guarded, settings_from_args
 from star.settings import as_dict, env_key, render
 
 
@@ -32,6 +37,97 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     fmt.add_argument("--toml", action="store_true", help="print the values as a TOML file")
     fmt.add_argument("--markdown", action="store_true", help="print the reference table (README)")
     show.set_defaults(func=guarded(run_show))
+    acl = inner.add_parser(
+        "acl",
+        help="print the Redis ACL users of a cluster, one per role",
+        description=(
+            "Print a Redis ACL file for the cluster's prefix (bus.prefix): the default "
+            "user off and one user per role (worker, scheduler, proxy, operator), each "
+            "with only the keys under <prefix>: and the commands that role issues "
+            "(docs/operations.md, 'Redis users per role'). Passwords are drawn unless "
+            "given; each role's STAR_REDIS_USERNAME / STAR_REDIS_PASSWORD go to stderr, "
+            "once (or to --env-dir), so `star config acl > users.acl` keeps them out "
+            "of the file, which holds only their SHA-256."
+        ),
+        epilog=(
+            "example: star config acl --prefix star > /etc/redis/users.acl  "
+            "(redis.conf: aclfile /etc/redis/users.acl)"
+        ),
+    )
+    add_settings_args(acl)
+    acl.add_argument("--prefix", help="the cluster's key prefix (default bus.prefix)")
+    acl.add_argument(
+        "--password",
+        action="append",
+        default=[],
+        metavar="ROLE=PASSWORD",
+        help="a role's password instead of a drawn one (repeatable; a command line is "
+        "readable by every local user, prefer the drawn ones)",
+    )
+    acl.add_argument(
+        "--user",
+        action="append",
+        default=[],
+        metavar="ROLE=NAME",
+        help="a role's user name (default <prefix>-<role>; repeatable)",
+    )
+    acl.add_argument(
+        "--env-dir",
+        metavar="DIR",
+        help="write each role's credentials to DIR/<role>.env (mode 0600) instead of stderr",
+    )
+    acl.add_argument(
+        "--setuser",
+        action="store_true",
+        help="print ACL SETUSER commands (for redis-cli) instead of ACL file lines",
+    )
+    acl.set_defaults(func=guarded(run_acl))
+
+
+def _per_role(items: list[str], what: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items:
+        role, sep, value = item.partition("=")
+        if not sep or role not in ROLES or not value:
+            # The value may be a password: never quote it.
+            raise CliError(f"--{what} takes ROLE=VALUE with ROLE one of {', '.join(ROLES)}")
+        out[role] = value
+    return out
+
+
+def run_acl(args: argparse.Namespace) -> int:
+    prefix = args.prefix or settings_from_args(args).bus.prefix
+    try:
+        users = role_users(
+            prefix, _per_role(args.password, "password"), _per_role(args.user, "user")
+        )
+    except AclError as exc:
+        raise CliError(str(exc)) from exc
+    if args.setuser:
+        # The default user last: redis-cli may be running these as it.
+        lines = acl_file(users).splitlines()
+        lines = [*lines[1:], lines[0]]
+        print("\n".join("ACL SETUSER " + line.removeprefix("user ") for line in lines))
+    else:
+        print(acl_file(users), end="")
+    if args.env_dir:
+        folder = Path(args.env_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        for user in users:
+            path = folder / f"{user.role}.env"
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as out:
+                os.fchmod(out.fileno(), 0o600)
+                out.write(user.env(prefix))
+        print(f"star config acl: credentials in {folder}/<role>.env (mode 0600)", file=sys.stderr)
+        return 0
+    print(
+        "# Each role's environment (shown once; the ACL file holds only hashes):",
+        file=sys.stderr,
+    )
+    for user in users:
+        print(f"\n# {user.role}\n{user.env(prefix)}", end="", file=sys.stderr)
+    return 0
 
 
 def run_show(args: argparse.Namespace) -> int:

@@ -20,6 +20,7 @@ import ctypes
 import json
 import os
 import secrets
+import shlex
 import shutil
 import signal
 import socket
@@ -35,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit, urlunsplit
 
 from star.cli.common import CliError, add_settings_args, guarded, settings_from_args
 from star.ports import free_port, listen
@@ -93,13 +94,18 @@ class Launcher:
         argv: list[str],
         extra_env: dict[str, str] | None = None,
         pass_fds: tuple[int, ...] = (),
+        stdin: bytes | None = None,
     ) -> Child:
+        """Start ``argv`` in a session of its own; ``stdin``, if given, is written
+        to its standard input, which is then closed (a secret it must not see
+        on its command line, where every local user can read it)."""
         child = Child(
             name, argv, self.run_dir / f"{name}.log", None, dict(extra_env or {}), pass_fds
         )
         with child.log.open("wb") as out:
             child.proc = subprocess.Popen(
                 argv,
+                stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env={**self.env, **(extra_env or {})},
@@ -108,6 +114,11 @@ class Launcher:
                 preexec_fn=_die_with_parent(),
             )
         self.children.append(child)
+        if stdin is not None:
+            assert child.proc.stdin is not None
+            with contextlib.suppress(BrokenPipeError):
+                child.proc.stdin.write(stdin)
+            child.proc.stdin.close()
         return child
 
     def dead(self) -> Child | None:
@@ -383,12 +394,35 @@ class LocalCluster:
         self.scheduler = scheduler
         self.launcher = Launcher(self.run_dir, self.env)
         self.private_redis = False
+        # The private redis-server's password (its URL without it below), and
+        # the file (mode 0600) another terminal's star commands read it from.
+        self.redis_password = ""
+        self.redis_password_file = self.run_dir / "redis.password"
         self._previous_sigterm: _SigHandler = None
 
     @property
     def secret(self) -> str:
         """The cluster secret every child proves on the token protocol."""
         return self.env[SECRET_ENV]
+
+    @property
+    def plain_redis_url(self) -> str:
+        """:attr:`redis_url` without its password (the private Redis's is in
+        :attr:`redis_password`)."""
+        return _without_password(self.redis_url)
+
+    def find_hint(self, prefix: str) -> str:
+        """What another terminal's ``star`` commands need to find this cluster:
+        ``STAR_*=... `` assignments to put before ``star``, no secret in them
+        (the private Redis's password is read from :attr:`redis_password_file`)."""
+        find = []
+        if self.private_redis:
+            find.append(f"STAR_REDIS_URL={self.plain_redis_url} ")
+            path = shlex.quote(str(self.redis_password_file))
+            find.append(f'{env_key("redis.password")}="$(cat {path})" ')
+        if prefix != BusSettings().prefix:
+            find.append(f"STAR_BUS_PREFIX={prefix} ")
+        return redact_url("".join(find))
 
     @property
     def url(self) -> str:
@@ -423,8 +457,18 @@ class LocalCluster:
                     f"no Redis answers at {self.requested_redis} and redis-server is not installed"
                 )
             self.private_redis = True
-            _, self.redis_url = start_private_redis(self.launcher, binary, self.run_dir, 15.0)
-        self.env["STAR_REDIS_URL"] = self.redis_url
+            self.redis_password = secrets.token_urlsafe(32)
+            _write_secret(self.redis_password_file, self.redis_password)
+            # redis_url carries the password (for callers in this process);
+            # the children get it in their environment only, never in argv.
+            _, self.redis_url = start_private_redis(
+                self.launcher, binary, self.run_dir, 15.0, self.redis_password
+            )
+            self.env["STAR_REDIS_URL"] = self.plain_redis_url
+            self.env[env_key("redis.username")] = ""  # the default user: requirepass
+            self.env[env_key("redis.password")] = self.redis_password
+        else:
+            self.env["STAR_REDIS_URL"] = self.redis_url
         star = [sys.executable, "-m", "star.cli.main"]
         model_args = ["--model", self.model] if self.model else []
         bind = "VLLM_CPU_OMP_THREADS_BIND" not in self.env
@@ -531,25 +575,69 @@ class LocalCluster:
 
 
 def start_private_redis(
-    launcher: Launcher, binary: str, run_dir: Path, timeout_s: float
+    launcher: Launcher, binary: str, run_dir: Path, timeout_s: float, password: str | None = None
 ) -> tuple[Child, str]:
-    """A ``redis-server`` of one's own on a free loopback port, without persistence,
-    once it answers PING (:class:`ClusterError` if it does not within ``timeout_s``)."""
+    """A ``redis-server`` of one's own on a free loopback port, without persistence
+    and with a password (``password``, or one drawn), once it answers PING after
+    AUTH (:class:`ClusterError` if it does not within ``timeout_s``).
+
+    Returns the child and the URL, the password in it (``redis://:PASSWORD@...``):
+    pass it on in an environment, never on a command line. redis-server reads
+    ``requirepass`` from its standard input (``redis-server -``), so the password
+    is not in its argv (``ps``, ``/proc/PID/cmdline``) nor in a file.
+    """
+    password = password or secrets.token_urlsafe(32)
+    if not password.isprintable() or any(c in password for c in " \"'\\"):
+        raise CliError("the private Redis's password must be printable, without spaces or quotes")
     port = free_port()
-    url = f"redis://127.0.0.1:{port}/0"
-    argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
+    url = f"redis://:{quote(password, safe='')}@127.0.0.1:{port}/0"
+    argv = [binary, "-", "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
     argv += ["--appendonly", "no", "--dir", str(run_dir)]
-    child = launcher.start("redis", argv)
-    _wait_redis(url, launcher, timeout_s)
+    child = launcher.start("redis", argv, stdin=f"requirepass {password}\n".encode())
+    _wait_redis(port, password, launcher, timeout_s)
     return child, url
 
 
-def _wait_redis(url: str, launcher: Launcher, timeout_s: float) -> None:
+def _without_password(url: str) -> str:
+    """``url`` with no user-info password (the user name stays)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{user}@{host}" if user else host))
+
+
+def _write_secret(path: Path, value: str) -> None:
+    """``value`` in a new file readable by its owner only (mode 0600)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        os.fchmod(out.fileno(), 0o600)
+        out.write(value + "\n")
+
+
+def _private_redis_answers(port: int, password: str) -> bool:
+    """Whether the redis-server on ``port`` takes ``password`` and answers PING."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
+            sock.sendall(f"AUTH {password}\r\nPING\r\n".encode())
+            reply = b""
+            while b"\r\n" not in reply.partition(b"\r\n")[2]:
+                chunk = sock.recv(64)
+                if not chunk:
+                    break
+                reply += chunk
+    except OSError:
+        return False
+    return reply.startswith(b"+OK\r\n+PONG")
+
+
+def _wait_redis(port: int, password: str, launcher: Launcher, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
-    while not _redis_answers(url):
+    while not _private_redis_answers(port, password):
         dead = launcher.dead()
         if dead is not None or time.monotonic() > deadline:
-            raise ClusterError(f"private redis-server did not start at {redact_url(url)}")
+            raise ClusterError(f"private redis-server did not start on 127.0.0.1:{port}")
         time.sleep(0.05)
 
 
@@ -608,7 +696,8 @@ def run(args: argparse.Namespace) -> int:
         cluster.start()
         if cluster.private_redis:
             print(
-                f"star up: no Redis at {redact_url(settings.redis.url)}; started a private one at {redact_url(cluster.redis_url)}"
+                f"star up: no Redis at {redact_url(settings.redis.url)}; started a private one at "
+                f"{cluster.plain_redis_url} (password in {cluster.redis_password_file})"
             )
         print(
             f"star up: starting {args.prefill} prefill + {args.decode} decode workers, scheduler, proxy (logs: {cluster.run_dir})"
@@ -623,11 +712,7 @@ def run(args: argparse.Namespace) -> int:
             return 1
 
         name = "star-tiny" if not model else model
-        # What another terminal's star commands need to find this cluster.
-        find = [f"STAR_REDIS_URL={redact_url(cluster.redis_url)} "] if cluster.private_redis else []
-        if settings.bus.prefix != BusSettings().prefix:
-            find.append(f"STAR_BUS_PREFIX={settings.bus.prefix} ")
-        star = "".join(find) + "star"
+        star = cluster.find_hint(settings.bus.prefix) + "star"
         print(
             f"\nstar up: ready in {took:.0f}s — proxy on http://127.0.0.1:{port}\n\n"
             f"  curl -N http://127.0.0.1:{port}/v1/completions -H 'Content-Type: application/json' \\\n"
