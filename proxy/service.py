@@ -40,7 +40,7 @@ class ProxyService(Service):
         self.sock = sock
         self.node = f"{socket.gethostname()}-{os.getpid()}"
         self.bus: Bus | None = None
-        self.pool = WorkerPool(settings.cluster.secret)
+        self.pool = WorkerPool(settings.cluster.secret, settings.cluster.liveness_timeout_s)
         self.server: HttpServer | None = None
         self.directory: Directory | None = None
         self.backend: ClusterBackend | None = None

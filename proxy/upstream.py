@@ -7,6 +7,16 @@ reads the worker's :class:`~star.wire.Hello`, then routes every incoming frame t
 :class:`Stream` it belongs to. Many requests share the connection; each has
 its own stream id. When the connection breaks, every open stream gets a
 :class:`ConnectionLost` and the next :meth:`WorkerPool.get` reconnects.
+
+A worker that goes silent counts as a broken connection
+(``cluster.liveness_timeout_s``, :mod:`star.liveness`): the client sends a
+Ping right after Hello and whenever nothing has come in for a quarter of the
+bound, answers the worker's Pings, and drops a connection with nothing
+received for the whole bound. An older worker answers that first Ping with a
+``bad_frame`` Error: the client then sends no more and checks nothing on that
+connection. :class:`WorkerPool` then holds off reconnecting to a worker that
+went silent or let a connect time out (:meth:`WorkerPool.get` fails at once
+until the back-off ends), so the dispatch passes over it without waiting.
 """
 
 from __future__ import annotations
@@ -14,19 +24,32 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import structlog
 
 from star.aio import deadline
 from star.handshake import HandshakeFailed, ProxyHandshake, secret_key
-from star.wire import Challenge, Error, FrameDecoder, Hello, Message, WireError, frame
+from star.liveness import DEFAULT_TIMEOUT_S, Heartbeat, watch
+from star.wire import (
+    Challenge,
+    Error,
+    FrameDecoder,
+    Hello,
+    Message,
+    Ping,
+    Pong,
+    WireError,
+    frame,
+)
 
 log = structlog.get_logger(__name__)
 
 
 class ConnectionLost(Exception):
-    """The worker connection closed while a stream was open."""
+    """The worker connection closed (or went silent) while a stream was open."""
 
 
 class AuthFailed(ConnectionLost):
@@ -59,10 +82,26 @@ class Stream:
         self.client.forget(self.id)
 
 
-class WorkerClient:
-    """One connection to a worker; frames are routed by ``stream``."""
+def _refuses_ping(msg: Error) -> bool:
+    """An older worker's answer to a Ping: the kind is unknown to its decoder."""
+    return msg.code == "bad_frame" and "'ping'" in msg.message
 
-    def __init__(self, address: str, secret: str = "") -> None:
+
+class WorkerClient:
+    """One connection to a worker; frames are routed by ``stream``.
+
+    ``liveness_timeout_s`` (``cluster.liveness_timeout_s``; 0: off): drop
+    the connection when nothing has come from the worker for that long;
+    ``on_silent(address)`` is called when it does.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        secret: str = "",
+        liveness_timeout_s: float = DEFAULT_TIMEOUT_S,
+        on_silent: Callable[[str], None] | None = None,
+    ) -> None:
         self.address = address
         self._key = secret_key(secret) if secret else None
         self.hello: Hello | None = None
@@ -72,6 +111,11 @@ class WorkerClient:
         self._ids = itertools.count(1)
         self._task: asyncio.Task[None] | None = None
         self.closed = False
+        self.liveness_timeout_s = liveness_timeout_s
+        self._on_silent = on_silent
+        self._beat: Heartbeat | None = None  # None: not checked (off, or an older worker)
+        self._watch: asyncio.Task[None] | None = None
+        self.silent = ""  # why the connection was dropped as silent ("" while it was not)
 
     async def connect(self, timeout_s: float = 5.0) -> Hello:
         """Open the connection and read the worker's Hello, within ``timeout_s``.
@@ -130,6 +174,16 @@ class WorkerClient:
         self._task = asyncio.create_task(
             self._read(decoder, pending), name=f"upstream {self.address}"
         )
+        if self.liveness_timeout_s > 0:
+            now = asyncio.get_running_loop().time()
+            beat = self._beat = Heartbeat(self.liveness_timeout_s, now)
+            # The first Ping at once: it tells the worker this proxy checks
+            # liveness (it starts its own check), and an older worker's refusal
+            # says not to.
+            self._write(Ping(beat.pinged(now)))
+            self._watch = asyncio.create_task(
+                watch(beat, self._ping, self._silent), name=f"liveness {self.address}"
+            )
         return self.hello
 
     async def _authenticate(
@@ -172,16 +226,67 @@ class WorkerClient:
 
     async def send(self, msg: Message) -> None:
         if self.closed or self._writer is None:
-            raise ConnectionLost(f"connection to {self.address} is closed")
+            raise ConnectionLost(self.silent or f"connection to {self.address} is closed")
         self._writer.write(frame(msg))
         try:
             await self._writer.drain()
         except (ConnectionError, OSError) as exc:
-            raise ConnectionLost(f"connection to {self.address} broke: {exc}") from exc
+            raise ConnectionLost(
+                self.silent or f"connection to {self.address} broke: {exc}"
+            ) from exc
+
+    # -- liveness -----------------------------------------------------------------------
+
+    def _write(self, msg: Message) -> None:
+        """Queue a small connection frame (Ping, Pong) without waiting for the socket."""
+        if not self.closed and self._writer is not None and not self._writer.is_closing():
+            self._writer.write(frame(msg))
+
+    def _ping(self, seq: int) -> None:
+        self._write(Ping(seq))
+
+    def _silent(self, silent_s: float) -> None:
+        """Nothing from the worker for the whole bound: drop the connection as lost."""
+        self.silent = (
+            f"connection to worker {self.address} lost: nothing received for "
+            f"{silent_s:.2f}s (cluster.liveness_timeout_s={self.liveness_timeout_s:g})"
+        )
+        log.warning(
+            "worker_silent_connection_dropped",
+            address=self.address,
+            silent_s=round(silent_s, 3),
+            streams=len(self._streams),
+        )
+        self.closed = True
+        if self._writer is not None:
+            # No FIN handshake with a peer that does not answer: the reader
+            # sees EOF at once and hands every stream its ConnectionLost.
+            self._writer.transport.abort()
+        if self._on_silent is not None:
+            self._on_silent(self.address)
+
+    def _stop_watch(self) -> None:
+        self._beat = None
+        watcher, self._watch = self._watch, None
+        if watcher is not None and watcher is not asyncio.current_task():
+            watcher.cancel()
 
     def _route(self, msg: Message) -> None:
+        if isinstance(msg, Ping):
+            self._write(Pong(msg.seq))
+            return
+        if isinstance(msg, Pong):
+            return  # its bytes were proof enough
         stream_id = getattr(msg, "stream", None)
         if isinstance(msg, Error) and msg.stream < 0:
+            if self._beat is not None and _refuses_ping(msg):
+                self._stop_watch()
+                log.info(
+                    "worker_without_heartbeats",
+                    address=self.address,
+                    detail="an older worker: no liveness check on this connection",
+                )
+                return
             log.warning(
                 "worker_connection_error",
                 address=self.address,
@@ -195,6 +300,7 @@ class WorkerClient:
 
     async def _read(self, decoder: FrameDecoder, pending: list[Message]) -> None:
         assert self._reader is not None
+        clock = asyncio.get_running_loop().time
         reason = "closed by the worker"
         try:
             for msg in pending:
@@ -203,6 +309,9 @@ class WorkerClient:
                 data = await self._reader.read(1 << 16)
                 if not data:
                     break
+                beat = self._beat
+                if beat is not None:
+                    beat.last_received = clock()
                 decoder.feed(data)
                 while True:
                     try:
@@ -219,13 +328,17 @@ class WorkerClient:
             reason = str(exc)
         finally:
             self.closed = True
-            lost = ConnectionLost(f"connection to worker {self.address} lost: {reason}")
+            self._stop_watch()
+            lost = ConnectionLost(
+                self.silent or f"connection to worker {self.address} lost: {reason}"
+            )
             for stream in list(self._streams.values()):
                 stream.put(lost)
             self._streams.clear()
 
     async def close(self) -> None:
         self.closed = True
+        self._stop_watch()
         if self._writer is not None:
             self._writer.close()
             with contextlib.suppress(Exception):
@@ -236,34 +349,127 @@ class WorkerClient:
                 await self._task
 
 
-class WorkerPool:
-    """Connections by address, (re)opened on demand."""
+@dataclass(slots=True)
+class _Backoff:
+    until: float  # monotonic: no connect attempt before
+    failures: int  # in a row
+    why: str
+    attempt: asyncio.Task[None] | None = None  # the retry under way, off any request's path
 
-    def __init__(self, secret: str = "") -> None:
+
+class WorkerPool:
+    """Connections by address, (re)opened on demand.
+
+    ``liveness_timeout_s`` (``cluster.liveness_timeout_s``; 0: off) is each
+    connection's liveness bound and, when set, the bound of a connect (TCP,
+    handshake, Hello) too, unless ``connect_timeout_s`` is given (5 s with
+    liveness off). A worker that went silent, or whose connect timed out, is
+    unreachable for the bound, doubling per failure in a row up to
+    ``BACKOFF_MAX_BOUNDS`` bounds; meanwhile :meth:`get` raises
+    :class:`ConnectionLost` at once (the caller marks the instance down and
+    goes elsewhere). The first :meth:`get` after that starts one connect
+    attempt in the background and fails at once too: no request waits on a
+    worker that went silent. A refused connection costs nothing and backs off
+    nothing (the caller marks the instance down for a moment).
+    """
+
+    BACKOFF_MAX_BOUNDS = 4
+
+    def __init__(
+        self,
+        secret: str = "",
+        liveness_timeout_s: float = DEFAULT_TIMEOUT_S,
+        connect_timeout_s: float | None = None,
+    ) -> None:
         self.secret = secret  # cluster.secret: every connection proves it
+        self.liveness_timeout_s = liveness_timeout_s
+        if connect_timeout_s is None:
+            connect_timeout_s = liveness_timeout_s if liveness_timeout_s > 0 else 5.0
+        self.connect_timeout_s = connect_timeout_s
         self._clients: dict[str, WorkerClient] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        self._backoff: dict[str, _Backoff] = {}
+
+    def backing_off(self, address: str) -> float | None:
+        """Seconds before the next connect attempt to ``address``; None: reachable as far as known."""
+        b = self._backoff.get(address)
+        return max(0.0, b.until - time.monotonic()) if b is not None else None
+
+    def _failed(self, address: str, why: str) -> None:
+        """A connect that failed after a silence, or timed out, or a connection
+        dropped as silent: unreachable for a while."""
+        b = self._backoff.get(address)
+        failures = b.failures + 1 if b is not None else 1
+        base = self.liveness_timeout_s if self.liveness_timeout_s > 0 else self.connect_timeout_s
+        delay = min(base * 2 ** (failures - 1), base * self.BACKOFF_MAX_BOUNDS)
+        self._backoff[address] = _Backoff(time.monotonic() + delay, failures, why)
+        log.warning(
+            "worker_unreachable_backing_off",
+            address=address,
+            why=why,
+            retry_in_s=delay,
+            failures=failures,
+        )
+
+    def _on_silent(self, address: str) -> None:
+        self._failed(address, "it went silent")
 
     async def get(self, address: str) -> WorkerClient:
         client = self._clients.get(address)
         if client is not None and not client.closed:
             return client
-        lock = self._locks.setdefault(address, asyncio.Lock())
-        async with lock:
+        b = self._backoff.get(address)
+        if b is not None:
+            wait = b.until - time.monotonic()
+            if wait <= 0 and b.attempt is None:
+                b.attempt = asyncio.create_task(self._retry(address), name=f"reconnect {address}")
+            when = f"next connect attempt in {wait:.1f}s" if wait > 0 else "reconnecting"
+            raise ConnectionLost(f"worker {address} unreachable ({b.why}): {when}")
+        async with self._locks.setdefault(address, asyncio.Lock()):
             client = self._clients.get(address)
             if client is not None and not client.closed:
                 return client
-            client = WorkerClient(address, self.secret)
-            await client.connect()
-            self._clients[address] = client
-            log.info(
-                "connected_to_worker",
-                address=address,
-                instance=client.hello.instance if client.hello else "?",
-            )
-            return client
+            if address in self._backoff:  # the connect this one waited for failed
+                raise ConnectionLost(f"worker {address} unreachable ({self._backoff[address].why})")
+            return await self._connect(address)
+
+    async def _connect(self, address: str) -> WorkerClient:
+        """Connect (the caller holds the address's lock); a timeout backs off."""
+        client = WorkerClient(address, self.secret, self.liveness_timeout_s, self._on_silent)
+        try:
+            await client.connect(self.connect_timeout_s)
+        except TimeoutError:
+            self._failed(address, f"no Hello within {self.connect_timeout_s:g}s")
+            raise
+        self._backoff.pop(address, None)
+        self._clients[address] = client
+        log.info(
+            "connected_to_worker",
+            address=address,
+            instance=client.hello.instance if client.hello else "?",
+        )
+        return client
+
+    async def _retry(self, address: str) -> None:
+        """One connect attempt to a worker that is backing off, off any request's path."""
+        async with self._locks.setdefault(address, asyncio.Lock()):
+            try:
+                await self._connect(address)
+            except TimeoutError:
+                pass  # backing off longer (_connect)
+            except (OSError, ConnectionLost) as exc:
+                self._failed(address, str(exc))
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug: keep the address backing off, say why
+                log.exception("worker_reconnect_failed", address=address)
+                self._failed(address, "reconnect failed")
 
     async def close(self) -> None:
+        attempts = [b.attempt for b in self._backoff.values() if b.attempt is not None]
+        for task in attempts:
+            task.cancel()
+        await asyncio.gather(*attempts, return_exceptions=True)
         for client in list(self._clients.values()):
             await client.close()
         self._clients.clear()

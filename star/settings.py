@@ -232,6 +232,7 @@ class ClusterSettings:
     """What every process of one cluster shares."""
 
     secret: str = _opt("", "shared secret of the internal token protocol: proxy and workers prove it to each other (HMAC challenge) before a worker says Hello or takes a request; required for a worker bound beyond loopback (empty = no authentication)", cluster_secret, secret=True)
+    liveness_timeout_s: float = _opt(2.0, "drop a token-protocol connection (proxy and worker ends) with nothing received this long: the proxy recovers its streams elsewhere, the worker aborts them; a Ping goes out after a quarter of it without a frame (0 = off)", non_negative)
 
 
 @dataclass(frozen=True)

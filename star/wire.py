@@ -9,8 +9,9 @@ kind, ...fields}``:
 * frames of the internal token protocol between proxy and workers (framed
   msgpack over TCP, multiplexed by ``stream``): :class:`Hello`,
   :class:`Generate`, :class:`Tokens`, :class:`Abort`, :class:`Release`,
-  :class:`Handoff`, :class:`Error`, and the authentication handshake before
-  Hello (:mod:`star.handshake`): :class:`Challenge`, :class:`Answer`,
+  :class:`Handoff`, :class:`Error`, the heartbeats :class:`Ping` and
+  :class:`Pong` (:mod:`star.liveness`), and the authentication handshake
+  before Hello (:mod:`star.handshake`): :class:`Challenge`, :class:`Answer`,
   :class:`Accept`.
 
 Decoding is strict: a wrong version, an unknown kind, a missing field, an
@@ -346,6 +347,28 @@ class Error(Message):
     message: str
 
 
+@dataclass(frozen=True, slots=True)
+class Ping(Message):
+    """A heartbeat (either side, after a silence; :mod:`star.liveness`): answer with :class:`Pong`.
+
+    A proxy sends one right after Hello: a worker starts its own liveness
+    check on a connection only once it has seen a Ping there (an older proxy
+    sends none), and an older worker answers it with a ``bad_frame``
+    :class:`Error`, after which the proxy sends no more.
+    """
+
+    KIND: ClassVar[str] = "ping"
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class Pong(Message):
+    """The answer to :class:`Ping`, with its ``seq``."""
+
+    KIND: ClassVar[str] = "pong"
+    seq: int
+
+
 BUS_MESSAGES: tuple[type[Message], ...] = (Report, Decision, Event, LoadEntry)
 FRAMES: tuple[type[Message], ...] = (
     Hello,
@@ -358,6 +381,8 @@ FRAMES: tuple[type[Message], ...] = (
     Challenge,
     Answer,
     Accept,
+    Ping,
+    Pong,
 )
 _BY_KIND: dict[str, type[Message]] = {cls.KIND: cls for cls in (*BUS_MESSAGES, *FRAMES)}
 

@@ -16,7 +16,12 @@ bytes and tasks around them:
 * Abort, or the connection closing, cancels the stream's task, which closes
   the engine's generator and so aborts the request upstream and frees its KV;
 * each stream's writes await the socket's drain, so a slow reader makes vLLM
-  coalesce deltas instead of the worker buffering without bound.
+  coalesce deltas instead of the worker buffering without bound;
+* every Ping is answered with a Pong; the first Ping on a connection (a
+  proxy that checks liveness sends one right after Hello, an older one never
+  does) starts this side's liveness check (``liveness_timeout_s``,
+  :mod:`star.liveness`): a proxy silent for the whole bound is dropped like
+  a closed connection, its streams aborted and their KV freed.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import structlog
 from star import handshake
 from star.aio import deadline
 from star.handshake import HandshakeFailed, WorkerHandshake
+from star.liveness import DEFAULT_TIMEOUT_S, Heartbeat, watch
 from star.wire import (
     MAX_FRAME_BYTES,
     Abort,
@@ -42,6 +48,8 @@ from star.wire import (
     Handoff,
     Hello,
     Message,
+    Ping,
+    Pong,
     Release,
     Tokens,
     WireError,
@@ -87,6 +95,10 @@ class _Connection:
         self.writer = writer
         self.streams: dict[int, _Stream] = {}
         self.closing = False
+        # Liveness: armed by the proxy's first Ping (None: not checked).
+        self.beat: Heartbeat | None = None
+        self.watch: asyncio.Task[None] | None = None
+        self.silent = False  # dropped because the proxy went silent
         peer = writer.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
         self.log = log.bind(peer=self.peer)
@@ -110,6 +122,7 @@ class _Connection:
     async def run(self) -> None:
         """Serve the connection until the peer closes it (or the server shuts down)."""
         decoder = FrameDecoder(self.server.max_frame)
+        clock = asyncio.get_running_loop().time
         try:
             if self.server.key is not None and not await self._authenticate():
                 return
@@ -118,6 +131,9 @@ class _Connection:
                 data = await self.reader.read(_READ_CHUNK)
                 if not data:
                     break
+                beat = self.beat
+                if beat is not None:
+                    beat.last_received = clock()
                 decoder.feed(data)
                 if not self._drain_frames(decoder):
                     break
@@ -188,6 +204,11 @@ class _Connection:
             self._on_abort(msg.stream)
         elif isinstance(msg, Release):
             self._on_release(msg)
+        elif isinstance(msg, Ping):
+            self.write(Pong(msg.seq))
+            self._arm()
+        elif isinstance(msg, Pong):
+            pass  # its bytes were proof enough
         else:
             # Hello, Tokens, Handoff, Error: frames only a worker sends.
             stream = getattr(msg, "stream", CONNECTION_STREAM)
@@ -198,6 +219,34 @@ class _Connection:
                     f"a worker does not accept {msg.KIND!r} frames",
                 )
             )
+
+    # -- liveness -----------------------------------------------------------------------
+
+    def _arm(self) -> None:
+        """Start checking the proxy's liveness (once; not with the bound at 0)."""
+        timeout = self.server.liveness_timeout_s
+        if self.beat is not None or timeout <= 0 or self.closing:
+            return
+        self.beat = Heartbeat(timeout, asyncio.get_running_loop().time())
+        self.watch = asyncio.create_task(
+            watch(self.beat, self._ping, self._silent), name=f"liveness-{self.peer}"
+        )
+
+    def _ping(self, seq: int) -> None:
+        self.write(Ping(seq))
+
+    def _silent(self, silent_s: float) -> None:
+        """Nothing from the proxy for the whole bound: drop it as if it had closed."""
+        self.silent = True
+        self.log.warning(
+            "proxy_silent_connection_dropped",
+            silent_s=round(silent_s, 3),
+            streams=len(self.streams),
+            liveness_timeout_s=self.server.liveness_timeout_s,
+        )
+        # No FIN handshake with a peer that does not answer: the read loop sees
+        # EOF at once, and close() aborts the streams (a blocked drain raises).
+        self.writer.transport.abort()
 
     # -- stream lifecycle -------------------------------------------------------------
 
@@ -317,7 +366,10 @@ class _Connection:
         if self.closing:
             return
         self.closing = True
-        await self.cancel_streams("connection closed")
+        watcher, self.watch, self.beat = self.watch, None, None
+        if watcher is not None and watcher is not asyncio.current_task():
+            watcher.cancel()
+        await self.cancel_streams("the proxy went silent" if self.silent else "connection closed")
         self.writer.close()
         with contextlib.suppress(ConnectionError, OSError):
             await self.writer.wait_closed()
@@ -349,6 +401,9 @@ class TokenServer:
     listening (:func:`star.ports.listen`), is served instead of binding one. :meth:`serve` runs until
     :meth:`shutdown`, which stops intake, lets open streams finish for up to
     ``drain_timeout`` seconds, then aborts the rest and closes connections.
+    ``liveness_timeout_s`` (``cluster.liveness_timeout_s``; 0: off): a
+    connection whose proxy has sent a Ping and then nothing for that long is
+    closed, its streams aborted.
     """
 
     def __init__(
@@ -362,6 +417,7 @@ class TokenServer:
         sock: socket.socket | None = None,
         secret: str = "",
         handshake_timeout_s: float = handshake.TIMEOUT_S,
+        liveness_timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
         check_bind(host, secret)
         self.engine = engine
@@ -372,6 +428,8 @@ class TokenServer:
         self.max_frame = max_frame
         self.key = handshake.secret_key(secret) if secret else None
         self.handshake_timeout_s = handshake_timeout_s
+        # cluster.liveness_timeout_s: drop a proxy silent this long (0: never).
+        self.liveness_timeout_s = liveness_timeout_s
         self.refused = 0  # peers that failed the handshake
         self.draining = False
         self.stream_count = 0

@@ -84,6 +84,7 @@ class WorkerService(Service):
             self.port,
             sock=self.sock,
             secret=self.settings.cluster.secret,
+            liveness_timeout_s=self.settings.cluster.liveness_timeout_s,
         )
         await self.server.start()
         await self.bus.publish(

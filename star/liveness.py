@@ -1,0 +1,121 @@
+"""Liveness of a token-protocol connection: heartbeats and a deadline, without IO.
+
+A peer that goes silent (a partition that drops packets, no RST; a host that
+froze) leaves a TCP connection open for as long as it lasts: reads just wait.
+So each end of a token-protocol connection (``cluster.liveness_timeout_s``,
+:data:`DEFAULT_TIMEOUT_S`) keeps one rule:
+
+* whatever arrives (any byte: a frame, part of one, a Ping, a Pong) proves
+  the peer alive: :attr:`Heartbeat.last_received`;
+* after ``timeout_s / PING_FRACTION`` with nothing received, send a
+  :class:`~star.wire.Ping` (again every such interval while nothing comes);
+  the peer answers every Ping with a :class:`~star.wire.Pong` at once;
+* with nothing received for ``timeout_s``, the peer is dead: drop the
+  connection (the proxy's streams on it get ``ConnectionLost``, the worker
+  aborts the connection's requests, as on a closed connection).
+
+Pinging on *receive* silence (not send silence) keeps both ends fed: a
+worker streaming tokens hears nothing from the proxy, so it pings and the
+proxy's Pongs come back; the proxy hears the tokens and sends no Ping. An
+idle connection carries one Ping and one Pong per interval.
+
+:func:`check` is the whole rule (table-tested); :class:`Heartbeat` holds one
+connection's clock readings; :func:`watch` is the one periodic check per
+connection that drives it (no timer per frame: a reader stores one float per
+read).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+DEFAULT_TIMEOUT_S = 2.0
+"""``cluster.liveness_timeout_s``'s default: a silent peer is dropped within this."""
+PING_FRACTION = 4
+"""A Ping goes out after ``timeout_s / PING_FRACTION`` of silence: three go unanswered before death."""
+
+
+class Verdict(enum.Enum):
+    WAIT = "wait"  # nothing to do before ``Due.at``
+    PING = "ping"  # send a Ping now, then check again at ``Due.at``
+    DEAD = "dead"  # nothing received for the whole timeout: drop the connection
+
+
+@dataclass(frozen=True, slots=True)
+class Due:
+    verdict: Verdict
+    at: float  # when to check next (the same clock as the inputs); ``now`` when DEAD
+
+
+def check(timeout_s: float, last_received: float, last_ping: float, now: float) -> Due:
+    """What a connection's end does at ``now``: wait, ping, or declare the peer dead.
+
+    ``last_received``: when the last byte came in (or the connection was
+    armed); ``last_ping``: when this end last sent a Ping (``-inf``: never).
+    """
+    dead_at = last_received + timeout_s
+    if now >= dead_at:
+        return Due(Verdict.DEAD, now)
+    interval = timeout_s / PING_FRACTION
+    ping_at = max(last_received, last_ping) + interval
+    if now >= ping_at:
+        return Due(Verdict.PING, min(now + interval, dead_at))
+    return Due(Verdict.WAIT, min(ping_at, dead_at))
+
+
+@dataclass(slots=True)
+class Heartbeat:
+    """One connection end's readings; readers store :attr:`last_received` on every read."""
+
+    timeout_s: float
+    last_received: float
+    last_ping: float = -math.inf
+    pings: int = 0  # Pings sent (the next one's ``seq``)
+
+    def poll(self, now: float) -> Due:
+        return check(self.timeout_s, self.last_received, self.last_ping, now)
+
+    def pinged(self, now: float) -> int:
+        """Note a Ping sent at ``now``; its sequence number."""
+        self.last_ping = now
+        self.pings += 1
+        return self.pings
+
+    def silent_for(self, now: float) -> float:
+        return now - self.last_received
+
+
+async def watch(
+    beat: Heartbeat, ping: Callable[[int], None], dead: Callable[[float], None]
+) -> None:
+    """Drive ``beat`` on the running loop until the peer is declared dead.
+
+    ``ping(seq)`` writes a Ping; ``dead(silent_s)`` drops the connection
+    (called once, then this returns). One sleep per due time: on an idle
+    connection about one wake-up per ping interval, nothing per frame.
+    """
+    loop = asyncio.get_running_loop()
+    while True:
+        now = loop.time()
+        due = beat.poll(now)
+        if due.verdict is Verdict.DEAD:
+            # A loop that was stalled past the deadline may hold bytes it has
+            # not read yet: let the reader run (three turns: I/O callback, its
+            # task, this one) before believing the silence.
+            for _ in range(3):
+                await asyncio.sleep(0)
+            now = loop.time()
+            if beat.poll(now).verdict is Verdict.DEAD:
+                dead(beat.silent_for(now))
+                return
+            continue
+        if due.verdict is Verdict.PING:
+            ping(beat.pinged(now))
+        await asyncio.sleep(max(0.0, due.at - loop.time()))
+
+
+__all__ = ["DEFAULT_TIMEOUT_S", "PING_FRACTION", "Due", "Heartbeat", "Verdict", "check", "watch"]
