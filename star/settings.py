@@ -203,6 +203,7 @@ class WorkerSettings:
     device_step_ms: float = _opt(0.0, "emulated device timing (decode role): pad every step to device_step_ms + device_us_per_token * KV tokens in the batch + device_prefill_us_per_token * tokens prefilled (0 = off, real timing; docs/e2e.md)", non_negative)
     device_us_per_token: float = _opt(0.0, "emulated device: microseconds per token in the batch's KV", non_negative)
     device_prefill_us_per_token: float = _opt(0.0, "emulated device: microseconds per token prefilled in a step", non_negative)
+    device_transfer_us_per_token: float = _opt(0.0, "emulated device: a KV pull (P->D or D->D) completes no sooner than this many microseconds per token after it starts, the link's bytes / bandwidth (0 = as fast as NIXL moves it here)", non_negative)
 
 
 @dataclass(frozen=True)

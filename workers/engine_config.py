@@ -29,6 +29,7 @@ from workers.protocol import (
     GenerateRequest,
 )
 from workers.tap import CONTINUED_KEY, FUSION_KEY
+from workers.vllm_ext import TRANSFER_ENV
 
 log = structlog.get_logger(__name__)
 
@@ -69,6 +70,7 @@ class EngineSpec:
     device: str = "auto"
     cpu_threads: int = 0
     nixl_secret: str = field(default="", repr=False)
+    transfer_us_per_token: float = 0.0
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -98,6 +100,7 @@ class EngineSpec:
             "engine_args": parse_engine_args(settings.engine_args),
             "nixl_host": settings.host,
             "cpu_threads": settings.cpu_threads,
+            "transfer_us_per_token": settings.device_transfer_us_per_token,
         }
         values.update(overrides)
         return cls(**values)
@@ -214,6 +217,9 @@ def vllm_environment(
     * ``STAR_CLUSTER_SECRET`` when ``spec.nixl_secret`` is set (a secret from a
       config file too): the engine puts that listener under CURVE
       (:mod:`workers.nixl_auth`).
+    * ``STAR_DEVICE_TRANSFER_US_PER_TOKEN`` when ``spec.transfer_us_per_token``
+      is set: emulated device timing of KV pulls
+      (:class:`workers.pacing.PulledKvPacer`).
     * ``VLLM_CPU_KVCACHE_SPACE``: vLLM reads it as whole GiB and lets it
       override ``kv_cache_memory_bytes``; it is set to the same size when whole,
       else removed (None) so the exact byte count stands ("" crashes vLLM's
@@ -243,6 +249,8 @@ def vllm_environment(
     }
     if spec.nixl_secret:
         out[NIXL_SECRET_ENV] = spec.nixl_secret
+    if spec.transfer_us_per_token > 0:
+        out[TRANSFER_ENV] = f"{spec.transfer_us_per_token:g}"
     if cpu:
         gib = spec.kv_cache_space_gib
         out["VLLM_CPU_KVCACHE_SPACE"] = str(int(gib)) if float(gib).is_integer() else None

@@ -144,3 +144,40 @@ class DevicePacer:
         """Cumulative ``steps``, ``padded_s`` and ``step_s`` since install (zeros before)."""
         steps, padded, total = getattr(self, "_star_pace", (0, 0.0, 0.0))
         return {"steps": float(steps), "padded_s": float(padded), "step_s": float(total)}
+
+
+class PulledKvPacer:
+    """Emulated device timing for KV pulls: a pull is reported done no sooner than
+    ``per_token_s`` x its tokens after it started (a padded pull).
+
+    On one CPU box NIXL moves a KV cache over loopback in microseconds; a
+    device's link (paper §6.3: 25 Gbit/s) takes bytes / bandwidth. The
+    request waits for its KV as it would there, while the instance keeps
+    decoding its other requests (NIXL transfers overlap decoding, §5.4).
+    A failed pull is reported at once.
+    """
+
+    def __init__(self, per_token_s: float, block_tokens: int) -> None:
+        self.per_token_s = per_token_s
+        self.block_tokens = block_tokens
+        self.due: dict[str, float] = {}  # request id -> when its emulated transfer ends
+        self.held: set[str] = set()  # done pulls not reported yet
+
+    def started(self, reqs_to_recv: Any, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        for rid, meta in reqs_to_recv.items():
+            if rid not in self.due:
+                blocks = meta.local_block_ids
+                # One list of block ids per KV cache group, each covering every token.
+                first = blocks[0] if blocks and isinstance(blocks[0], list | tuple) else blocks
+                self.due[rid] = now + len(first) * self.block_tokens * self.per_token_s
+
+    def finished(self, recving: set[str], failed: set[str], now: float | None = None) -> set[str]:
+        """The pulls to report done now, out of those NIXL finished now or before."""
+        now = time.monotonic() if now is None else now
+        pending = self.held | recving
+        ready = {r for r in pending if r in failed or self.due.get(r, 0.0) <= now}
+        self.held = pending - ready
+        for rid in ready:
+            self.due.pop(rid, None)
+        return ready

@@ -24,6 +24,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
 from workers.nixl_auth import SECRET_ENV, secure_nixl_side_channel
+from workers.pacing import PulledKvPacer
 from workers.parent import end_with_parent
 
 RELEASE_PREFIX = "star-release:"
@@ -143,6 +144,9 @@ def readback_tried(params: dict[str, Any] | None) -> bool:
     )
 
 
+TRANSFER_ENV = "STAR_DEVICE_TRANSFER_US_PER_TOKEN"
+"""Emulated device timing: a KV pull completes no sooner than this many us per token after it starts."""
+
 PROGRESS_DELAY_ENV = "STAR_NIXL_PROGRESS_DELAY_US"
 DEFAULT_PROGRESS_DELAY_US = 1000
 
@@ -218,6 +222,23 @@ class StarNixlConnector(NixlPullConnector):
         )
         with keep_cpu_affinity():
             super().__init__(*args, **kwargs)
+        self.star_pull = PulledKvPacer(
+            float(os.environ.get(TRANSFER_ENV) or 0.0) / 1e6,
+            int(self._vllm_config.cache_config.block_size),
+        )
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        if self.star_pull.per_token_s > 0:
+            self.star_pull.started(getattr(self._connector_metadata, "reqs_to_recv", {}))
+        super().start_load_kv(forward_context, **kwargs)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        results = super().get_transfer_results(finished_req_ids)
+        if self.star_pull.per_token_s > 0:
+            results.finished_recving = self.star_pull.finished(
+                results.finished_recving, results.failed_recving
+            )
+        return results
 
     def track_release(self, request_id: str) -> None:
         """Have the worker side track a released request's blocks (lease, read notification).

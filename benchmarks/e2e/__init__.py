@@ -98,7 +98,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--kv-requests",
         type=float,
         default=2.0,
-        help="KV capacity per decode instance, in largest requests (default %(default)s)",
+        help="memory regime: KV capacity per decode instance, in largest requests "
+        "(default %(default)s; the device regime's comes from the card)",
+    )
+    add(
+        "--dilation",
+        type=float,
+        default=1.0,
+        help="device regime: every emulated time and SLO x D, request rates / D, so the CPU "
+        "idles in more of each step (default %(default)s: the card's own clock)",
     )
     add(
         "--max-model-len",
@@ -233,6 +241,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(_plain(compared), indent=1, allow_nan=False))
     else:
         print(comparison_table(compared))
+        for line in _emulation_notes(docs):
+            print(line)
         print()
         print(table(aggregate(rows)))
         print()
@@ -265,6 +275,7 @@ def _predict(args: argparse.Namespace) -> int:
         num_prompts=args.num_prompts,
         kv_requests=args.kv_requests,
         max_model_len=args.max_model_len,
+        dilation=args.dilation,
         prefill=args.prefill,
         decode=args.decode,
         bytes_per_token=bytes_per_token(model),
@@ -283,6 +294,26 @@ def _predict(args: argparse.Namespace) -> int:
     for reg, knee in doc["knee"].items():
         print(f"bench e2e: knee of {reg} by the rule: {knee if knee is not None else 'none'}")
     return 0
+
+
+def _emulation_notes(docs: list[dict[str, Any]]) -> list[str]:
+    """One line per emulated regime: its card, factors and the padding measured."""
+    notes: dict[str, tuple[dict[str, Any], list[float]]] = {}
+    for d in docs:
+        emu = d["config"]["regime"].get("emulation")
+        if emu:
+            entry = notes.setdefault(d["row"]["regime"], (emu, []))
+            if d["row"].get("pad_share") is not None:
+                entry[1].append(float(d["row"]["pad_share"]))
+    return [
+        f"{reg}: emulated device timing, {emu['card']}; compression {emu['compression']:g} "
+        f"(KV {emu['kv_tokens']} tokens, step {emu['step_ms']}, prefill "
+        f"{emu['prefill_us_per_token']:g} us/token, KV pull {emu['transfer_us_per_token']:g} "
+        f"us/token), dilation {emu['dilation']:g}; the CPU idled in "
+        f"{sum(pads) / len(pads):.0%} of each step (padding)"
+        for reg, (emu, pads) in notes.items()
+        if pads
+    ]
 
 
 def _plain(value: Any) -> Any:
@@ -340,8 +371,10 @@ def _run_cells(args: argparse.Namespace, cells: list[Cell], out: Path) -> int:
     failed = 0
     for cell in bar:
         bar.set_description(f"{cell.regime} {cell.mode} rate {cell.rate:g} seed {cell.seed}")
-        reg = regime(cell.regime, workload.cap, args.kv_requests, args.max_model_len)
-        requests, times = schedule(workload, args.num_prompts, cell.rate, cell.seed, count)
+        reg = regime(cell.regime, workload.cap, args.kv_requests, args.max_model_len, args.dilation)
+        # Rates are the device's: a dilated clock sends 1/d as many per wall second.
+        rate = cell.rate / reg.dilation
+        requests, times = schedule(workload, args.num_prompts, rate, cell.seed, count)
         logs = Path(tempfile.mkdtemp(prefix="star-e2e-"))
         started = time.monotonic()
         try:

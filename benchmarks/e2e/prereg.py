@@ -50,6 +50,7 @@ def predict(
     num_prompts: int,
     kv_requests: float,
     max_model_len: int,
+    dilation: float = 1.0,
     prefill: int,
     decode: int,
     bytes_per_token: int,
@@ -64,8 +65,8 @@ def predict(
         )
     out = []
     for cell in cells:
-        reg = regime(cell.regime, workload.cap, kv_requests, max_model_len)
-        requests, times = schedule(workload, num_prompts, cell.rate, cell.seed)
+        reg = regime(cell.regime, workload.cap, kv_requests, max_model_len, dilation)
+        requests, times = schedule(workload, num_prompts, cell.rate / reg.dilation, cell.seed)
         records = [
             {
                 "ok": True,
@@ -81,6 +82,7 @@ def predict(
                     "step_base_ms": reg.step_base_ms,
                     "step_us_per_token": reg.step_us_per_token,
                     "prefill_us_per_token": reg.prefill_us_per_token,
+                    "transfer_us_per_token": reg.transfer_us_per_token,
                     "kv_tokens": reg.kv_tokens,
                     "slo_ttft_ms": reg.slo_ttft_ms,
                     "slo_tpot_ms": reg.slo_tpot_ms,

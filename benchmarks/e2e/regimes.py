@@ -9,15 +9,19 @@ choices.
   128-token blocks. An instance that collects more than ``kv_requests`` long
   answers runs out and vLLM preempts, while the fleet as a whole has room
   for ``kv_requests`` x (decode instances) of them. Step times are the CPU's.
-- ``device`` (the paper's Issue 2, TPOT): the same KV capacity, plus emulated
-  device timing: every decode step is padded to
-  ``base + per_token x (KV tokens in the batch) + prefill x (tokens prefilled)``
-  with base 8 ms and per_token = 20 ms / capacity, so a step takes 18 ms at
-  half the KV and 28 ms at full KV (paper §5.3: "about 18.23 ms under 50 % KV
-  cache memory occupancy" for DeepSeek-R1-Distill-Qwen-7B on an RTX 4090D, the
-  simulator's a = 8 ms), and 0.125 ms per prefilled token (the simulator's
-  prefill rate). The CPU idles most of each step, so each decode instance
-  behaves as its own device. Numbers from it are "emulated device timing".
+- ``device`` (the paper's Issue 2, TPOT): emulated device timing by one rule
+  (:mod:`benchmarks.e2e.device`): the paper's card as ``star simulate``
+  models it, compressed by ``c = 32,768 / cap`` (one served token stands for
+  ``c`` card tokens): KV capacity 200,000 / c tokens, every decode step padded
+  to ``8 ms + 0.1 us x c x (KV tokens in the batch) + 0.125 ms x (tokens
+  prefilled or recomputed)``, so a step takes 18 ms at half the KV and 28 ms
+  at full KV (paper §5.3: "about 18.23 ms under 50 % KV cache memory
+  occupancy"), and every KV pull (P->D and D->D) takes the card's 57,344 B
+  per token over its 25 Gbit/s link (why prefill and pulls are not x c: the
+  module docstring of :mod:`benchmarks.e2e.device`). Times and SLOs scale by
+  the dilation ``d`` (rates by 1/d). The CPU idles most of each step, so each
+  decode instance behaves as its own device. Numbers from it are "emulated
+  device timing".
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 REGIMES = ("memory", "device")
 # Request rates (req/s) of each regime's sweep and of --quick (its knee). The
@@ -55,6 +60,9 @@ class Regime:
     step_base_ms: float = 0.0  # 0: real timing
     step_us_per_token: float = 0.0
     prefill_us_per_token: float = 0.0
+    transfer_us_per_token: float = 0.0  # a KV pull's emulated time per token
+    dilation: float = 1.0  # emulated times are this many times the card's; rates divided by it
+    emulation: dict[str, Any] | None = None  # the card and factors (benchmarks.e2e.device)
 
     @property
     def emulated(self) -> bool:
@@ -76,6 +84,7 @@ class Regime:
                 "STAR_WORKER_DEVICE_STEP_MS": f"{self.step_base_ms:g}",
                 "STAR_WORKER_DEVICE_US_PER_TOKEN": f"{self.step_us_per_token:g}",
                 "STAR_WORKER_DEVICE_PREFILL_US_PER_TOKEN": f"{self.prefill_us_per_token:g}",
+                "STAR_WORKER_DEVICE_TRANSFER_US_PER_TOKEN": f"{self.transfer_us_per_token:g}",
             }
         return env
 
@@ -94,9 +103,13 @@ def regime(
     cap: int,
     kv_requests: float = 2.0,
     max_model_len: int = 2048,
-    step_base_ms: float = 8.0,
+    dilation: float = 1.0,
 ) -> Regime:
-    """The regime ``name`` for a workload whose longest answer is ``cap`` tokens."""
+    """The regime ``name`` for a workload whose longest answer is ``cap`` tokens.
+
+    ``kv_requests`` sizes the memory regime's KV; the device regime's comes from
+    the card (:class:`benchmarks.e2e.device.Emulation`), as do all its costs.
+    """
     if name not in REGIMES:
         raise ValueError(f"unknown regime {name!r}; expected one of {', '.join(REGIMES)}")
     if cap + PROMPT_ALLOWANCE > max_model_len:
@@ -104,18 +117,31 @@ def regime(
             f"answers of up to {cap} tokens need max_model_len >= {cap + PROMPT_ALLOWANCE}, "
             f"got {max_model_len}"
         )
-    kv = kv_capacity(cap, kv_requests, max_model_len)
     if name == "memory":
+        kv = kv_capacity(cap, kv_requests, max_model_len)
         return Regime(name, kv, max_model_len, slo_ttft_ms=2000.0, slo_tpot_ms=50.0)
+    from benchmarks.e2e.device import DeviceCard, Emulation
+
+    emu = Emulation(DeviceCard.paper(), cap, dilation)
+    kv = int(math.ceil(emu.kv_tokens / BLOCK) * BLOCK)
+    if kv < max_model_len + BLOCK:
+        raise ValueError(
+            f"the card's KV compressed to answers of {cap} tokens is {emu.kv_tokens} tokens, "
+            f"which vLLM refuses with max_model_len {max_model_len} (it needs more than "
+            f"{max_model_len + BLOCK - 1}): lower --max-model-len or raise --cap"
+        )
     return Regime(
         name,
         kv,
         max_model_len,
-        slo_ttft_ms=1000.0,
-        slo_tpot_ms=25.0,
-        step_base_ms=step_base_ms,
-        step_us_per_token=20_000.0 / kv,  # + 20 ms at full KV
-        prefill_us_per_token=125.0,
+        slo_ttft_ms=emu.slo_ttft_ms,
+        slo_tpot_ms=emu.slo_tpot_ms,
+        step_base_ms=emu.step_base_ms,
+        step_us_per_token=emu.step_us_per_token,
+        prefill_us_per_token=emu.prefill_us_per_token,
+        transfer_us_per_token=emu.transfer_us_per_token,
+        dilation=dilation,
+        emulation=emu.describe(),
     )
 
 

@@ -118,6 +118,14 @@ def simulate_cell(
     if stall_s is None:
         stall_s = DEFAULT_HANDOFF_S
     block = BLOCK if blocks else 1
+    # A KV pull's time per token: the regime's emulated link, else bytes over the default link.
+    transfer_s = float(reg.get("transfer_us_per_token") or 0.0) / 1e6
+    link_gbps = SimConfig().bandwidth_gbps
+    kv_bytes = (
+        max(int(transfer_s * link_gbps * 1e9 / 8), 1)
+        if transfer_s > 0
+        else int(cfg.get("bytes_per_token", 1024))
+    )
     config = SimConfig(
         decode_instances=int(cfg["decode"]),
         prefill_instances=int(cfg["prefill"]),
@@ -129,7 +137,8 @@ def simulate_cell(
         step_base_s=base_s,
         step_per_token_s=per_token_s,
         kv_capacity_tokens=int(row.get("kv_capacity") or reg["kv_tokens"]),
-        bytes_per_token=int(cfg.get("bytes_per_token", 1024)),
+        bytes_per_token=kv_bytes,
+        bandwidth_gbps=link_gbps,
         handoff_latency_s=DEFAULT_HANDOFF_S,
         migration_latency_s=stall_s,
         kv_block_tokens=block,

@@ -113,20 +113,56 @@ def test_regimes_settings() -> None:
     assert not mem.emulated and mem.label == "real timing"
     assert "STAR_WORKER_DEVICE_STEP_MS" not in mem.env(1024)
     assert dev.emulated and dev.label == "emulated device timing"
-    assert dev.kv_tokens == mem.kv_tokens == 2176
+    assert mem.kv_tokens == 2176  # 2 x the largest request, in 128-token blocks
+    # The device's KV is the card's 200,000 tokens compressed by 32,768 / 1,024 = 32.
+    assert dev.kv_tokens == 6272  # 6,250 in whole blocks
     env = dev.env(1024)
     assert float(env["STAR_WORKER_KV_CACHE_SPACE_GIB"]) * 2**30 == pytest.approx(
-        (2176 + VLLM_RESERVE_TOKENS) * 1024
+        (6272 + VLLM_RESERVE_TOKENS) * 1024
     )
-    # The emulated step: 8 ms + 20 ms at full KV; 18 ms at half (paper §5.3's 18.23 ms).
+    # The emulated step: 8 ms + 20 ms at the card's full KV; 18 ms at half (§5.3's 18.23 ms).
     clock = DeviceClock(dev.step_base_ms / 1e3, dev.step_us_per_token / 1e6)
-    assert clock.step_s(dev.kv_tokens // 2, 0) == pytest.approx(0.018)
-    assert clock.step_s(dev.kv_tokens, 0) == pytest.approx(0.028)
+    assert clock.step_s(6250 // 2, 0) == pytest.approx(0.018)
+    assert clock.step_s(6250, 0) == pytest.approx(0.028)
     assert (dev.slo_ttft_ms, dev.slo_tpot_ms) == (1000.0, 25.0)  # paper §6.2
+    # Prefill, recompute and pulls at the card's price per token (0.125 ms; 57,344 B at 25 Gbit/s).
+    assert dev.prefill_us_per_token == pytest.approx(125.0)
+    assert dev.transfer_us_per_token == pytest.approx(57_344 * 8 / 25e9 * 1e6)
+    assert float(env["STAR_WORKER_DEVICE_TRANSFER_US_PER_TOKEN"]) == pytest.approx(
+        dev.transfer_us_per_token, rel=1e-5
+    )
     with pytest.raises(ValueError, match="unknown regime"):
         regime("gpu", 1024)
     with pytest.raises(ValueError, match="need max_model_len >= 2064"):
         regime("memory", 2000, max_model_len=2048)
+    with pytest.raises(ValueError, match="lower --max-model-len or raise --cap"):
+        regime("device", 100, max_model_len=1024)  # 610 tokens of KV for 1,024
+
+
+def test_one_compression_and_one_dilation_scale_every_device_cost() -> None:
+    from benchmarks.e2e.device import DeviceCard, Emulation
+
+    card = DeviceCard.paper()
+    one, slow = Emulation(card, 512), Emulation(card, 512, dilation=4.0)
+    assert one.compression == 64.0 and one.kv_tokens == 200_000 // 64
+    # A full instance steps as slowly as the card's (8 + 20 ms): KV / c, per KV token x c.
+    full_step_ms = one.step_base_ms + one.step_us_per_token * one.kv_tokens / 1e3
+    assert full_step_ms == pytest.approx(8.0 + 0.1e-3 * 200_000, rel=1e-3)
+    # The longest answer's recompute and move weigh against its life (cap steps of
+    # 18 ms at half KV) as on the card (32,768 steps): both are 1 / c of the card's.
+    life_ms, card_life_ms = 512 * 18.0, 32_768 * 18.0
+    recompute_ms = one.prefill_us_per_token * 512 / 1e3
+    assert recompute_ms / life_ms == pytest.approx(0.125 * 32_768 / card_life_ms)
+    move_ms = one.transfer_us_per_token * 512 / 1e3
+    assert move_ms / life_ms == pytest.approx(57_344 * 32_768 * 8 / 25e9 * 1e3 / card_life_ms)
+    # Dilation: every time and SLO x d, the capacity and the compression unchanged.
+    for name in ("step_base_ms", "step_us_per_token", "prefill_us_per_token",
+                 "transfer_us_per_token", "slo_ttft_ms", "slo_tpot_ms"):  # fmt: skip
+        assert getattr(slow, name) == pytest.approx(4.0 * getattr(one, name))
+    assert (slow.kv_tokens, slow.compression) == (one.kv_tokens, one.compression)
+    assert slow.describe()["dilation"] == 4.0
+    with pytest.raises(ValueError, match="dilation must be >= 1"):
+        Emulation(card, 512, dilation=0.5)
 
 
 # -- the pacer's arithmetic ----------------------------------------------------------------
@@ -390,7 +426,7 @@ def test_a_cell_document_from_what_a_run_recorded() -> None:
         "replay",
     )
     assert doc["row"]["preemptions"] == 3 and doc["row"]["migrations"] == 1
-    assert doc["config"]["regime"]["kv_tokens"] == 2176 and doc["config"]["cap"] == 1024
+    assert doc["config"]["regime"]["kv_tokens"] == 6272 and doc["config"]["cap"] == 1024
     assert doc["series"]["migrations_t"] == [pytest.approx(0.2)]
     assert doc["series"]["preemptions"] == [0, 3]
     assert doc["events"][0]["event"] == "resumed" and doc["decisions"][0]["target"] == "d1"
@@ -467,7 +503,7 @@ def test_each_regime_sweeps_its_own_rates_unless_rates_are_given() -> None:
 
 
 def _sim_doc(mode: str, stalls_ms: list[float]) -> dict[str, object]:
-    reg = dataclasses.asdict(regime("device", 256))
+    reg = dataclasses.asdict(regime("device", 256, max_model_len=512))
     return {
         "row": {
             "regime": "device",
