@@ -25,8 +25,9 @@ from typing import Any, Literal
 
 from star.planner.core import parse_max_migrations
 from star.planner.types import Mode, PlannerParams
+from star.settings import DISPATCH_POLICIES
 from star.sim import report
-from star.sim.config import DISPATCH_POLICIES, PREDICTORS, ConfigError, SimConfig
+from star.sim.config import PREDICTORS, ConfigError, SimConfig
 from star.sim.metrics import ROW_KEYS, SimResult
 from star.sim.sweep import sweep
 from star.sim.workload import SYNTHETIC, Workload, WorkloadError, load
