@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+import structlog
 from hypothesis import HealthCheck, settings
 
 from star.bus import Bus
@@ -62,3 +64,16 @@ async def bus(redis_server: RedisServer) -> AsyncIterator[Bus]:
     b = Bus.from_settings(redis_settings(redis_server), bus_settings())
     yield b
     await b.close()
+
+
+@pytest.fixture
+def restore_logging() -> Iterator[None]:
+    """Put structlog's and the root logger's configuration back after the test (for tests
+    that run a ``star`` command, which configures logging onto the stream pytest captured)."""
+    saved = structlog.get_config()
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    structlog.configure(**saved)
+    root.handlers[:] = handlers
+    root.setLevel(level)

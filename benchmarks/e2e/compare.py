@@ -56,6 +56,9 @@ class Arm:
     migrations: int
     decisions: int
     p99_ttft_ms: float
+    inside: tuple[int, ...] = ()  # indices sent in the steady-state window, in order
+    ramp: int = 0  # requests left out at the start of the window
+    drain: int = 0  # and at its end
 
     @classmethod
     def from_cell(
@@ -81,6 +84,7 @@ class Arm:
             tpot[i] = float(raw) * 1e3 if raw not in (None, "") else math.nan
             ttft = float(r.get("ttft_s") or 0.0) * 1e3
             met[i] = ttft <= slo_ms[0] and (math.isnan(tpot[i]) or tpot[i] <= slo_ms[1])
+        inside, ramp, drain = _window(sent)
         return cls(
             seed=int(row["seed"]),
             sent_s=sent,
@@ -91,18 +95,22 @@ class Arm:
             migrations=_completed(row),
             decisions=int(row.get("decisions", row.get("migrations")) or 0),
             p99_ttft_ms=float(row.get("p99_ttft_ms") or math.nan),
+            inside=inside,
+            ramp=ramp,
+            drain=drain,
         )
 
-    def window(self) -> tuple[set[int], int, int]:
-        """(Indices sent in the steady-state window, left out at the start, at the end)."""
-        if not self.sent_s:
-            return set(), 0, 0
-        first, last = min(self.sent_s.values()), max(self.sent_s.values())
-        lo = first + WINDOW_EDGE * (last - first)
-        hi = last - WINDOW_EDGE * (last - first)
-        inside = {i for i, t in self.sent_s.items() if lo <= t <= hi}
-        ramp = sum(t < lo for t in self.sent_s.values())
-        return inside, ramp, len(self.sent_s) - len(inside) - ramp
+
+def _window(sent: Mapping[int, float]) -> tuple[tuple[int, ...], int, int]:
+    """(Indices sent in the steady-state window, left out at the start, at the end)."""
+    if not sent:
+        return (), 0, 0
+    first, last = min(sent.values()), max(sent.values())
+    lo = first + WINDOW_EDGE * (last - first)
+    hi = last - WINDOW_EDGE * (last - first)
+    inside = tuple(sorted(i for i, t in sent.items() if lo <= t <= hi))
+    ramp = sum(t < lo for t in sent.values())
+    return inside, ramp, len(sent) - len(inside) - ramp
 
 
 def _completed(row: Mapping[str, Any]) -> int:
@@ -125,9 +133,8 @@ def compare(
     compared = same = ramp = drain = 0
     for s in seeds:
         b, a = by_seed[s], next(x for x in arm if x.seed == s)
-        inside, r, d = b.window()
-        ramp, drain = ramp + r, drain + d
-        both = sorted(set(b.lengths) & set(a.lengths) & inside)
+        ramp, drain = ramp + b.ramp, drain + b.drain
+        both = sorted(set(b.lengths) & set(a.lengths) & set(b.inside))
         compared += len(both)
         same += sum(b.lengths[i] == a.lengths[i] for i in both)
         paired = [i for i in both if not (math.isnan(b.tpot_ms[i]) or math.isnan(a.tpot_ms[i]))]
@@ -205,9 +212,9 @@ def _attainment(arms: Sequence[Arm], picks: Mapping[int, npt.NDArray[np.int64]] 
     """Share of the window's requests that met the SLO, pooled over seeds (``picks``: resampled)."""
     met = total = 0
     for a in arms:
-        inside = sorted(a.window()[0])
+        inside: Sequence[int] = a.inside
         if picks is not None:
-            inside = [inside[j] for j in picks[a.seed]]
+            inside = [a.inside[j] for j in picks[a.seed]]
         met += sum(a.met[i] for i in inside)
         total += len(inside)
     return met / total if total else math.nan
@@ -239,7 +246,7 @@ def capacity_rows(
             draws = []
             for _ in range(bootstrap):
                 picks = {
-                    r: {a.seed: rng.integers(0, n, n) for a in base[r] if (n := len(a.window()[0]))}
+                    r: {a.seed: rng.integers(0, n, n) for a in base[r] if (n := len(a.inside))}
                     for r in rates
                 }
                 b_cap, _ = capacity([(r, _attainment(base[r], picks[r])) for r in rates])

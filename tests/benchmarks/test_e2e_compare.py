@@ -59,8 +59,7 @@ def _tpots(seed: int, n: int = 400, scale: float = 1.0) -> list[float]:
 
 def test_the_window_leaves_out_ramp_up_and_drain() -> None:
     arm = _arm(1, [10.0] * 101)  # sent at 0 .. 100 s
-    inside, ramp, drain = arm.window()
-    assert inside == set(range(10, 91)) and (ramp, drain) == (10, 10)
+    assert arm.inside == tuple(range(10, 91)) and (arm.ramp, arm.drain) == (10, 10)
     out = compare([arm], [arm], bootstrap=5)
     assert (out["requests"], out["ramp_excluded"], out["drain_excluded"]) == (81, 10, 10)
 

@@ -8,28 +8,16 @@ warned about in the proxy's log (the key itself never shows).
 from __future__ import annotations
 
 import json
-import logging
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 
 import pytest
-import structlog
 
 from star.cli.main import main
 
-
-@pytest.fixture(autouse=True)
-def restore_logging() -> Iterator[None]:
-    """The logging ``star proxy`` configures (onto a capture stream) ends with the test."""
-    saved = structlog.get_config()
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield
-    structlog.configure(**saved)
-    root.handlers[:] = handlers
-    root.setLevel(level)
+# ``star`` commands configure logging onto a capture stream; it ends with the test.
+pytestmark = pytest.mark.usefixtures("restore_logging")
 
 
 KEY = "sk-Cmdline-Key-93b1"

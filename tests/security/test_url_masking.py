@@ -66,24 +66,15 @@ FORMS: dict[str, Form] = {
 UNIX = {"unix:///path?password=pw&db=0"}
 TLS = {name for name in FORMS if name.startswith("rediss")}
 
+# ``star`` commands configure logging onto a capture stream; it ends with the test.
+pytestmark = pytest.mark.usefixtures("restore_logging")
+
 
 def assert_hidden(text: str, password: str, shown: str) -> None:
     """No form of ``password`` in ``text``; ``shown`` (the host or socket) is there."""
     for form in (password, quote(password, safe=""), password.split("@")[-1]):
         assert form not in text, f"{form!r} shown in:\n{text}"
     assert shown in text, f"{shown!r} missing from:\n{text}"
-
-
-@pytest.fixture(autouse=True)
-def restore_logging() -> Iterator[None]:
-    """The logging these tests configure (onto a capture stream) ends with them."""
-    saved = structlog.get_config()
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield
-    structlog.configure(**saved)
-    root.handlers[:] = handlers
-    root.setLevel(level)
 
 
 @pytest.fixture
