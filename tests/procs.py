@@ -35,10 +35,12 @@ class ProxyProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def health(self) -> dict[str, Any] | None:
-        """Its ``/health`` document, or None while it does not answer."""
+    def health(self, api_key: str = "") -> dict[str, Any] | None:
+        """Its ``/health`` document, or None while it does not answer (with
+        ``proxy.api_key`` set, the instance lists need ``api_key``)."""
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         try:
-            return dict(httpx.get(f"{self.url}/health", timeout=5).json())
+            return dict(httpx.get(f"{self.url}/health", headers=headers, timeout=5).json())
         except (httpx.HTTPError, ValueError):
             return None
 

@@ -32,7 +32,13 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.e2e.compare import comparison_rows, comparison_table
-from benchmarks.e2e.regimes import DEFAULT_RATES, QUICK_RATES, REGIMES
+from benchmarks.e2e.regimes import (
+    DEFAULT_RATES,
+    QUICK_RATES,
+    REGIMES,
+    default_max_model_len,
+    regime,
+)
 from benchmarks.e2e.report import (
     MODES,
     Cell,
@@ -111,8 +117,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add(
         "--max-model-len",
         type=int,
-        default=2048,
-        help="engines' max_model_len (default %(default)s)",
+        default=None,
+        help="engines' max_model_len (default: the longest request, --cap + the prompt "
+        "allowance, in whole 128-token blocks)",
     )
     add("--prefill", type=int, default=1, help="prefill workers (default %(default)s)")
     add("--decode", type=int, default=3, help="decode workers (default %(default)s)")
@@ -198,10 +205,14 @@ def run(args: argparse.Namespace) -> int:
         for key, value in QUICK.items():
             setattr(args, key, value)
     out = Path(args.out)
+    if args.max_model_len is None:
+        args.max_model_len = default_max_model_len(args.cap)
     try:
         if args.predict:
             return _predict(args)
         cells = _cells(args)
+        for name in {c.regime for c in cells}:  # a regime that cannot run says so before any fleet
+            regime(name, args.cap, args.kv_requests, args.max_model_len, args.dilation)
     except ValueError as exc:
         print(f"bench e2e: {exc}", file=sys.stderr)
         return 2

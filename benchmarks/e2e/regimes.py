@@ -89,6 +89,12 @@ class Regime:
         return env
 
 
+def default_max_model_len(cap: int) -> int:
+    """The smallest max_model_len that holds the longest request (prompt allowance + ``cap``),
+    in whole blocks."""
+    return int(math.ceil((cap + PROMPT_ALLOWANCE) / BLOCK) * BLOCK)
+
+
 def kv_capacity(cap: int, kv_requests: float, max_model_len: int) -> int:
     """KV tokens per decode instance: ``kv_requests`` largest requests, in whole blocks,
     more than ``max_model_len`` (vLLM's floor)."""

@@ -93,7 +93,8 @@ def test_two_modes_on_real_fleets_then_resume(tmp_path: Path) -> None:
             assert tpots[0] >= BASE_STEP_MS * 0.75
             doc = json.loads((cell / "cell.json").read_text())
             assert set(doc["series"]["instances"]) == {"decode-0", "decode-1", "decode-2"}
-            assert doc["row"]["kv_capacity"] >= 2048
+            # The card's 200,000 tokens / (32,768 / 256), within one of vLLM's 128-token blocks.
+            assert abs(doc["row"]["kv_capacity"] - 1562) <= 128
 
         # Finished cells are skipped: the second run starts no fleet and prints the table.
         again = _bench(out, env)

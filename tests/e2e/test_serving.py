@@ -191,10 +191,12 @@ def test_api_key_missing_or_wrong_is_401(cluster: LocalCluster, tmp_path: Path) 
     with proxy_process(env, tmp_path / "proxy.log") as proxy:
 
         def ready() -> bool:
-            health = proxy.health() or {}  # /health needs no key
+            health = proxy.health("sekrit") or {}  # the instance list is for key holders
             return bool(health.get("ok")) and len(health.get("decode", [])) == 2
 
         proxy.wait(ready, "ready with both decode workers", 300)
+        keyless = proxy.health() or {}  # a load balancer's probe: up or not, no instances
+        assert keyless == {"ok": True}
         body = {"model": MODEL, "prompt": card_prompt(), "max_tokens": 8, "temperature": 0}
         url = f"{proxy.url}/v1/completions"
         missing = httpx.post(url, json=body, timeout=60)
