@@ -18,6 +18,7 @@ workloads (``ignore_eos``) qualify, ``task`` (natural lengths) does not.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import subprocess
@@ -66,6 +67,11 @@ def predict(
     out = []
     for cell in cells:
         reg = regime(cell.regime, workload.cap, kv_requests, max_model_len, dilation)
+        if not reg.emulated:
+            raise PredictionError(
+                f"regime {cell.regime!r} runs on the CPU's own step times, which the simulator "
+                "learns from a finished cell; pre-register the device regime"
+            )
         requests, times = schedule(workload, num_prompts, cell.rate / reg.dilation, cell.seed)
         records = [
             {
@@ -78,15 +84,7 @@ def predict(
         ]
         doc = {
             "config": {
-                "regime": {
-                    "step_base_ms": reg.step_base_ms,
-                    "step_us_per_token": reg.step_us_per_token,
-                    "prefill_us_per_token": reg.prefill_us_per_token,
-                    "transfer_us_per_token": reg.transfer_us_per_token,
-                    "kv_tokens": reg.kv_tokens,
-                    "slo_ttft_ms": reg.slo_ttft_ms,
-                    "slo_tpot_ms": reg.slo_tpot_ms,
-                },
+                "regime": dataclasses.asdict(reg),  # as a finished cell records it
                 "decode": decode,
                 "prefill": prefill,
                 "cap": workload.cap,
@@ -101,11 +99,6 @@ def predict(
                 "kv_capacity": reg.kv_tokens,
             },
         }
-        if reg.step_base_ms <= 0:
-            raise PredictionError(
-                f"regime {cell.regime!r} runs on the CPU's own step times, which the simulator "
-                "learns from a finished cell; pre-register the device regime"
-            )
         sim = simulate_cell(doc, records)
         out.append(
             {
