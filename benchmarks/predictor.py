@@ -1,4 +1,4 @@
-"""``star bench predictor``: length-predictor MLP latency (paper §5.3, DESIGN §7).
+"""``star bench predictor``: length-predictor MLP latency (paper §5.3, docs/design.md §7).
 
 The paper's predictor for Qwen2.5-7B (d = 3584, d -> 2048 -> 512 -> 64 -> 1,
 8.4 M parameters) takes 1.33 ms at batch 1 and 2.4 ms at batch 10 on its

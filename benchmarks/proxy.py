@@ -4,7 +4,7 @@ A real proxy (``proxy.app`` behind ``proxy.http``, uvloop, own process)
 with a fake backend; a client process holds N streaming ``/v1/completions``
 open over loopback. Per concurrency level, a throughput phase (tokens
 relayed per CPU second of the proxy) and a latency phase (engine hand-over
-to chunk written); set-up is reported apart. Target, DESIGN §7: <= 0.5 ms
+to chunk written); set-up is reported apart. Target, docs/design.md §7: <= 0.5 ms
 p99 added per token at 1,000 streams, >= 50k tokens/s per core. What each
 phase counts: docs/operations.md, "Relay speed". Loopback only, every loop
 bounded; ``python -m benchmarks.proxy --help``.

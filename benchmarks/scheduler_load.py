@@ -1,5 +1,5 @@
 """``star bench scheduler``: a real ``star scheduler`` and a real ``redis-server``
-fed by N emulated decode workers (issue 18, item 5; DESIGN §7's scheduler row).
+fed by N emulated decode workers (issue 18, item 5; docs/design.md §7's scheduler row).
 
 Starts a private ``redis-server`` and a ``star scheduler`` subprocess on a
 private bus prefix, then publishes schema-valid :class:`~star.wire.Report`

@@ -4,7 +4,7 @@ Runs the simulator (:mod:`star.sim`) once per cluster size and mode on the
 default ShareGPT-like load (0.4 req/s per 8 decode instances: paper §6.3's
 0.3 req/s per 8-instance cluster of 2 prefill + 6 decode)
 and prints how many simulated seconds it covers per second of wall time
-and of CPU time. DESIGN §7: "simulator, 256 instances, 2,000 simulated s,
+and of CPU time. docs/design.md §7: "simulator, 256 instances, 2,000 simulated s,
 ShareGPT-like load | Llumnix emulator ~1x real time; Vidur; BLIS ~67x |
 >= 1,000x real time; the whole 8->256 sweep of 4 modes < 5 min".
 

@@ -3,7 +3,7 @@
 :class:`Directory` knows the live instances: the scheduler's dispatch view
 (``<prefix>:load``) when it is fresh, otherwise the proxy's own view built
 from the workers' reports (so serving goes on while no scheduler runs).
-:meth:`Directory.pick` applies the P->D dispatch policy (DESIGN §3) to that
+:meth:`Directory.pick` applies the P->D dispatch policy (docs/design.md §3) to that
 view, corrected by what this proxy dispatched since the view was taken: the
 policy the scheduler publishes with its view (``<prefix>:dispatch``, its
 ``scheduler.dispatch``) while fresh, else the proxy's own ``proxy.dispatch``.

@@ -1,6 +1,6 @@
 """D->D migration in the proxy, as a machine: one request's decode run across NIXL handoffs.
 
-The sans-IO core of paper §5.4 (DESIGN §5): the lifecycle is the table
+The sans-IO core of paper §5.4 (docs/design.md §5): the lifecycle is the table
 :data:`TRANSITIONS` (an illegal step raises :class:`IllegalTransition`), and
 :class:`RunMachine` takes inputs (a decision, a frame, a lost connection, a
 timeout, a leg opened or not) and returns actions (open or close a leg, send

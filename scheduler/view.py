@@ -3,8 +3,8 @@
 Paper §5.2, Algorithm 1 line 4 ("Collect worker states and update the average
 workload"): the scheduler keeps the newest report of every instance, drops an
 instance whose reports stop for longer than ``staleness_s`` (or at once when
-its worker announces ``worker_down``, until it reports again) and, per DESIGN
-§3, books each decided move on the target at once — until the migration's
+its worker announces ``worker_down``, until it reports again) and, per
+docs/design.md §3.3, books each decided move on the target at once — until the migration's
 outcome arrives on ``<prefix>:events`` the request counts on the target, not
 on the source, and both instances are "in flight" (no second migration; the
 rule is :mod:`star.planner.flight`, which the simulator applies too).

@@ -1,4 +1,4 @@
-"""Which sampling state survives a D->D migration, and how a continuation is sampled (DESIGN §5.4).
+"""Which sampling state survives a D->D migration, and how a continuation is sampled (docs/design.md §5.4).
 
 A migration continues a request on another instance by submitting
 prompt + every token the client has been sent as a new prompt, with the

@@ -143,7 +143,7 @@ class RedisSettings:
 
 @dataclass(frozen=True)
 class BusSettings:
-    """Streams of the event bus (DESIGN §4)."""
+    """Streams of the event bus (docs/design.md §4)."""
 
     prefix: str = _opt("star", "key prefix, so several clusters can share one Redis")
     maxlen_reports: int = _opt(50_000, "approximate MAXLEN of <prefix>:reports", positive)
@@ -159,7 +159,7 @@ class BusSettings:
 
 @dataclass(frozen=True)
 class SchedulerSettings:
-    """The rescheduler (paper §5, DESIGN §3)."""
+    """The rescheduler (paper §5, docs/design.md §3)."""
 
     interval_s: float = _opt(0.25, "planner tick interval", positive)
     mode: str = _opt("predicted", "no-migration, current, predicted, oracle (true lengths, known for requests sent with ignore_eos and max_tokens; others count as unknown) or bins:K", planner_mode)
@@ -238,7 +238,7 @@ class ClusterSettings:
 
 @dataclass(frozen=True)
 class PredictorSettings:
-    """The length predictor (paper §4, DESIGN §6)."""
+    """The length predictor (paper §4, docs/design.md §6)."""
 
     checkpoint: str = _opt("", "predictor checkpoint (empty = the one shipped with the model, if any)")
     every_k: int = _opt(20, "predict every k decode steps (paper Table 5)", positive)

@@ -1,4 +1,4 @@
-"""Every message STAR puts on a wire, defined once (DESIGN §4).
+"""Every message STAR puts on a wire, defined once (docs/design.md §4).
 
 Two families share one encoding, a msgpack map ``{"v": SCHEMA_VERSION, "k":
 kind, ...fields}``:

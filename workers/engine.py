@@ -295,7 +295,7 @@ class EngineHandle:
         await self.llm.abort(request_id)
 
     async def release(self, request_id: str, migration: str) -> HandoffInfo:
-        """Stop ``request_id`` at the next step boundary with its KV held (DESIGN §5.1).
+        """Stop ``request_id`` at the next step boundary with its KV held (docs/design.md §5.1).
 
         Returns where the KV is held once the engine has released it; raises
         :class:`ReleaseRefused` when it cannot be (see :func:`release_refusal`)

@@ -144,7 +144,7 @@ def build_engine_args(spec: EngineSpec, cpu: bool) -> AsyncEngineArgs:
     thread on a small machine (decode steps went from ~2 ms to ~1 s).
     """
     extra: dict[str, Any] = {}
-    # vLLM's NIXL connector, plus the D->D release (workers/vllm_ext.py, DESIGN §5).
+    # vLLM's NIXL connector, plus the D->D release (workers/vllm_ext.py, docs/design.md §5).
     kv: dict[str, Any] = {
         "kv_connector": "StarNixlConnector",
         "kv_connector_module_path": "workers.vllm_ext",

@@ -1,4 +1,4 @@
-"""The worker side of the internal token protocol, without IO (DESIGN §1, §5).
+"""The worker side of the internal token protocol, without IO (docs/design.md §4.3, §5).
 
 The proxy talks to a worker over one TCP connection carrying length-prefixed
 msgpack frames (:mod:`star.wire`), multiplexed by ``stream``:
@@ -6,7 +6,7 @@ msgpack frames (:mod:`star.wire`), multiplexed by ``stream``:
 * worker -> proxy, once per connection: :class:`~star.wire.Hello`;
 * proxy -> worker: :class:`~star.wire.Generate` opens a stream,
   :class:`~star.wire.Abort` ends it (the client went away) and frees its KV,
-  :class:`~star.wire.Release` asks for a D->D handoff (not yet supported);
+  :class:`~star.wire.Release` asks for a D->D handoff (docs/design.md §5.1);
 * worker -> proxy: :class:`~star.wire.Tokens` carry the *new* token ids of a
   stream; the last one has ``finish_reason`` set (``"abort"`` acknowledges an
   Abort) and, on a prefill worker, the ``kv_transfer_params`` a decode worker
@@ -15,7 +15,7 @@ msgpack frames (:mod:`star.wire`), multiplexed by ``stream``:
   id still open, a Release the worker cannot do) which leaves the open stream
   alone -- :func:`ends_stream` tells them apart; ``stream`` =
   :data:`CONNECTION_STREAM` marks a connection-level problem (an undecodable
-  frame); :class:`~star.wire.Handoff` will answer a Release.
+  frame); :class:`~star.wire.Handoff` answers a Release.
 
 This module holds what the TCP adapter (:mod:`workers.server`) and the vLLM
 adapter (:mod:`workers.engine`) share: the engine interface the server drives,
@@ -200,7 +200,7 @@ class Engine(Protocol):
         ...
 
     async def release(self, request_id: str, migration: str) -> HandoffInfo:
-        """Stop ``request_id`` at a step boundary with its KV held (D->D, DESIGN §5)."""
+        """Stop ``request_id`` at a step boundary with its KV held (D->D, docs/design.md §5)."""
         ...
 
 

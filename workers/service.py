@@ -4,7 +4,7 @@ Start-up builds the engine (in a thread, so signals still work), opens the
 token server and announces ``worker_up``. The report loop wakes every
 ``report_every_steps`` decode steps or ``report_interval_s`` seconds,
 whichever comes first, and XADDs a :class:`~star.wire.Report` built from the
-engine's own numbers (DESIGN §4). SIGTERM drains: no new streams, running
+engine's own numbers (docs/design.md §4). SIGTERM drains: no new streams, running
 ones finish within ``drain_timeout_s`` (the reports go on, marked
 ``draining``), then ``worker_down`` and the engine stops. An engine that
 dies under the worker stops the reports and the worker (exit status 1,

@@ -1,4 +1,4 @@
-"""A worker's report, computed from engine stats without IO (DESIGN §3, §4).
+"""A worker's report, computed from engine stats without IO (docs/design.md §3, §4).
 
 :class:`EngineStats` is a snapshot the vLLM adapter (:mod:`workers.engine`)
 takes of its engine: KV geometry and use, the requests it runs, cumulative

@@ -1,4 +1,4 @@
-"""The hidden-state tap: a vLLM worker extension (paper §4, §5.3; DESIGN §6).
+"""The hidden-state tap: a vLLM worker extension (paper §4, §5.3; docs/design.md §6).
 
 :class:`HiddenStateTap` is mixed into vLLM's worker class (``worker_extension_cls``,
 ``docs/vllm-notes.md`` §5) and driven from the front end by

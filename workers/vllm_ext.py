@@ -1,4 +1,4 @@
-"""vLLM extensions for the D->D release (DESIGN §5.1), registered through vLLM's own config.
+"""vLLM extensions for the D->D release (docs/design.md §5.1), registered through vLLM's own config.
 
 :class:`StarScheduler` (``scheduler_cls``) reads an abort of
 ``"star-release:<internal id>"`` as "release this request": at the end of its
@@ -255,7 +255,7 @@ class StarNixlConnector(NixlPullConnector):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         if readback_tried(request.kv_transfer_params):
-            # ABORTED pull (DESIGN §5.4): recompute prompt + generated tokens here.
+            # ABORTED pull (docs/design.md §5.4): recompute prompt + generated tokens here.
             return 0, False
         return super().get_num_new_matched_tokens(request, num_computed_tokens)
 

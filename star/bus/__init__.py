@@ -1,4 +1,4 @@
-"""The event bus: Redis streams through redis-py's asyncio client (DESIGN §4).
+"""The event bus: Redis streams through redis-py's asyncio client (docs/design.md §4).
 
 Every role publishes with :class:`Bus` (msgpack ``body`` beside a few plain
 fields, ``XADD ... MAXLEN ~``, undecodable entries to ``<prefix>:dead``) and

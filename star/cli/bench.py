@@ -29,7 +29,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser(
         "bench",
         help="run a benchmark and print its table",
-        description="Benchmarks measure STAR's speed targets (DESIGN §7) and print a table (or --json rows).",
+        description="Benchmarks measure STAR's speed targets (docs/design.md §7) and print a table (or --json rows).",
     )
     inner = parser.add_subparsers(dest="bench", metavar="NAME", required=True)
     for name, (module, help_text) in BENCHMARKS.items():

@@ -1,4 +1,4 @@
-"""``star migrate REQUEST --to INSTANCE``: publish a manual migration decision (DESIGN §5).
+"""``star migrate REQUEST --to INSTANCE``: publish a manual migration decision (docs/design.md §5).
 
 REQUEST is the id the client sees (``cmpl-...`` / ``chatcmpl-...``). The
 source is looked up in the workers' latest reports unless ``--from`` names it.

@@ -1,4 +1,4 @@
-"""``star predictor collect|train|eval``: the LLM-native length predictor (paper §4, DESIGN §6)."""
+"""``star predictor collect|train|eval``: the LLM-native length predictor (paper §4, docs/design.md §6)."""
 
 from __future__ import annotations
 

@@ -167,7 +167,7 @@ def remaining_of(
 
 
 def plan_arrays(arrays: ClusterArrays, params: PlannerParams) -> ArrayPlan:
-    """Decide this tick's migrations (paper Algorithm 1; DESIGN §3) on flat arrays.
+    """Decide this tick's migrations (paper Algorithm 1; docs/design.md §3) on flat arrays.
 
     Phase 1, "Instance Classification (Lines 11-16)": w_i = sum_j beta_j
     L_i(tau_j); O = {i : w_i > (1+theta) w-bar}; U = {i : L_i(0) < (1+theta)

@@ -3,7 +3,7 @@
 Paper §5.2: "The scheduler periodically collects pre-simulated state reports
 from all workers, classifies instances, enumerates candidates, and completes
 the remaining simulation to select the best feasible migration." This module
-is that tick as a pure function of the reported state (DESIGN §3 makes it
+is that tick as a pure function of the reported state (docs/design.md §3 makes it
 exact). :func:`decide` is the one entry, on arrays: Algorithm 1
 (:func:`star.planner.arrays.plan_arrays`) then the drain evacuations
 (:mod:`star.planner.drain`); the simulator calls it on its own arrays, and
@@ -287,7 +287,7 @@ def decide(arrays: ClusterArrays, params: PlannerParams) -> TickMoves:
 
 
 def plan(instances: Sequence[Instance], params: PlannerParams, *, explain: bool = False) -> Plan:
-    """Decide this tick's migrations (paper Algorithm 1; DESIGN §3).
+    """Decide this tick's migrations (paper Algorithm 1; docs/design.md §3).
 
     Phase 1, "Instance Classification (Lines 11-16)": w_i = sum_j beta_j
     L_i(tau_j); O = {i : w_i > (1+theta) w-bar}; U = {i : L_i(0) < (1+theta)

@@ -7,7 +7,7 @@ rescheduling (Algorithm 1) then corrects what dispatch got wrong:
   round-robin manner, ensuring an even distribution of requests";
 - ``current-load`` (FlowKV): "allocates requests based on the current load of
   each decode instance, i.e., size of KV cache" -- the least token load L_i(0),
-  "the common foundation of every compared strategy" (DESIGN §3);
+  "the common foundation of every compared strategy" (docs/design.md §3);
 - ``predicted``: the least weighted future workload w_i = sum_j beta_j L_i(tau_j)
   after adding the new request with its predicted length.
 

@@ -18,7 +18,7 @@ request out, whatever that does to the variance:
   migration (this tick's or in flight), and has room for the request over
   the horizon (Phase 2's max_j (L_t(tau_j) + c_r(tau_j)) <= C_mem,t).
 
-One request per draining instance per tick, as for any instance (DESIGN §3:
+One request per draining instance per tick, as for any instance (docs/design.md §3:
 an instance takes part in one migration at a time). ``no-migration`` mode
 moves nothing, drain or not.
 """

@@ -1,4 +1,4 @@
-"""A migration in flight counts on its target: the rule, written once (DESIGN §3).
+"""A migration in flight counts on its target: the rule, written once (docs/design.md §3).
 
 From the moment a move is decided until its outcome is known, the planner
 sees the request on the target and not on the source: booked on the target

@@ -1,4 +1,4 @@
-"""Future token-load traces: the grid, the weights, R-hat per mode (paper §5.2, DESIGN §3).
+"""Future token-load traces: the grid, the weights, R-hat per mode (paper §5.2, docs/design.md §3).
 
 Everything the planner, the naive reference and P->D dispatch share about how a
 request's future is seen lives here, so the three can never disagree on it:

@@ -1,4 +1,4 @@
-"""Plain data the planner takes and returns (paper §5.2, DESIGN §3).
+"""Plain data the planner takes and returns (paper §5.2, docs/design.md §3).
 
 These types are the contract between the live scheduler, ``star plan`` and
 the simulator: all three build :class:`Instance` values and call

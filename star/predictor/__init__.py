@@ -1,4 +1,4 @@
-"""The LLM-native length predictor (paper §4, DESIGN §6).
+"""The LLM-native length predictor (paper §4, docs/design.md §6).
 
 ``model`` (the MLP and its checkpoint), ``dataset`` (safetensors shards +
 index), ``collect`` (rows from a real engine through the hidden-state tap in

@@ -1,4 +1,4 @@
-"""The predictor's data set: safetensors shards plus a JSON index (paper §4.2, DESIGN §6).
+"""The predictor's data set: safetensors shards plus a JSON index (paper §4.2, docs/design.md §6).
 
 One row per (request, moment): the last-layer hidden state of the request's
 last token, the tokens generated so far, the remaining length (tokens still

@@ -1,4 +1,4 @@
-"""The length predictor's MLP and its checkpoint (paper §4.2, DESIGN §6).
+"""The length predictor's MLP and its checkpoint (paper §4.2, docs/design.md §6).
 
 "We employ a lightweight multi-layer perceptron (MLP) ... on the hidden state
 of the last token": d -> 2048 -> 512 -> 64 -> 1 with ReLU by default (the

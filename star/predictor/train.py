@@ -1,4 +1,4 @@
-"""``star predictor train``: fit the MLP on collected rows (paper §4.2, DESIGN §6).
+"""``star predictor train``: fit the MLP on collected rows (paper §4.2, docs/design.md §6).
 
 * Split by prompt, 70/15/15 (train/validation/test): every sample of a
   prompt is in one split, so no request spans two and the test set holds

@@ -207,7 +207,7 @@ async def _worker_run(
 
 
 async def test_engine_release_and_nixl_pull_equal_one_engine(fleet: LocalCluster, bus: Bus) -> None:
-    """DESIGN §5 at the worker protocol: Release -> Handoff, the target pulls through NIXL."""
+    """docs/design.md §5 at the worker protocol: Release -> Handoff, the target pulls through NIXL."""
     reports = await bus.latest_reports()
     a = WorkerClient(reports[DECODE[0]].address, fleet.secret)
     b = WorkerClient(reports[DECODE[1]].address, fleet.secret)

@@ -1,4 +1,4 @@
-"""Migration failures with real processes lost or stalled (issue 6 item 5, DESIGN §5.4).
+"""Migration failures with real processes lost or stalled (issue 6 item 5, docs/design.md §5.4).
 
 Each test stops or kills real processes of the package fleet at a chosen
 phase of a handoff and checks the defined outcome: the client's stream is

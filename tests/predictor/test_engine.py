@@ -196,7 +196,7 @@ async def test_reports_carry_r_hat_and_its_future_load(worker: Any) -> None:
     every = await reports()
     assert every
     for report in every:
-        # The trace is the worker's own simulation of what it reports (DESIGN §3):
+        # The trace is the worker's own simulation of what it reports (docs/design.md §3):
         # exactly load_trace of (N, R-hat) per request on the scheduler's grid.
         assert len(report.trace) == 16 + 1 and report.delta == 8
         expected = load_trace(((q.tokens, q.predicted_remaining) for q in report.requests), 8, 16)
