@@ -43,7 +43,7 @@ def test_quick_chaos_suite_loses_nothing(tmp_path: Path) -> None:
     for name, row in rows.items():
         assert "scenario_failed" not in row, (name, row)
         # Every client got its whole, correct stream (no fault here is allowed to cut one).
-        assert row["ok"] == row["streams"], (name, row)
+        assert row["ok"] == row["streams"], _diagnosis(name, row, out)
         assert row["lost"] == row["duplicated"] == row["wrong"] == 0, (name, row)
         assert row["leaked_kv_tokens"] == 0, (name, row)
         assert row["recovery_s"] is not None, (name, row)
@@ -53,6 +53,21 @@ def test_quick_chaos_suite_loses_nothing(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     assert not [line for line in done.stderr.splitlines() if "left behind" in line]
     assert _namespaces() <= before, "the run left network namespaces behind"
+
+
+def _diagnosis(name: str, row: dict[str, object], out: Path) -> str:
+    """What a failed row says, and every warning or error the fleet logged: all a CI log keeps."""
+    lines = [f"{name}: {json.dumps(row, sort_keys=True)}"]
+    for log in sorted((out.parent / f"{out.stem}-logs").glob("*.log")):
+        noted = [
+            line.strip()[:400]
+            for line in log.read_text(errors="replace").splitlines()
+            if '"level": "warning"' in line or '"level": "error"' in line or "Traceback" in line
+        ]
+        if noted:
+            lines.append(f"-- {log.name}: {len(noted)} warnings/errors, the first 30:")
+            lines.extend(noted[:30])
+    return "\n".join(lines)
 
 
 def _namespaces() -> set[str]:
