@@ -44,6 +44,8 @@ from benchmarks.e2e.report import (
     Cell,
     aggregate,
     cell_of,
+    cluster_name,
+    cluster_of,
     live_table,
     load_all,
     load_cell,
@@ -213,6 +215,8 @@ def run(args: argparse.Namespace) -> int:
         cells = _cells(args)
         for name in {c.regime for c in cells}:  # a regime that cannot run says so before any fleet
             regime(name, args.cap, args.kv_requests, args.max_model_len, args.dilation)
+        if not args.report_only:
+            _one_shape(out, cluster_name(args.prefill, args.decode))
     except ValueError as exc:
         print(f"bench e2e: {exc}", file=sys.stderr)
         return 2
@@ -239,7 +243,8 @@ def run(args: argparse.Namespace) -> int:
 
         predicted = predicted_p99(load(Path(args.prediction)))
         for c in compared:
-            c["predicted_p99_tpot_ms"] = predicted.get((c["regime"], c["rate"], c["mode"]))
+            key = (c["regime"], c["cluster"], c["rate"], c["mode"])
+            c["predicted_p99_tpot_ms"] = predicted.get(key)
     if args.figures:
         from benchmarks.e2e.figures import draw_all
 
@@ -247,8 +252,12 @@ def run(args: argparse.Namespace) -> int:
             print(f"bench e2e: wrote {path}", file=sys.stderr)
     if args.json:
         for c in compared:  # each comparison row carries the rows of its cells
-            group = (c["regime"], c["rate"], c["mode"])
-            c["cells"] = [r for r in rows if (r["regime"], float(r["rate"]), r["mode"]) == group]
+            group = (c["regime"], c["cluster"], c["rate"], c["mode"])
+            c["cells"] = [
+                r
+                for r, d in zip(rows, docs, strict=True)
+                if (r["regime"], cluster_of(d), float(r["rate"]), r["mode"]) == group
+            ]
         print(json.dumps(_plain(compared), indent=1, allow_nan=False))
     else:
         print(comparison_table(compared))
@@ -348,6 +357,18 @@ def _resimulate(docs: list[dict[str, Any]], out: Path) -> None:
         records = load_requests(out, cell_of(d))
         if records:
             d["sim"] = simulate_cell(d, records, stalls.get(d["row"]["regime"]))
+
+
+def _one_shape(out: Path, shape: str) -> None:
+    """Refuse to add cells of fleet shape ``shape`` to a results directory holding
+    another shape's: a finished cell is found by regime, mode, rate and seed, so
+    it would be taken for this shape's and skipped."""
+    other = sorted({cluster_of(d) for d in load_all(out)} - {shape})
+    if other:
+        raise ValueError(
+            f"{out} holds cells of a {', '.join(other)} fleet and this run is {shape}: "
+            "give each fleet shape its own --out"
+        )
 
 
 def _run_cells(args: argparse.Namespace, cells: list[Cell], out: Path) -> int:

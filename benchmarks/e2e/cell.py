@@ -22,7 +22,7 @@ from benchmarks.e2e.metrics import (
     variance_over_time,
 )
 from benchmarks.e2e.regimes import Regime
-from benchmarks.e2e.report import Cell
+from benchmarks.e2e.report import Cell, cluster_name
 from benchmarks.serve import Slo
 from star.predictor.live import replay as live_accuracy
 
@@ -49,6 +49,7 @@ def document(
     live = live_accuracy(res.reports, res.events)
     row = {
         "regime": cell.regime,
+        "cluster": cluster_name(int(config.get("prefill", 1)), int(config.get("decode", 3))),
         "workload": workload,
         "mode": cell.mode,
         "rate": cell.rate,

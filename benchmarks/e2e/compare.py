@@ -6,7 +6,7 @@ so request ``i`` of seed ``s`` is one pair. Only the **steady-state window**
 counts: requests sent in the first or last :data:`WINDOW_EDGE` of a cell's
 send span (the fleet filling from empty, and draining once arrivals stop)
 are left out, and counted (``ramp_excluded``, ``drain_excluded``). Per
-(regime, rate, mode):
+(regime, cluster, rate, mode), each fleet shape apart:
 
 - ``length_match``: the share of pairs whose output lengths are equal. Below
   :data:`LENGTH_MATCH_MIN` the arms did not serve the same work and no ratio
@@ -223,7 +223,7 @@ def _attainment(arms: Sequence[Arm], picks: Mapping[int, npt.NDArray[np.int64]] 
 def capacity_rows(
     sweeps: Mapping[str, Mapping[float, Sequence[Arm]]], seed: int = 0, bootstrap: int = 500
 ) -> dict[str, dict[str, Any]]:
-    """Per mode of one regime (``sweeps[mode][rate]``: its arms): capacity goodput, and for
+    """Per mode of one regime and cluster (``sweeps[mode][rate]``: its arms): capacity goodput, and for
     every mode but the baseline its ratio with a bootstrap interval (pairs resampled within
     each rate and seed, the same for both arms)."""
     out: dict[str, dict[str, Any]] = {}
@@ -274,31 +274,37 @@ def comparison_rows(
     cells: Sequence[tuple[Mapping[str, Any], Sequence[Mapping[str, Any]]]],
     bootstrap: int = BOOTSTRAP,
 ) -> list[dict[str, Any]]:
-    """One row per (regime, rate, mode) from finished cells: (``cell.json`` document, requests)."""
-    groups: dict[tuple[str, float, str], list[tuple[Mapping[str, Any], Arm]]] = {}
+    """One row per (regime, cluster, rate, mode) from finished cells: (``cell.json``
+    document, requests). Fleet shapes are compared apart: a cell is paired only
+    with the baseline of its own regime, cluster, rate and seed."""
+    from benchmarks.e2e.report import cluster_of
+
+    groups: dict[tuple[str, str, float, str], list[tuple[Mapping[str, Any], Arm]]] = {}
     for doc, requests in cells:
         row = doc["row"]
         reg = (doc.get("config") or {}).get("regime") or {}
         slo = (float(reg.get("slo_ttft_ms", math.inf)), float(reg.get("slo_tpot_ms", math.inf)))
-        key = (str(row["regime"]), float(row["rate"]), str(row["mode"]))
+        key = (str(row["regime"]), cluster_of(doc), float(row["rate"]), str(row["mode"]))
         groups.setdefault(key, []).append((row, Arm.from_cell(row, requests, slo)))
-    sweeps: dict[str, dict[str, dict[float, list[Arm]]]] = {}
-    for (regime, rate, mode), members in groups.items():
-        sweeps.setdefault(regime, {}).setdefault(mode, {})[rate] = [a for _, a in members]
-    capacities = {regime: capacity_rows(by_mode) for regime, by_mode in sweeps.items()}
+    sweeps: dict[tuple[str, str], dict[str, dict[float, list[Arm]]]] = {}
+    for (regime, cluster, rate, mode), members in groups.items():
+        sweep = sweeps.setdefault((regime, cluster), {})
+        sweep.setdefault(mode, {})[rate] = [a for _, a in members]
+    capacities = {shape: capacity_rows(by_mode) for shape, by_mode in sweeps.items()}
     out = []
-    for (regime, rate, mode), members in sorted(groups.items(), key=_order):
+    for (regime, cluster, rate, mode), members in sorted(groups.items(), key=_order):
         arms = [a for _, a in members]
-        base = [a for _, a in groups.get((regime, rate, BASELINE), [])]
+        base = [a for _, a in groups.get((regime, cluster, rate, BASELINE), [])]
         result = compare(base, arms, bootstrap=bootstrap) if base else {"note": "no baseline"}
         if mode == BASELINE:
             result = {**result, "p99_tpot_ratio": 1.0, "note": "baseline"}
-        cap = dict(capacities[regime].get(mode, {}))
+        cap = dict(capacities[regime, cluster].get(mode, {}))
         if result.get("p99_tpot_ratio") is None and mode != BASELINE:
             cap["capacity_goodput_ratio"] = None  # unpaired: no ratio of any kind
         out.append(
             {
                 "regime": regime,
+                "cluster": cluster,
                 "rate": rate,
                 "mode": mode,
                 "timing": members[0][0].get("timing"),
@@ -320,20 +326,20 @@ def _mean(values: Sequence[float]) -> float:
     return sum(kept) / len(kept) if kept else math.nan
 
 
-def _order(item: tuple[tuple[str, float, str], Any]) -> tuple[str, float, int, str]:
+def _order(item: tuple[tuple[str, str, float, str], Any]) -> tuple[str, str, float, int, str]:
     from benchmarks.e2e.report import MODES
 
-    regime, rate, mode = item[0]
-    return regime, rate, MODES.index(mode) if mode in MODES else len(MODES), mode
+    regime, cluster, rate, mode = item[0]
+    return regime, cluster, rate, MODES.index(mode) if mode in MODES else len(MODES), mode
 
 
 def comparison_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """The paired comparison as a markdown table (what ``star bench e2e`` prints first)."""
     lines = [
-        "| regime | rate | mode | seeds | pairs | length match | P99 TPOT ms (pooled) "
+        "| regime | cluster | rate | mode | seeds | pairs | length match | P99 TPOT ms (pooled) "
         "| × no-mig. [95 % CI] | predicted P99 ms | SLO met | capacity req/s "
         "| × no-mig. [95 % CI] | preemptions | migrations done / decided | note |",
-        "|" + "---|" * 15,
+        "|" + "---|" * 16,
     ]
     for r in rows:
         label = r["regime"] + (
@@ -341,7 +347,8 @@ def comparison_table(rows: Sequence[Mapping[str, Any]]) -> str:
         )
         match = r.get("length_match")
         lines.append(
-            f"| {label} | {r['rate']:g} | {r['mode']} | {r.get('seeds', '-')} "
+            f"| {label} | {r.get('cluster', '-')} | {r['rate']:g} | {r['mode']} "
+            f"| {r.get('seeds', '-')} "
             f"| {r.get('requests', '-')} "
             f"| {'-' if match is None or math.isnan(match) else f'{match:.0%}'} "
             f"| {_f(r.get('p99_tpot_ms'))} | {_ratio(r, 'p99_tpot_ratio')} "

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.e2e.regimes import regime
-from benchmarks.e2e.report import Cell
+from benchmarks.e2e.report import Cell, cluster_name
 from benchmarks.e2e.workload import Workload, schedule
 
 KNEE_ATTAINMENT = 0.95
@@ -103,6 +103,7 @@ def predict(
         out.append(
             {
                 "regime": cell.regime,
+                "cluster": cluster_name(prefill, decode),
                 "mode": cell.mode,
                 "rate": cell.rate,
                 "seed": cell.seed,
@@ -168,11 +169,16 @@ def load(path: Path) -> dict[str, Any]:
     return doc
 
 
-def predicted_p99(doc: dict[str, Any]) -> dict[tuple[str, float, str], float]:
-    """Mean over seeds of the predicted P99 TPOT, per (regime, rate, mode)."""
-    groups: dict[tuple[str, float, str], list[float]] = {}
+def predicted_p99(doc: dict[str, Any]) -> dict[tuple[str, str, float, str], float]:
+    """Mean over seeds of the predicted P99 TPOT, per (regime, cluster, rate, mode).
+
+    A registration written before cells named their cluster has its design's shape.
+    """
+    design = doc.get("design") or {}
+    shape = cluster_name(int(design.get("prefill", 1)), int(design.get("decode", 3)))
+    groups: dict[tuple[str, str, float, str], list[float]] = {}
     for c in doc["cells"]:
         if c.get("p99_tpot_ms") is not None:
-            key = (c["regime"], float(c["rate"]), c["mode"])
+            key = (c["regime"], c.get("cluster") or shape, float(c["rate"]), c["mode"])
             groups.setdefault(key, []).append(float(c["p99_tpot_ms"]))
     return {k: float(np.mean(v)) for k, v in groups.items()}

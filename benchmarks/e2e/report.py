@@ -21,6 +21,7 @@ from benchmarks.e2e.metrics import interval
 MODES = ("no-migration", "current", "predicted", "oracle")
 ROW_KEYS = (
     "regime",
+    "cluster",
     "workload",
     "mode",
     "rate",
@@ -90,6 +91,24 @@ def load_requests(out: Path, cell: Cell) -> list[dict[str, Any]]:
         return []
     with path.open(newline="") as fh:
         return list(csv.DictReader(fh))
+
+
+def cluster_name(prefill: int, decode: int) -> str:
+    """A fleet shape as the report names it: ``1P+3D`` (the paper's small cluster), ``2P+6D``."""
+    return f"{prefill}P+{decode}D"
+
+
+def cluster_of(doc: dict[str, Any]) -> str:
+    """The fleet shape of a cell (or a pre-registered cell) from its configuration.
+
+    Cells written before the shape was recorded ran the bench's only shape
+    then, 1 prefill + 3 decode workers (its defaults).
+    """
+    config = doc.get("config") or {}
+    return str(
+        doc.get("row", {}).get("cluster")
+        or cluster_name(int(config.get("prefill", 1)), int(config.get("decode", 3)))
+    )
 
 
 def cell_of(doc: dict[str, Any]) -> Cell:

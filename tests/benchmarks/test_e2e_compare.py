@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
+import benchmarks.e2e as e2e
 from benchmarks.e2e.compare import (
     ATTAINMENT,
     LENGTH_MATCH_MIN,
@@ -17,6 +19,7 @@ from benchmarks.e2e.compare import (
     comparison_rows,
     comparison_table,
 )
+from benchmarks.e2e.report import cell_of, write_cell
 
 SLO = (1000.0, 25.0)
 
@@ -162,8 +165,32 @@ def test_rows_count_completed_migrations_apart_from_decisions() -> None:
     assert (pred["migrations_completed"], pred["decisions"]) == (6, 10)
     assert pred["p99_tpot_ratio"] == pytest.approx(0.9)
     text = comparison_table(rows)
-    assert "| device | 3 | predicted | 2 | 82 | 100% |" in text
+    assert "| device | 1P+3D | 3 | predicted | 2 | 82 | 100% |" in text
     assert "| 6 / 10 |" in text
+
+
+def test_fleet_shapes_are_compared_apart(tmp_path: Path) -> None:
+    small = {"prefill": 1, "decode": 3}
+    large = {"prefill": 2, "decode": 6}
+
+    def cell(mode: str, seed: int, shape: dict[str, int], scale: float) -> tuple[Any, Any]:
+        doc = _doc(_row(mode, seed))
+        doc["config"] |= shape
+        return doc, _requests(_tpots(seed, 51, scale=scale))
+
+    cells = [cell("no-migration", s, small, 1.0) for s in (1, 2)]
+    cells += [cell("predicted", s, small, 0.8) for s in (1, 2)]
+    cells += [cell("predicted", s, large, 0.5) for s in (1, 2)]  # no large baseline
+    rows = comparison_rows(cells, bootstrap=20)
+    shapes = [(r["cluster"], r["mode"]) for r in rows]
+    assert shapes == [("1P+3D", "no-migration"), ("1P+3D", "predicted"), ("2P+6D", "predicted")]
+    assert rows[1]["p99_tpot_ratio"] == pytest.approx(0.8)  # paired with its own shape only
+    assert rows[2].get("p99_tpot_ratio") is None and rows[2]["note"] == "no baseline"
+    # A results directory holds one shape: adding another's cells is refused.
+    write_cell(tmp_path, cell_of(cells[0][0]), cells[0][0], cells[0][1])
+    e2e._one_shape(tmp_path, "1P+3D")
+    with pytest.raises(ValueError, match="cells of a 1P\\+3D fleet and this run is 2P\\+6D"):
+        e2e._one_shape(tmp_path, "2P+6D")
 
 
 def test_capacity_goodput_over_a_rate_sweep() -> None:

@@ -77,7 +77,10 @@ def test_a_registration_records_date_commit_design_and_knee(tmp_path: Path) -> N
     assert again == json.loads(path.read_text()) == doc
     assert doc["knee"] == {"device": 2.0} and doc["knee_rule"] == prereg.KNEE_RULE
     assert doc["registered"].startswith("20") and doc["design"] == {"workload": "replay"}
-    assert prereg.predicted_p99(doc) == {("device", 2.0, "no-migration"): 20.0}
+    # Cells name their fleet shape; one written without it has the design's (default 1P+3D).
+    assert prereg.predicted_p99(doc) == {("device", "1P+3D", 2.0, "no-migration"): 20.0}
+    doc["cells"][0]["cluster"] = "2P+6D"
+    assert prereg.predicted_p99(doc) == {("device", "2P+6D", 2.0, "no-migration"): 20.0}
     (tmp_path / "other.json").write_text("{}")
     with pytest.raises(prereg.PredictionError, match="not a pre-registration"):
         prereg.load(tmp_path / "other.json")
