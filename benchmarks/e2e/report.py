@@ -184,7 +184,7 @@ def _ci(a: dict[str, Any], key: str, spec: str) -> str:
 
 
 def table(aggs: Sequence[dict[str, Any]]) -> str:
-    """The README's e2e table: one line per (regime, rate, mode)."""
+    """The e2e table of docs/results.md: one line per (regime, rate, mode)."""
     head = (
         "| regime | rate | mode | seeds | P99 TPOT ms | vs no-mig. | goodput req/s | × no-mig. "
         "| SLO met | preemptions | migrations | exec-time var. ms² | max KV | padding |"

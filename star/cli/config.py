@@ -35,7 +35,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     fmt = show.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true", help="print the values as JSON")
     fmt.add_argument("--toml", action="store_true", help="print the values as a TOML file")
-    fmt.add_argument("--markdown", action="store_true", help="print the reference table (README)")
+    fmt.add_argument("--markdown", action="store_true", help="print the settings table of the docs")
     show.set_defaults(func=guarded(run_show))
     acl = inner.add_parser(
         "acl",

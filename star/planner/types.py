@@ -78,7 +78,7 @@ class Instance:
 
 @dataclass(frozen=True, slots=True)
 class PlannerParams:
-    """Knobs of Algorithm 1; defaults documented in the README.
+    """Knobs of Algorithm 1; defaults documented in docs/configuration.md.
 
     ``horizon`` is H (grid points tau_j = j * ``delta`` decode steps, j = 0..H),
     ``beta_decay`` makes beta_j proportional to ``beta_decay ** j`` before
