@@ -55,7 +55,7 @@ def test_settings_table_is_what_config_show_prints(monkeypatch: pytest.MonkeyPat
     table = _block((DOCS / "configuration.md").read_text(), "settings-table")
     assert table == out.getvalue(), (
         "docs/configuration.md's settings table differs from `star config show --markdown`: "
-        "regenerate it between the settings-table markers"
+        "paste that command's output (no STAR_* variables set) between the settings-table markers"
     )
 
 
