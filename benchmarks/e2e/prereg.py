@@ -107,7 +107,10 @@ def predict(
                 "mode": cell.mode,
                 "rate": cell.rate,
                 "seed": cell.seed,
-                **{k: sim.get(k) for k in ("p99_tpot_ms", "preemptions", "migrations")},
+                **{
+                    k: sim.get(k)
+                    for k in ("p99_tpot_ms", "preemptions", "preemptions_of_moved", "migrations")
+                },
                 "slo_attainment": _attainment(sim),
             }
         )

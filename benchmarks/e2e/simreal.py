@@ -27,6 +27,7 @@ DEFAULT_HANDOFF_S = 0.025  # star simulate's default, for cells that migrated no
 SIM_KEYS = (
     "p99_tpot_ms",
     "preemptions",
+    "preemptions_of_moved",
     "exec_time_variance",
     "goodput_rps",
     "throughput_rps",

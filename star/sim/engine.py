@@ -600,6 +600,10 @@ class Simulator:
         row.update(
             {
                 "preemptions": len(self.preemption_times),
+                # Preemptions of requests that had been moved: the newest
+                # admitted request is preempted first, so a move into a
+                # target that then fills shows up here (a lower bound).
+                "preemptions_of_moved": int(req.preemptions[req.migrations > 0].sum()),
                 "migrations": migrations,
                 "migrations_per_finished": migrations / max(1, int(summary["finished"])),
                 "sim_seconds": cfg.duration_s,

@@ -137,10 +137,12 @@ def test_block_aware_planning_does_not_move_onto_a_target_that_then_preempts() -
     assert exact.requests.preemptions.tolist() == [0, 0, 1]
     assert exact.migration_times.tolist() == [1.0]
     assert exact.preemption_times[0] > exact.migration_times[0]
+    assert exact.row["preemptions_of_moved"] == 1  # the moved request is the one preempted
     # Seeing 63 more tokens per request (2,108 > 2,000), the planner waits until
     # B is gone and moves then: nothing is preempted.
     blocks = simulate(dataclasses.replace(PACKED, plan_kv_blocks=True), PACKED_TRACE)
     assert blocks.row["migrations"] == 1 and blocks.row["preemptions"] == 0
+    assert blocks.row["preemptions_of_moved"] == 0
     assert blocks.migration_times[0] > blocks.requests.finish[1]
     assert blocks.requests.generated.tolist() == [1500, 400, 1500]
 
@@ -198,6 +200,8 @@ def test_conservation_with_preemptions_and_migrations() -> None:
     assert bool(np.all(np.isfinite(log.finish)))
     assert sim.tokens_generated == int(log.output.sum())
     assert int(log.preemptions.sum()) == res.row["preemptions"]
+    moved = int(log.preemptions[log.migrations > 0].sum())
+    assert res.row["preemptions_of_moved"] == moved <= res.row["preemptions"]
 
 
 def test_same_seed_same_run_other_seed_other_run() -> None:
