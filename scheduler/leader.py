@@ -9,6 +9,31 @@ takes over within about ``ttl + ttl/5``.
 Every decision is published by a script that XADDs only if the lock still
 holds this node's value — a leader that was paused past its TTL (GC, a
 stopped VM) and lost the lock cannot publish stale decisions afterwards.
+
+The fence never repeats, also across a failover of a replicated Redis
+(Sentinel). Replication is asynchronous: a replica promoted to master may
+lack the newest ``INCR`` of ``<prefix>:fence``, and the next ``INCR`` on it
+would hand the same number out again. Two rules prevent that:
+
+1. *Replicated before used.* After the lock script, the new leader asks the
+   master for its replicas (``ROLE``) and, if it has any, waits for every one
+   of them to acknowledge the script's writes (``WAIT <n> <ttl/2>``). Only
+   then is the fence used (kept as leader, in the ``leader`` event and in
+   decisions). Without every acknowledgement in time it releases the lock and
+   stays a standby: that number is never used, so a failover that loses it
+   loses nothing. Sentinel promotes a replica, never a server outside the
+   master's replica set, so a promoted master holds every used fence (a
+   replica that was disconnected while the fence was taken, and is promoted
+   nonetheless, is what rule 2 covers).
+2. *A floor from what was seen.* Each scheduler remembers the highest fence
+   it has seen: its own, and the holder's, read from the lock on every
+   attempt a standby makes (every ``ttl/5``). The lock script takes
+   ``max(INCR <prefix>:fence, floor + 1)`` and stores it. So while one
+   scheduler that saw fence F is alive, no fence <= F is handed out again,
+   whatever the new master's ``<prefix>:fence`` says.
+
+A standalone Redis (no replicas) skips the wait: a fence is then as durable
+as the server's persistence (with AOF ``appendfsync always``, every one).
 """
 
 from __future__ import annotations
@@ -22,13 +47,22 @@ from star.wire import Decision, encode
 
 log = structlog.get_logger(__name__)
 
+# Returns the new fence (> 0) when acquired, else minus the holder's fence
+# (0 if the lock's value carries none). ARGV[3] is the caller's floor.
 _ACQUIRE = """
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   local fence = redis.call('INCR', KEYS[2])
+  local floor = tonumber(ARGV[3])
+  if fence <= floor then
+    fence = floor + 1
+    redis.call('SET', KEYS[2], fence)
+  end
   redis.call('SET', KEYS[1], ARGV[1] .. '|' .. fence, 'PX', ARGV[2])
   return fence
 end
-return 0
+local held = redis.call('GET', KEYS[1])
+local fence = held and tonumber(string.match(held, '|(%d+)$')) or 0
+return -fence
 """
 
 _RENEW = """
@@ -61,6 +95,7 @@ class Leadership:
         self.node = node
         self.ttl_ms = max(1, int(ttl_s * 1000))
         self.fence = 0
+        self.seen = 0  # the highest fence this node has seen (rule 2 above)
         self._value = ""
         redis = bus.redis
         self._acquire = redis.register_script(_ACQUIRE)
@@ -83,13 +118,45 @@ class Leadership:
                 self._value = ""
             return self.is_leader
         fence = int(
-            await self._acquire(keys=[keys.leader, keys.fence], args=[self.node, self.ttl_ms])
+            await self._acquire(
+                keys=[keys.leader, keys.fence], args=[self.node, self.ttl_ms, self.seen]
+            )
         )
-        if fence:
-            self.fence = fence
-            self._value = f"{self.node}|{fence}"
-            log.info("leadership_acquired", node=self.node, fence=fence)
+        self.seen = max(self.seen, abs(fence))
+        if fence <= 0:
+            return False
+        value = f"{self.node}|{fence}"
+        if not await self._replicated(fence):
+            await self._release(keys=[keys.leader], args=[value])
+            return False
+        self.fence = fence
+        self._value = value
+        log.info("leadership_acquired", node=self.node, fence=fence)
         return self.is_leader
+
+    async def _replicated(self, fence: int) -> bool:
+        """Whether every replica of the master acknowledged the lock script (rule 1 above)."""
+        redis = self.bus.redis
+        role = await redis.execute_command("ROLE")  # type: ignore[no-untyped-call]
+        replicas = len(role[2]) if as_str(role[0]) == "master" else 0
+        if not replicas:
+            return True
+        # WAIT blocks this connection: bounded by half the TTL and by the socket timeout.
+        timeout_ms = max(
+            1, min(self.ttl_ms // 2, int(self.bus.redis_settings.socket_timeout_s * 500))
+        )
+        acked = int(await redis.execute_command("WAIT", replicas, timeout_ms))  # type: ignore[no-untyped-call]
+        if acked < replicas:
+            log.warning(
+                "leadership_not_replicated",
+                node=self.node,
+                fence=fence,
+                replicas=replicas,
+                acknowledged=acked,
+                hint="the fence is not used; a standby again, the next attempt takes a new one",
+            )
+            return False
+        return True
 
     def demote(self) -> None:
         """Forget leadership locally (e.g. after Redis was unreachable past the TTL)."""

@@ -72,6 +72,21 @@ def redis_url(value: Any) -> str | None:
     return None
 
 
+def non_empty(value: Any) -> str | None:
+    return None if value else "must not be empty"
+
+
+def sentinel_list(value: Any) -> str | None:
+    from star.redis_sentinel import parse_sentinel
+
+    for entry in value:
+        try:
+            parse_sentinel(entry)
+        except ValueError as exc:
+            return str(exc)
+    return None
+
+
 def planner_mode(value: Any) -> str | None:
     from star.planner.modes import Mode
 
@@ -139,6 +154,17 @@ class RedisSettings:
         "then exits with an error; the services log it and keep retrying",
         positive,
     )
+    sentinels: tuple[str, ...] = _opt(
+        (),
+        "Redis Sentinel addresses: host:port (port 26379 if left out) or redis:// / rediss:// URLs, which "
+        "may carry user:password; a TOML list, comma-separated in env/flags. Empty: redis.url is the server. "
+        "Set: STAR connects to the master these Sentinels name for redis.service_name and asks them again "
+        "on every reconnect; redis.url then gives only the master's scheme (rediss:// = TLS), database and "
+        "credentials (docs/operations.md, Redis Sentinel)",
+        sentinel_list,
+    )
+    service_name: str = _opt("mymaster", "the master's name in the Sentinels' configuration (sentinel monitor NAME ...)", non_empty)
+    sentinel_password: str = _opt("", "password of the Sentinels (requirepass/ACL of the sentinel processes; overrides a sentinel URL's)", secret=True)
 
 
 @dataclass(frozen=True)
@@ -377,13 +403,27 @@ def _quoted(value: Any, f: dataclasses.Field[Any]) -> str:
     """A value as an error message quotes it: a secret masked, a URL without its password."""
     if f.metadata.get("secret") and value:
         return repr(MASK)
+    if isinstance(value, tuple):  # a list of addresses: user:password@host, no scheme, too
+        value = tuple(bare_userinfo(v) if isinstance(v, str) else v for v in value)
     return redact_url(repr(value))
+
+
+def bare_userinfo(text: str) -> str:
+    """``user:password@host`` (an address without a scheme) as ``***@host``."""
+    if "://" in text or "@" not in text:
+        return text
+    return f"{MASK}@{text.rpartition('@')[2]}"
 
 
 def secret_values(settings: Settings) -> list[str]:
     """Every secret the settings hold, in the forms a log line or an error could show it."""
     out: set[str] = set()
     for _key, value, _source, f in settings.items():
+        if isinstance(value, tuple):  # a list of URLs (redis.sentinels)
+            for item in value:
+                if isinstance(item, str):
+                    out.update(url_secrets(item))
+            continue
         if not isinstance(value, str) or not value:
             continue
         if f.metadata.get("secret"):

@@ -68,6 +68,10 @@ _COMMANDS: dict[str, tuple[str, ...]] = {
         "incr",
         "pexpire",
         "del",
+        # a new leader's fence must reach every replica before it is used
+        # (scheduler.leader: ROLE, then WAIT)
+        "role",
+        "wait",
         # Bus.publish_load: MULTI, DEL + HSET + PEXPIRE of :load, SET of :dispatch, EXEC
         "multi",
         "exec",

@@ -19,7 +19,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from star.aio import raise_swallowed_cancel
-from star.redact import redact_url
+from star.redis_sentinel import connect_master, describe
 from star.redis_tls import tls_kwargs
 from star.settings import BusSettings, RedisSettings
 
@@ -37,20 +37,30 @@ class UnblockedError(ResponseError):
     replica (or by ``CLIENT UNBLOCK ... ERROR``)."""
 
 
+class NoReplicasError(ResponseError):
+    """``NOREPLICAS``: a master with ``min-replicas-to-write`` has too few replicas
+    in reach; under Sentinel, an old master whose replica was promoted
+    (docs/operations.md, Redis Sentinel)."""
+
+
 # Error replies that mean "no usable master right now", not "this command is
 # wrong": a demoted master (READONLY, and UNBLOCKED for a blocked XREADGROUP
 # when it turns replica), a replica cut off from its master (MASTERDOWN), a
 # full Redis under noeviction (OOM), one loading its data set (LOADING), a
-# slot in migration (TRYAGAIN), a long script (BUSY). Each heals on its own or
-# by a failover, so each is an outage like a refused connection: backed off,
-# reconnected and given up on after reconnect_timeout_s exactly as one.
-OUTAGE_REPLIES = ("READONLY", "UNBLOCKED", "MASTERDOWN", "OOM", "LOADING", "TRYAGAIN", "BUSY")
+# slot in migration (TRYAGAIN), a long script (BUSY), a master cut off from
+# its replicas under min-replicas-to-write (NOREPLICAS: under Sentinel, an
+# old master whose replica was promoted). Each heals on its own or by a failover,
+# so each is an outage like a refused connection: backed off, reconnected and
+# given up on after reconnect_timeout_s exactly as one.
+OUTAGE_REPLIES = (
+    "READONLY", "UNBLOCKED", "MASTERDOWN", "OOM", "LOADING", "TRYAGAIN", "BUSY", "NOREPLICAS",
+)  # fmt: skip
 
 # Workaround: redis-py turns an error reply into an exception class by its
 # first word (BaseParser.parse_error, which the pure-Python and the hiredis
 # parsers, RESP2 and RESP3, all call) through the table
 # BaseParser.EXCEPTION_CLASSES, and raises a bare ResponseError for a prefix it
-# does not know. BUSY and UNBLOCKED are not in it (redis-py 8.1), so STAR adds
+# does not know. BUSY, UNBLOCKED and NOREPLICAS are not in it (redis-py 8.1), so STAR adds
 # its own classes for them; only a whole first word matches, so BUSYGROUP and
 # BUSYKEY stay plain ResponseErrors. The classes of all OUTAGE_REPLIES then go
 # into TRANSIENT, the one tuple every retry loop and every "Redis is down"
@@ -59,6 +69,7 @@ OUTAGE_REPLIES = ("READONLY", "UNBLOCKED", "MASTERDOWN", "OOM", "LOADING", "TRYA
 _REPLY_CLASSES = BaseParser.EXCEPTION_CLASSES
 _REPLY_CLASSES.setdefault("BUSY", BusyError)
 _REPLY_CLASSES.setdefault("UNBLOCKED", UnblockedError)
+_REPLY_CLASSES.setdefault("NOREPLICAS", NoReplicasError)
 
 
 def _outage_class(prefix: str) -> type[RedisError]:
@@ -117,12 +128,13 @@ class Outage:
 
 
 def connect_redis(settings: RedisSettings) -> aioredis.Redis:
-    """The one Redis client factory: ``redis://``, ``rediss://`` or ``unix://``.
+    """The one Redis client factory: ``redis://``, ``rediss://`` or ``unix://``,
+    or the master that ``redis.sentinels`` name (:mod:`star.redis_sentinel`).
 
     ``username``/``password`` from the settings override those in the URL.
     Responses are bytes (stream bodies are msgpack).
     """
-    kwargs: dict[str, Any] = {
+    common: dict[str, Any] = {
         "socket_connect_timeout": settings.connect_timeout_s,
         "socket_timeout": settings.socket_timeout_s,
         # No blind re-sends inside redis-py: a command whose connection broke
@@ -132,6 +144,9 @@ def connect_redis(settings: RedisSettings) -> aioredis.Redis:
         "health_check_interval": 30,
         "decode_responses": False,
     }
+    if settings.sentinels:
+        return connect_master(settings, common, tls_kwargs(settings), TRANSIENT)
+    kwargs = dict(common)
     if settings.username:
         kwargs["username"] = settings.username
     if settings.password:
@@ -257,7 +272,7 @@ class Connection:
                 # Refused credentials do not heal by waiting (redis-py counts them
                 # as a connection error): say so at once.
                 raise BusUnavailable(
-                    f"Redis at {redact_url(cfg.url)} refused the credentials during {what}: {exc} "
+                    f"Redis at {describe(cfg)} refused the credentials during {what}: {exc} "
                     "(check redis.url, redis.username and redis.password)"
                 ) from exc
             except TRANSIENT as exc:
@@ -266,7 +281,7 @@ class Connection:
                 waited = time.monotonic() - started
                 if waited >= cfg.reconnect_timeout_s:
                     raise BusUnavailable(
-                        f"Redis at {redact_url(cfg.url)} unreachable for {waited:.1f}s during {what}: {exc}"
+                        f"Redis at {describe(cfg)} unreachable for {waited:.1f}s during {what}: {exc}"
                     ) from exc
                 log.warning(
                     "redis_unreachable_retrying",

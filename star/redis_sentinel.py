@@ -1,0 +1,202 @@
+"""Redis Sentinel: the ``redis.sentinels`` settings as redis-py's asyncio Sentinel client.
+
+With ``redis.sentinels`` set, STAR asks those Sentinels for the address of the
+master they monitor under ``redis.service_name`` and connects there; every new
+connection asks again (redis-py's ``SentinelConnectionPool``), so after a
+failover the bus's retry loop, which drops its connections on an outage,
+reaches the promoted replica. ``redis.url`` then gives only the master's scheme
+(``rediss://`` = TLS with the ``redis.tls_*`` files), database and
+credentials; its host and port are not used.
+
+A sentinel is written ``host``, ``host:port`` (port 26379 if left out) or as a
+URL, ``redis://[user:password@]host:port`` or ``rediss://...`` (TLS to the
+Sentinel, with the same ``redis.tls_*`` files). A bare ``host:port`` is TLS
+exactly when ``redis.url`` is ``rediss://``. ``redis.sentinel_password``
+overrides a URL's password. redis-py connects to every Sentinel with one set
+of options, so all of them must agree on TLS and credentials.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, cast
+from urllib.parse import SplitResult, unquote, urlsplit
+
+import redis.asyncio as aioredis
+from redis.asyncio.connection import parse_url
+from redis.asyncio.sentinel import (
+    Sentinel,
+    SentinelConnectionPool,
+    SentinelManagedConnection,
+    SentinelManagedSSLConnection,
+)
+
+from star.redact import redact_url
+from star.settings import RedisSettings, SettingsError, bare_userinfo
+
+SENTINEL_PORT = 26379
+
+
+@dataclass(frozen=True, slots=True)
+class SentinelAddress:
+    """One entry of ``redis.sentinels``."""
+
+    host: str
+    port: int
+    tls: bool | None  # None: a bare host:port, TLS as redis.url says
+    username: str | None = None
+    password: str | None = None
+
+
+def parse_sentinel(entry: str) -> SentinelAddress:
+    """Read one ``redis.sentinels`` entry; :class:`ValueError` (password masked) if it is not one."""
+    text = entry.strip()
+    shown = repr(redact_url(bare_userinfo(text)))
+    form = "a sentinel is host, host:port or a redis:// or rediss:// URL"
+    parts: SplitResult
+    if "://" in text:
+        parts = urlsplit(text)
+        if parts.scheme not in ("redis", "rediss"):
+            raise ValueError(f"{shown}: {form}")
+        tls: bool | None = parts.scheme == "rediss"
+    else:
+        parts = urlsplit("//" + text)
+        tls = None
+        if parts.username is not None:
+            raise ValueError(
+                f"{shown}: credentials need the URL form, redis://user:password@host:port"
+            )
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise ValueError(
+            f"{shown}: a sentinel is named by host and port only (no database or parameters)"
+        )
+    try:
+        port = parts.port
+    except ValueError:
+        raise ValueError(f"{shown}: the port must be a number in 1..65535") from None
+    if not parts.hostname:
+        raise ValueError(f"{shown}: {form}")
+    return SentinelAddress(
+        host=parts.hostname,
+        port=port or SENTINEL_PORT,
+        tls=tls,
+        username=unquote(parts.username) if parts.username else None,
+        password=unquote(parts.password) if parts.password else None,
+    )
+
+
+def sentinel_addresses(settings: RedisSettings) -> list[SentinelAddress]:
+    try:
+        return [parse_sentinel(entry) for entry in settings.sentinels]
+    except ValueError as exc:
+        raise SettingsError(f"redis.sentinels: {exc}") from None
+
+
+def describe(settings: RedisSettings) -> str:
+    """Where the bus's Redis is, for messages: the URL, or the master's name and its Sentinels."""
+    if not settings.sentinels:
+        return redact_url(settings.url)
+    sentinels = ", ".join(redact_url(entry) for entry in settings.sentinels)
+    return f"master {settings.service_name!r} of Sentinels {sentinels}"
+
+
+def _dropping(
+    base: type[SentinelManagedConnection], outages: tuple[type[BaseException], ...]
+) -> type[SentinelManagedConnection]:
+    """``base`` that closes itself on an outage reply, so that its next command
+    asks the Sentinels for the master again.
+
+    redis-py's own connection does so for READONLY alone; NOREPLICAS (a master
+    with ``min-replicas-to-write`` whose replica was promoted), UNBLOCKED,
+    MASTERDOWN and the rest would keep a caller that does not go through
+    :meth:`~star.bus.connection.Connection.retrying` (the scheduler's lock
+    steps) on the old master until it is turned into a replica.
+    """
+
+    class Dropping(base):  # type: ignore[valid-type,misc]
+        async def read_response(self, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return await super().read_response(*args, **kwargs)
+            except outages:
+                await self.disconnect()
+                raise
+
+    Dropping.__name__ = Dropping.__qualname__ = f"Dropping{base.__name__}"
+    return Dropping
+
+
+class SentinelMaster(aioredis.Redis):
+    """The master client :func:`connect_master` returns: closing it also closes
+    its clients of the Sentinels (redis-py leaves those to the caller)."""
+
+    async def aclose(self, close_connection_pool: bool | None = None) -> None:
+        try:
+            await super().aclose(close_connection_pool)
+        finally:
+            pool = self.connection_pool
+            if isinstance(pool, SentinelConnectionPool):
+                await pool.sentinel_manager.aclose()
+
+
+def connect_master(
+    settings: RedisSettings,
+    common: dict[str, Any],
+    tls: dict[str, Any],
+    outages: tuple[type[BaseException], ...],
+) -> aioredis.Redis:
+    """A client of the master the Sentinels name for ``redis.service_name``.
+
+    ``common`` are the options every connection gets (timeouts, retry, decoding),
+    ``tls`` the ``redis.tls_*`` files as redis-py's ``ssl_*`` options,
+    ``outages`` the errors after which a connection is dropped (and so the
+    master looked up again on its next command).
+    """
+    addresses = sentinel_addresses(settings)
+    url = urlsplit(settings.url)
+    if url.scheme not in ("redis", "rediss"):
+        raise SettingsError(
+            f"redis.sentinels is set but redis.url {redact_url(settings.url)!r} is not redis:// or rediss:// "
+            "(with Sentinel it gives the master's scheme, database and credentials)"
+        )
+    master_tls = url.scheme == "rediss"
+    sentinel_tls = {master_tls if a.tls is None else a.tls for a in addresses}
+    credentials = {(a.username, a.password) for a in addresses}
+    if len(sentinel_tls) > 1 or len(credentials) > 1:
+        raise SettingsError(
+            "redis.sentinels: every sentinel must use the same scheme (TLS or not) and the same "
+            "credentials; redis-py reaches all of them with one set of options"
+        )
+    username, password = credentials.pop()
+    if settings.sentinel_password:
+        password = settings.sentinel_password
+    socket = {k: v for k, v in common.items() if k.startswith("socket_")}
+    sentinel_kwargs: dict[str, Any] = {**socket, "retry": common.get("retry")}
+    if username:
+        sentinel_kwargs["username"] = username
+    if password:
+        sentinel_kwargs["password"] = password
+    if sentinel_tls.pop():
+        sentinel_kwargs.update(ssl=True, ssl_cert_reqs="required", **tls)
+
+    # The master: what redis.url says but its address (database, user, password,
+    # query parameters), then the settings' user and password, as without Sentinel.
+    master: dict[str, Any] = {
+        k: v
+        for k, v in parse_url(settings.url).items()
+        if k not in ("host", "port", "connection_class")
+    }
+    master.update(common)
+    if settings.username:
+        master["username"] = settings.username
+    if settings.password:
+        master["password"] = settings.password
+    if master_tls:
+        master.update(ssl_cert_reqs="required", **tls)
+    base = SentinelManagedSSLConnection if master_tls else SentinelManagedConnection
+    master["connection_class"] = _dropping(base, outages)
+    sentinel = Sentinel(  # type: ignore[no-untyped-call]
+        [(a.host, a.port) for a in addresses],
+        sentinel_kwargs=sentinel_kwargs,
+    )
+    client = sentinel.master_for(settings.service_name, redis_class=SentinelMaster, **master)
+    return cast(SentinelMaster, client)

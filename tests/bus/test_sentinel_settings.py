@@ -1,0 +1,242 @@
+"""``redis.sentinels`` and friends: parsing, validation, masking, the client the
+factory builds; and the leader's fence rules, table-tested without Sentinel."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import os
+from typing import Any
+
+import pytest
+from structlog.testing import capture_logs
+
+from scheduler.leader import Leadership
+from star.bus import Bus, BusUnavailable, connect_redis
+from star.cli.main import main
+from star.ports import free_port
+from star.redis_sentinel import SentinelAddress, SentinelMaster, describe, parse_sentinel
+from star.settings import RedisSettings, SettingsError, as_dict, load_settings, secret_values
+from tests.conftest import bus_settings, redis_settings
+from tests.redis_server import RedisServer
+
+
+@pytest.mark.parametrize(
+    ("entry", "parsed"),
+    [
+        ("10.0.0.1:26380", SentinelAddress("10.0.0.1", 26380, None)),
+        ("sentinel-a", SentinelAddress("sentinel-a", 26379, None)),
+        (" [::1]:5000 ", SentinelAddress("::1", 5000, None)),
+        ("redis://s1:26379", SentinelAddress("s1", 26379, False)),
+        ("rediss://s1", SentinelAddress("s1", 26379, True)),
+        ("redis://:p%40ss@s1:1", SentinelAddress("s1", 1, False, None, "p@ss")),
+        ("redis://watch:pw@s1:2/", SentinelAddress("s1", 2, False, "watch", "pw")),
+    ],
+)
+def test_sentinel_entries(entry: str, parsed: SentinelAddress) -> None:
+    assert parse_sentinel(entry) == parsed
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        "s1:notaport",
+        "s1:70000",
+        "http://s1:1",
+        "unix:///run/sentinel.sock",
+        "redis://s1:1/2",
+        "redis://:sekrit-pw@s1:1/0",
+        "redis://s1:1?password=sekrit-pw",
+        "user:sekrit-pw@s1:1",
+    ],
+)
+def test_bad_sentinel_entries_are_refused_without_their_password(entry: str) -> None:
+    with pytest.raises(SettingsError, match=r"redis\.sentinels") as err:
+        load_settings(env={"STAR_REDIS_SENTINELS": f"good:1,{entry}"})
+    assert "sekrit-pw" not in str(err.value)
+
+
+def test_empty_entries_are_no_entries() -> None:
+    assert load_settings(env={"STAR_REDIS_SENTINELS": " , "}).redis.sentinels == ()
+
+
+def test_sentinel_settings_from_env_and_toml(tmp_path: Any) -> None:
+    env = load_settings(env={"STAR_REDIS_SENTINELS": "a:1, b:2", "STAR_REDIS_SERVICE_NAME": "bus"})
+    assert env.redis.sentinels == ("a:1", "b:2") and env.redis.service_name == "bus"
+    path = tmp_path / "star.toml"
+    path.write_text(
+        '[redis]\nsentinels = ["a:1", "redis://b:2"]\nsentinel_password = "pw-of-the-sentinels"\n'
+    )
+    toml = load_settings(config=path, env={})
+    assert toml.redis.sentinels == ("a:1", "redis://b:2")
+    assert RedisSettings().sentinels == () and RedisSettings().service_name == "mymaster"
+    with pytest.raises(SettingsError, match=r"redis\.service_name: must not be empty"):
+        load_settings(env={"STAR_REDIS_SERVICE_NAME": ""})
+
+
+def test_sentinel_passwords_are_masked_everywhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in [k for k in os.environ if k.startswith("STAR_")]:
+        monkeypatch.delenv(key)
+    env = {
+        "STAR_REDIS_SENTINELS": "redis://:url-pw-1234@s1:1,redis://:url-pw-1234@s2:2",
+        "STAR_REDIS_SENTINEL_PASSWORD": "setting-pw-5678",
+    }
+    settings = load_settings(env=env)
+    assert {"url-pw-1234", "setting-pw-5678"} <= set(secret_values(settings))
+    shown = [repr(settings.redis), str(as_dict(settings)), describe(settings.redis)]
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    for fmt in ([], ["--json"], ["--toml"], ["--markdown"]):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert main(["config", "show", *fmt]) == 0
+        shown.append(out.getvalue())
+    for text in shown:
+        assert "url-pw-1234" not in text and "setting-pw-5678" not in text
+    assert "redis://:***@s1:1" in shown[0] and "s2:2" in shown[2]
+
+
+async def test_the_factory_builds_a_sentinel_client_with_the_settings() -> None:
+    settings = RedisSettings(
+        url="redis://ignored:1/3?health_check_interval=7",
+        username="star",
+        password="master-pw",
+        sentinels=("s1:1", "redis://:sent-pw@s2:2"),
+        sentinel_password="",
+        service_name="bus",
+        socket_timeout_s=3.0,
+        connect_timeout_s=1.5,
+    )
+    with pytest.raises(SettingsError, match=r"same scheme .* same\s+credentials"):
+        connect_redis(settings)
+    settings = RedisSettings(
+        **{**_fields(settings), "sentinels": ("s1:1", "s2:2"), "sentinel_password": "sent-pw"}
+    )
+    client = connect_redis(settings)
+    try:
+        assert isinstance(client, SentinelMaster)
+        pool: Any = client.connection_pool
+        assert pool.service_name == "bus" and pool.is_master
+        kw = pool.connection_kwargs
+        assert (kw["db"], kw["username"], kw["password"]) == (3, "star", "master-pw")
+        assert (kw["socket_timeout"], kw["socket_connect_timeout"]) == (3.0, 1.5)
+        assert "host" not in kw and "port" not in kw
+        sentinels = pool.sentinel_manager.sentinels
+        assert [
+            (
+                s.connection_pool.connection_kwargs["host"],
+                s.connection_pool.connection_kwargs["port"],
+            )
+            for s in sentinels
+        ] == [("s1", 1), ("s2", 2)]
+        assert sentinels[0].connection_pool.connection_kwargs["password"] == "sent-pw"
+        assert sentinels[0].connection_pool.connection_kwargs["socket_timeout"] == 3.0
+        assert "Dropping" in pool.connection_class.__name__
+    finally:
+        await client.aclose()
+    with pytest.raises(SettingsError, match="unix://"):
+        connect_redis(RedisSettings(url="unix:///run/redis.sock", sentinels=("s1:1",)))
+
+
+def _fields(settings: RedisSettings) -> dict[str, Any]:
+    return {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)}
+
+
+async def test_no_sentinel_answering_is_an_outage_with_the_sentinels_named() -> None:
+    settings = RedisSettings(
+        sentinels=(f"127.0.0.1:{free_port()}",),
+        service_name="bus",
+        connect_timeout_s=0.2,
+        backoff_base_s=0.02,
+        backoff_max_s=0.05,
+        reconnect_timeout_s=0.3,
+    )
+    bus = Bus.from_settings(settings, bus_settings())
+    try:
+        with pytest.raises(BusUnavailable, match=r"master 'bus' of Sentinels 127\.0\.0\.1:"):
+            await bus.publish("events", _event())
+    finally:
+        await bus.close()
+
+
+def _event() -> Any:
+    from star.wire import Event, EventKind
+
+    return Event.now(EventKind.LEADER, "test")
+
+
+# -- the fence rules (scheduler/leader.py) -----------------------------------
+
+
+class FakeRedis:
+    """ROLE and WAIT answers as a master with ``replicas`` replicas, ``acked`` of which acknowledge."""
+
+    def __init__(self, role: str, replicas: int, acked: int) -> None:
+        self.role, self.replicas, self.acked = role, replicas, acked
+        self.calls: list[tuple[Any, ...]] = []
+
+    def register_script(self, _script: str) -> None:
+        return None
+
+    async def execute_command(self, *args: Any) -> Any:
+        self.calls.append(args)
+        if args[0] == "ROLE":
+            if self.role == "master":
+                return [b"master", 10, [[b"127.0.0.1", b"1", b"10"]] * self.replicas]
+            return [b"slave", b"127.0.0.1", 1, b"connected", 10]
+        assert args[0] == "WAIT" and args[1] == self.replicas
+        return self.acked
+
+
+class FakeBus:
+    def __init__(self, redis: FakeRedis) -> None:
+        self.redis = redis
+        self.redis_settings = RedisSettings(socket_timeout_s=2.0)
+
+
+@pytest.mark.parametrize(
+    ("role", "replicas", "acked", "used", "waited"),
+    [
+        ("master", 0, 0, True, False),  # standalone: nothing to wait for
+        ("master", 1, 1, True, True),
+        ("master", 2, 2, True, True),
+        ("master", 2, 1, False, True),  # every replica, not a majority
+        ("master", 1, 0, False, True),
+        ("slave", 0, 0, True, False),  # a replica refuses the script before this
+    ],
+)
+async def test_a_fence_is_used_once_every_replica_has_it(
+    role: str, replicas: int, acked: int, used: bool, waited: bool
+) -> None:
+    redis = FakeRedis(role, replicas, acked)
+    lead = Leadership(FakeBus(redis), "n", ttl_s=1.5)  # type: ignore[arg-type]
+    with capture_logs() as logs:
+        assert await lead._replicated(7) is used
+    waits = [c for c in redis.calls if c[0] == "WAIT"]
+    assert bool(waits) is waited
+    if waits:
+        assert waits[0][2] == 750  # ttl/2, under half the socket timeout (1 s)
+    assert any(e["event"] == "leadership_not_replicated" for e in logs) is (not used)
+
+
+async def test_a_standby_never_takes_a_fence_at_or_below_one_it_saw(own_redis: RedisServer) -> None:
+    bus = Bus.from_settings(redis_settings(own_redis), bus_settings())
+    try:
+        a, b, c = (Leadership(bus, n, ttl_s=5) for n in "abc")
+        for _ in range(4):  # a leads with fence 4
+            await bus.redis.delete(bus.keys.leader)
+            a.demote()
+            assert await a.step()
+        assert a.fence == 4
+        assert await b.step() is False and b.seen == 4
+        # A promoted replica without the latest INCRs: the counter is behind,
+        # and a's lock is gone with them.
+        await bus.redis.set(bus.keys.fence, 1)
+        await bus.redis.delete(bus.keys.leader)
+        assert await b.step() is True and b.fence == 5
+        assert await bus.redis.get(bus.keys.fence) == b"5"  # stored: the next one is 6
+        await bus.redis.delete(bus.keys.leader)
+        assert await c.step() is True and c.fence == 6
+    finally:
+        await bus.close()
