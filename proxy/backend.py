@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from star.sampling import migration_blocker
-from star.wire import Error
+from star.wire import Error, ErrorCode
 
 FinishReason = Literal["stop", "length", "abort"]
 RequestKind = Literal["completion", "chat"]
@@ -130,12 +130,16 @@ class RequestRejected(BackendError):
     error_type = "invalid_request_error"
 
 
+_UNAVAILABLE = frozenset({ErrorCode.SHUTTING_DOWN, ErrorCode.ENGINE_DEAD})
+
+
 def error_from(msg: Error, instance: str) -> BackendError:
     """The client-facing error for a worker's :class:`~star.wire.Error` frame on ``instance``."""
     text = f"{instance}: {msg.message}"
-    if msg.code == "bad_request":  # the engine's word on the request, without where it ran
+    # The engine's word on the request (the client sees it without where it ran).
+    if msg.code == ErrorCode.BAD_REQUEST:
         return RequestRejected(text, code=msg.code, public=msg.message)
-    if msg.code in {"shutting_down", "engine_dead"}:
+    if msg.code in _UNAVAILABLE:
         return BackendUnavailable(text, code=msg.code)
     return BackendError(text, code=msg.code)
 

@@ -43,12 +43,12 @@ from proxy.migration import (
     Start,
     TimedOut,
     Warn,
-    refusal,
+    refused,
 )
 from proxy.upstream import ConnectionLost
 from star.aio import deadline
 from star.bus import Bus, Subscriber
-from star.wire import Abort, Decision, Error, Event, EventKind, Handoff, Message, Release, Tokens
+from star.wire import Abort, Decision, Error, Event, Handoff, Message, Release, Tokens
 
 log = structlog.get_logger(__name__)
 
@@ -145,12 +145,21 @@ class DecodeRun:
     def recoveries(self) -> int:
         return self.machine.recoveries
 
-    def migrate(self, decision: Decision, address: str) -> None:
-        """Queue a decision (accepted by :func:`~proxy.migration.refusal` first)."""
+    def migrate(self, decision: Decision, address: str | None) -> str | None:
+        """Queue ``decision`` (``address``: the target's, None if not live), or refuse it.
+
+        The machine decides (:meth:`~proxy.migration.RunMachine.refuses`); a
+        refusal is emitted and its reason returned (None: queued).
+        """
+        no = self.machine.refuses(decision, address)
+        if no is not None:
+            self._emit(no)
+            return no.detail
         self.decisions.put_nowait(Decided(decision, address, time.monotonic()))
         waiting = self._waiting
         if waiting is not None and not waiting.expired():
             waiting.reschedule(asyncio.get_running_loop().time())  # stop waiting for a frame
+        return None
 
     # -- the loop ---------------------------------------------------------------------
 
@@ -258,17 +267,20 @@ class DecodeRun:
                 await leg.send(Abort(leg.id))
 
     def _emit(self, action: Emit) -> None:
-        self.fleet.emit_event(
-            Event.now(
-                action.kind,
-                self.fleet.origin,
-                request=self.req.request_id,
-                migration=action.migration,
-                instance=action.instance,
-                detail=action.detail,
-                data=action.data,
-            )
-        )
+        self.fleet.emit_event(event(action, self.fleet.origin, self.req.request_id))
+
+
+def event(action: Emit, origin: str, request: str) -> Event:
+    """The bus event of an :class:`~proxy.migration.Emit` about ``request``, said now."""
+    return Event.now(
+        action.kind,
+        origin,
+        request=request,
+        migration=action.migration,
+        instance=action.instance,
+        detail=action.detail,
+        data=action.data,
+    )
 
 
 class Migrator:
@@ -293,28 +305,18 @@ class Migrator:
             self.finished.popitem(last=False)
 
     def apply(self, decision: Decision) -> str | None:
-        """Start ``decision`` or say why not (also as a ``refused`` event)."""
+        """Hand ``decision`` to its run, or refuse it; why not (None: handed on).
+
+        Every refusal is the machine's (:func:`~proxy.migration.refused`), as a
+        ``refused`` event: the run's own, or for a request this proxy runs none of.
+        """
         run = self.runs.get(decision.request)
-        reason = refusal(run, decision, decision.request in self.finished)
-        address = self.address_of(decision.target) if reason is None else None
-        if reason is None and address is None:
-            reason = f"target {decision.target} is not a live decode instance"
-        if reason is not None:
-            self.emit(
-                Event.now(
-                    EventKind.REFUSED,
-                    self.origin,
-                    request=decision.request,
-                    migration=decision.id,
-                    instance=run.instance if run else decision.source,
-                    detail=reason,
-                    data={"target": decision.target},
-                )
-            )
-            return reason
-        assert run is not None and address is not None
-        run.migrate(decision, address)
-        return None
+        if run is not None:
+            return run.migrate(decision, self.address_of(decision.target))
+        no = refused(None, decision, decision.request in self.finished, None)
+        assert no is not None  # there is no run to start it
+        self.emit(event(no, self.origin, decision.request))
+        return no.detail
 
 
 async def follow_decisions(bus: Bus, migrator: Migrator, start: str = "$") -> None:

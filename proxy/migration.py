@@ -18,7 +18,18 @@ from typing import Any, Protocol
 
 from proxy.backend import BackendError, FinishReason, TokenBatch, error_from
 from star.sampling import continuation
-from star.wire import Decision, Error, EventKind, Generate, Handoff, Tokens
+from star.transitions import IllegalTransition as IllegalTransition
+from star.transitions import stepper
+from star.wire import (
+    RELEASE_REFUSALS,
+    Decision,
+    Error,
+    ErrorCode,
+    EventKind,
+    Generate,
+    Handoff,
+    Tokens,
+)
 
 RELEASE_TIMEOUT_S = 10.0
 MAX_RECOVERIES = 3
@@ -64,7 +75,7 @@ class RunState(enum.StrEnum):
 
 
 class RunEvent(enum.StrEnum):
-    MIGRATE = "migrate"  # a decision for this request (refused unless DECODING)
+    MIGRATE = "migrate"  # a decision starts (only when refusal() has none: DECODING)
     TOKENS = "tokens"  # tokens from the current leg
     REFUSED = "refused"  # the source cannot release it (the stream goes on)
     HANDOFF = "handoff"  # the source released it with its KV held
@@ -81,14 +92,12 @@ TRANSITIONS: dict[tuple[RunState, RunEvent], RunState] = {
     (RunState.DECODING, RunEvent.TOKENS): RunState.DECODING,
     (RunState.DECODING, RunEvent.SOURCE_LOST): RunState.RESUMING,
     (RunState.DECODING, RunEvent.FINISH): RunState.DONE,
-    (RunState.RELEASING, RunEvent.MIGRATE): RunState.RELEASING,  # refused: already migrating
     (RunState.RELEASING, RunEvent.TOKENS): RunState.RELEASING,
     (RunState.RELEASING, RunEvent.REFUSED): RunState.DECODING,
     (RunState.RELEASING, RunEvent.HANDOFF): RunState.RESUMING,
     (RunState.RELEASING, RunEvent.SOURCE_LOST): RunState.RESUMING,
     (RunState.RELEASING, RunEvent.RELEASE_TIMEOUT): RunState.RESUMING,
     (RunState.RELEASING, RunEvent.FINISH): RunState.DONE,
-    (RunState.RESUMING, RunEvent.MIGRATE): RunState.RESUMING,  # refused: already migrating
     (RunState.RESUMING, RunEvent.TOKENS): RunState.RESUMING,  # an empty frame
     (RunState.RESUMING, RunEvent.RESUMED): RunState.DECODING,
     (RunState.RESUMING, RunEvent.TARGET_LOST): RunState.RESUMING,
@@ -97,17 +106,8 @@ TRANSITIONS: dict[tuple[RunState, RunEvent], RunState] = {
 }
 
 
-class IllegalTransition(RuntimeError):
-    """An input that cannot happen in the run's current state (a proxy bug)."""
-
-
-def next_state(state: RunState, event: RunEvent) -> RunState:
-    try:
-        return TRANSITIONS[(state, event)]
-    except KeyError:
-        raise IllegalTransition(
-            f"decode run event {event.value!r} in state {state.value!r}"
-        ) from None
+next_state = stepper("decode run", TRANSITIONS)
+"""The state after an event; one that cannot happen raises IllegalTransition (a proxy bug)."""
 
 
 class RunView(Protocol):
@@ -121,8 +121,14 @@ class RunView(Protocol):
     def blocker(self) -> str | None: ...
 
 
-def refusal(run: RunView | None, decision: Decision, finished: bool) -> str | None:
-    """Why this proxy cannot start ``decision`` (None: it can)."""
+def refusal(
+    run: RunView | None, decision: Decision, finished: bool, live: bool = True
+) -> str | None:
+    """Why this proxy cannot start ``decision`` (None: it can): every reason, in order.
+
+    ``run`` is the request's (None: this proxy runs none; ``finished``: it did);
+    ``live``: the target is a live decode instance.
+    """
     if run is None:
         return "finished" if finished else "unknown request"
     if run.blocker is not None:
@@ -135,7 +141,25 @@ def refusal(run: RunView | None, decision: Decision, finished: bool) -> str | No
         return "already on the target"
     if decision.source and decision.source != run.instance:
         return f"not on {decision.source} (on {run.instance})"
+    if not live:
+        return f"target {decision.target} is not a live decode instance"
     return None
+
+
+def refused(
+    run: RunView | None, decision: Decision, finished: bool, address: str | None
+) -> Emit | None:
+    """The ``refused`` event of ``decision`` (None: ``run`` can start it now).
+
+    ``address`` is the target's (None: not a live decode instance). The one
+    place a decision is refused: :class:`proxy.decode_run.Migrator` for a
+    request with no run, :meth:`RunMachine.refuses` for one with a run.
+    """
+    reason = refusal(run, decision, finished, live=address is not None)
+    if reason is None:
+        return None
+    instance = run.instance if run is not None else decision.source
+    return Emit(EventKind.REFUSED, reason, instance, decision.id, {"target": decision.target})
 
 
 # -- inputs: what happened (times are time.monotonic(), read by the driver) ------------
@@ -152,10 +176,10 @@ class Start:
 
 @dataclass(frozen=True, slots=True)
 class Decided:
-    """A decision for this request (accepted by :func:`refusal` at ``since``)."""
+    """A decision for this request, received at ``since`` (the machine may still refuse it)."""
 
     decision: Decision
-    address: str  # the target's
+    address: str | None  # the target's (None: not a live decode instance)
     since: float
 
 
@@ -349,6 +373,15 @@ class RunMachine:
         self._recovery: tuple[tuple[str, str] | None, set[str]] | None = None  # prefer, exclude
         self._candidates: list[tuple[str, str]] = []
 
+    def refuses(self, decision: Decision, address: str | None) -> Emit | None:
+        """The ``refused`` event if this run cannot start ``decision`` now (None: it can).
+
+        Asked when the decision arrives (:meth:`proxy.decode_run.DecodeRun.migrate`,
+        which queues it only if None) and again when it is handled (:class:`Decided`):
+        the run may have moved on in between.
+        """
+        return refused(self, decision, False, address)
+
     def deadline(self) -> float | None:
         """When the release under way times out (None: none is)."""
         if self.state is RunState.RELEASING and self.pending is not None:
@@ -411,14 +444,12 @@ class RunMachine:
         return Emit(kind, detail, instance or self.instance, self.migration, data)
 
     def _decided(self, out: list[Action], cmd: Decided) -> None:
-        before = self.state
-        self._fire(RunEvent.MIGRATE)
-        if before is not RunState.DECODING:
-            # Accepted while the run was decoding, behind another decision.
-            out.append(
-                self._emit(EventKind.REFUSED, "already migrating", target=cmd.decision.target)
-            )
+        no = self.refuses(cmd.decision, cmd.address)
+        if no is not None:  # e.g. queued while decoding, behind another decision
+            out.append(no)
             return
+        assert cmd.address is not None
+        self._fire(RunEvent.MIGRATE)
         self.pending = _Pending(cmd.decision, cmd.address, cmd.since)
         self.migration = cmd.decision.id
         out.append(
@@ -458,7 +489,7 @@ class RunMachine:
                     BackendError(
                         f"decode instance {instance} ended the request "
                         f"with finish reason {msg.finish_reason!r}",
-                        code="engine_error",
+                        code=ErrorCode.ENGINE_ERROR,
                     )
                 )
             )
@@ -502,7 +533,7 @@ class RunMachine:
         self._open(out, _Opening.TARGET, cmd.decision.target, cmd.address, kv)
 
     def _error(self, out: list[Action], msg: Error) -> None:
-        if msg.code == "not_releasable" or msg.code == "unsupported":
+        if msg.code in RELEASE_REFUSALS:
             self._refused(out, msg.message)
         elif self.state is RunState.RESUMING:
             self._target_lost(out, f"{msg.code}: {msg.message}")

@@ -36,6 +36,7 @@ from star.liveness import DEFAULT_TIMEOUT_S, Heartbeat, watch
 from star.wire import (
     Challenge,
     Error,
+    ErrorCode,
     FrameDecoder,
     Hello,
     Message,
@@ -84,7 +85,7 @@ class Stream:
 
 def _refuses_ping(msg: Error) -> bool:
     """An older worker's answer to a Ping: the kind is unknown to its decoder."""
-    return msg.code == "bad_frame" and "'ping'" in msg.message
+    return msg.code == ErrorCode.BAD_FRAME and "'ping'" in msg.message
 
 
 class WorkerClient:

@@ -339,12 +339,56 @@ class Handoff(Message):
 
 @dataclass(frozen=True, slots=True)
 class Error(Message):
-    """A stream failed on the worker; ``code`` is machine-readable."""
+    """A stream failed on the worker; ``code`` is machine-readable (an :class:`ErrorCode`).
+
+    ``code`` is a plain string on the wire, so that a code this side does not
+    know yet still decodes; both sides compare it with :class:`ErrorCode`.
+    """
 
     KIND: ClassVar[str] = "error"
     stream: int
     code: str
     message: str
+
+
+CONNECTION_STREAM = -1
+"""``Error.stream`` of an error about the connection rather than one stream."""
+
+
+class ErrorCode(enum.StrEnum):
+    """``Error.code`` values a worker sends."""
+
+    BAD_FRAME = "bad_frame"  # undecodable, or a frame a proxy must not send
+    FRAME_TOO_LARGE = "frame_too_large"  # the connection is closed after it
+    DUPLICATE_STREAM = "duplicate_stream"  # Generate on a stream id still open
+    UNKNOWN_STREAM = "unknown_stream"  # Release of a stream that is not open
+    BAD_REQUEST = "bad_request"  # the engine refused the request (sampling, prompt)
+    DUPLICATE_REQUEST = "duplicate_request"  # request id already running here
+    UNSUPPORTED = "unsupported"  # the engine lacks the operation (e.g. a test fake's Release)
+    NOT_RELEASABLE = "not_releasable"  # Release refused: unknown, finished, not migratable, ...
+    ENGINE_ERROR = "engine_error"  # the engine failed this request
+    ENGINE_DEAD = "engine_dead"  # the engine is gone; the worker will exit
+    SHUTTING_DOWN = "shutting_down"  # the worker is draining and takes no new streams
+    INTERNAL = "internal"  # a bug in the worker; logged there
+
+
+REFUSAL_CODES = frozenset(
+    {
+        ErrorCode.DUPLICATE_STREAM,
+        ErrorCode.UNKNOWN_STREAM,
+        ErrorCode.UNSUPPORTED,
+        ErrorCode.NOT_RELEASABLE,
+    }
+)
+"""Codes of an Error that refuses one frame and leaves the open stream of that id alone."""
+
+RELEASE_REFUSALS = frozenset({ErrorCode.UNSUPPORTED, ErrorCode.NOT_RELEASABLE})
+"""Codes of an Error that answers a :class:`Release` with no: the stream goes on where it is."""
+
+
+def ends_stream(err: Error) -> bool:
+    """Whether ``err`` is the final frame of its stream (most are; refusals are not)."""
+    return err.stream != CONNECTION_STREAM and err.code not in REFUSAL_CODES
 
 
 @dataclass(frozen=True, slots=True)

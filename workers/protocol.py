@@ -11,16 +11,17 @@ msgpack frames (:mod:`star.wire`), multiplexed by ``stream``:
   stream; the last one has ``finish_reason`` set (``"abort"`` acknowledges an
   Abort) and, on a prefill worker, the ``kv_transfer_params`` a decode worker
   needs to pull the KV through NIXL; :class:`~star.wire.Error` ends a stream
-  that failed, except a refusal (:data:`REFUSAL_CODES`: a Generate on a stream
-  id still open, a Release the worker cannot do) which leaves the open stream
-  alone -- :func:`ends_stream` tells them apart; ``stream`` =
-  :data:`CONNECTION_STREAM` marks a connection-level problem (an undecodable
-  frame); :class:`~star.wire.Handoff` answers a Release.
+  that failed, except a refusal (:data:`~star.wire.REFUSAL_CODES`: a Generate
+  on a stream id still open, a Release the worker cannot do) which leaves the
+  open stream alone -- :func:`~star.wire.ends_stream` tells them apart;
+  ``stream`` = :data:`~star.wire.CONNECTION_STREAM` marks a connection-level
+  problem (an undecodable frame); :class:`~star.wire.Handoff` answers a Release.
 
 This module holds what the TCP adapter (:mod:`workers.server`) and the vLLM
 adapter (:mod:`workers.engine`) share: the engine interface the server drives,
-the request and delta values that cross it, the error codes, and the
-per-stream state machine as a table.
+the request and delta values that cross it, the exceptions behind the error
+codes (:class:`star.wire.ErrorCode`, which the proxy matches too), and the
+per-stream state machine as a table (:mod:`star.transitions`).
 """
 
 from __future__ import annotations
@@ -30,44 +31,9 @@ from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
-from star.wire import Error, Generate, Tokens
-
-CONNECTION_STREAM = -1
-"""``Error.stream`` of an error about the connection rather than one stream."""
-
-
-class ErrorCode(enum.StrEnum):
-    """``Error.code`` values a worker sends."""
-
-    BAD_FRAME = "bad_frame"  # undecodable, or a frame a proxy must not send
-    FRAME_TOO_LARGE = "frame_too_large"  # the connection is closed after it
-    DUPLICATE_STREAM = "duplicate_stream"  # Generate on a stream id still open
-    UNKNOWN_STREAM = "unknown_stream"  # Release of a stream that is not open
-    BAD_REQUEST = "bad_request"  # the engine refused the request (sampling, prompt)
-    DUPLICATE_REQUEST = "duplicate_request"  # request id already running here
-    UNSUPPORTED = "unsupported"  # e.g. Release before D->D migration exists
-    NOT_RELEASABLE = "not_releasable"  # Release refused: unknown, finished, not migratable, ...
-    ENGINE_ERROR = "engine_error"  # the engine failed this request
-    ENGINE_DEAD = "engine_dead"  # the engine is gone; the worker will exit
-    SHUTTING_DOWN = "shutting_down"  # the worker is draining and takes no new streams
-    INTERNAL = "internal"  # a bug in the worker; logged there
-
-
-REFUSAL_CODES = frozenset(
-    {
-        ErrorCode.DUPLICATE_STREAM,
-        ErrorCode.UNKNOWN_STREAM,
-        ErrorCode.UNSUPPORTED,
-        ErrorCode.NOT_RELEASABLE,
-    }
-)
-"""Codes of an Error that refuses one frame and leaves the open stream of that id alone."""
-
-
-def ends_stream(err: Error) -> bool:
-    """Whether ``err`` is the final frame of its stream (most are; refusals are not)."""
-    return err.stream != CONNECTION_STREAM and err.code not in REFUSAL_CODES
-
+from star.transitions import IllegalTransition as IllegalTransition
+from star.transitions import stepper
+from star.wire import Error, ErrorCode, Generate, Tokens
 
 # -- errors -------------------------------------------------------------------
 
@@ -91,7 +57,7 @@ class DuplicateRequest(WorkerError):
 
 
 class Unsupported(WorkerError):
-    """The worker does not implement this operation (yet)."""
+    """The engine does not implement this operation (a test fake's Release, say)."""
 
     code = ErrorCode.UNSUPPORTED
 
@@ -241,13 +207,5 @@ TRANSITIONS: dict[tuple[StreamState, StreamEvent], StreamState] = {
 }
 
 
-class IllegalTransition(RuntimeError):
-    """An event that cannot happen in a stream's current state (a worker bug)."""
-
-
-def next_state(state: StreamState, event: StreamEvent) -> StreamState:
-    """The state after ``event``; raises :class:`IllegalTransition` if it cannot happen."""
-    try:
-        return TRANSITIONS[(state, event)]
-    except KeyError:
-        raise IllegalTransition(f"stream event {event.value!r} in state {state.value!r}") from None
+next_state = stepper("stream", TRANSITIONS)
+"""The state after an event; one that cannot happen raises IllegalTransition (a worker bug)."""

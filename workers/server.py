@@ -39,9 +39,11 @@ from star.aio import deadline
 from star.handshake import HandshakeFailed, WorkerHandshake
 from star.liveness import DEFAULT_TIMEOUT_S, Heartbeat, watch
 from star.wire import (
+    CONNECTION_STREAM,
     MAX_FRAME_BYTES,
     Abort,
     Error,
+    ErrorCode,
     FrameDecoder,
     FrameTooLarge,
     Generate,
@@ -56,9 +58,7 @@ from star.wire import (
     frame,
 )
 from workers.protocol import (
-    CONNECTION_STREAM,
     Engine,
-    ErrorCode,
     GenerateRequest,
     ShuttingDown,
     StreamEvent,

@@ -288,6 +288,30 @@ def test_events_carry_the_migration_and_the_timings() -> None:
     assert opened.frame(7).prompt_token_ids == [*PROMPT, 1, 2, 3]
 
 
+def test_every_refusal_of_a_decision_is_the_machines() -> None:
+    """Asked when a decision arrives (refuses) and again when the run takes it up (Decided)."""
+    m = started(machine())
+    assert m.refuses(decision(), "h:1") is None
+    [dead] = m.handle(Decided(decision("d9", "m9"), None, 1.0))  # the target is not live
+    assert isinstance(dead, Emit) and m.state is RunState.DECODING
+    assert (dead.kind, dead.detail, dead.instance, dead.migration, dead.data) == (
+        EventKind.REFUSED,
+        "target d9 is not a live decode instance",
+        "d0",
+        "m9",
+        {"target": "d9"},
+    )
+    m.handle(Decided(decision(), "h:1", 1.0))
+    [second] = m.handle(Decided(decision("d2", "m2"), "h:2", 1.0))
+    # The refused decision's id, which star migrate --wait follows, not the running one's.
+    assert isinstance(second, Emit) and (second.detail, second.migration) == (
+        "already migrating",
+        "m2",
+    )
+    refused = m.refuses(decision("d2", "m2"), "h:2")
+    assert refused is not None and refused.detail == "already migrating"
+
+
 def test_recoveries_are_bounded_and_need_a_migratable_request() -> None:
     m = started(machine())
     for _ in range(MAX_RECOVERIES):

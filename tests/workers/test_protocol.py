@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from star.wire import Error, Generate, Tokens
+from star.wire import CONNECTION_STREAM, Error, Generate, Tokens, ends_stream
 from workers.protocol import (
-    CONNECTION_STREAM,
     TRANSITIONS,
     BadRequest,
     EngineDead,
@@ -16,7 +15,6 @@ from workers.protocol import (
     StreamState,
     TokenDelta,
     Unsupported,
-    ends_stream,
     error_frame,
     next_state,
 )

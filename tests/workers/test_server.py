@@ -10,6 +10,7 @@ import msgpack
 import pytest
 
 from star.wire import (
+    CONNECTION_STREAM,
     SCHEMA_VERSION,
     Abort,
     Error,
@@ -17,9 +18,9 @@ from star.wire import (
     Hello,
     Release,
     Tokens,
+    ends_stream,
 )
 from tests.workers.fakes import Client, FakeEngine
-from workers.protocol import CONNECTION_STREAM, ends_stream
 from workers.server import TokenServer
 
 HELLO = Hello(instance="decode-test", role="decode", model="fake")
