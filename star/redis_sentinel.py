@@ -25,11 +25,15 @@ from urllib.parse import SplitResult, unquote, urlsplit
 import redis.asyncio as aioredis
 from redis.asyncio.connection import parse_url
 from redis.asyncio.sentinel import (
+    MasterNotFoundError,
     Sentinel,
     SentinelConnectionPool,
     SentinelManagedConnection,
     SentinelManagedSSLConnection,
 )
+from redis.exceptions import AuthenticationError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from star.redact import redact_url
 from star.settings import RedisSettings, SettingsError, bare_userinfo
@@ -125,6 +129,46 @@ def _dropping(
     return Dropping
 
 
+class Sentinels(Sentinel):
+    """redis-py's Sentinel client, with errors a person can read.
+
+    When no Sentinel names a master, redis-py's error lists each Sentinel
+    client's whole ``repr`` and each error as ``auth:AuthenticationError``;
+    this one says ``host:port: reason`` for each. When every Sentinel refuses
+    the credentials it raises :class:`AuthenticationError`, which the bus
+    reports at once (as a master refusing them), instead of retrying.
+    """
+
+    async def discover_master(self, service_name: str) -> tuple[str, int]:
+        problems: list[str] = []
+        refused = 0
+        for index, sentinel in enumerate(self.sentinels):
+            kw = sentinel.connection_pool.connection_kwargs
+            where = f"{kw.get('host')}:{kw.get('port')}"
+            try:
+                masters = cast(dict[str, dict[str, Any]], await sentinel.sentinel_masters())
+            except AuthenticationError as exc:
+                refused += 1
+                problems.append(f"{where}: {exc}")
+                continue
+            except (RedisConnectionError, RedisTimeoutError) as exc:
+                problems.append(f"{where}: {exc}")
+                continue
+            state = masters.get(service_name)
+            if state and self.check_master_state(state, service_name):
+                self.sentinels[0], self.sentinels[index] = sentinel, self.sentinels[0]
+                return state["ip"], state["port"]
+            problems.append(
+                f"{where}: " + ("monitors no such master" if not state else "sees the master down")
+            )
+        detail = "; ".join(problems)
+        if refused and refused == len(self.sentinels):
+            raise AuthenticationError(
+                f"every Sentinel refused the credentials (redis.sentinels, redis.sentinel_password): {detail}"
+            )
+        raise MasterNotFoundError(f"no Sentinel names a master {service_name!r}: {detail}")
+
+
 class SentinelMaster(aioredis.Redis):
     """The master client :func:`connect_master` returns: closing it also closes
     its clients of the Sentinels (redis-py leaves those to the caller)."""
@@ -194,7 +238,7 @@ def connect_master(
         master.update(ssl_cert_reqs="required", **tls)
     base = SentinelManagedSSLConnection if master_tls else SentinelManagedConnection
     master["connection_class"] = _dropping(base, outages)
-    sentinel = Sentinel(  # type: ignore[no-untyped-call]
+    sentinel = Sentinels(  # type: ignore[no-untyped-call]
         [(a.host, a.port) for a in addresses],
         sentinel_kwargs=sentinel_kwargs,
     )

@@ -20,13 +20,14 @@ SERVICE = "star-test"
 def _answers(port: int) -> bool:
     with socket.create_connection(("127.0.0.1", port), timeout=0.2) as sock:
         sock.sendall(b"PING\r\n")
-        return sock.recv(64).startswith(b"+PONG")
+        return sock.recv(64).startswith((b"+PONG", b"-NOAUTH"))  # up, maybe with a password
 
 
 class Node:
     """One redis-server process (a data node or a Sentinel)."""
 
-    def __init__(self, root: Path, name: str) -> None:
+    def __init__(self, root: Path, name: str, password: str = "") -> None:
+        self.password = password
         self.dir = root / name
         self.dir.mkdir(parents=True)
         self.port = free_port()
@@ -40,7 +41,7 @@ class Node:
         self.proc = launch(args, self.log, lambda: _answers(self.port))
 
     def client(self) -> redis.Redis:
-        return redis.Redis(port=self.port, socket_timeout=5)
+        return redis.Redis(port=self.port, socket_timeout=5, password=self.password or None)
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -52,15 +53,26 @@ class Node:
 class SentinelSet:
     """``replicas`` replicas of one master, watched by ``sentinels`` Sentinels
     (quorum 1, down-after 1 s). ``data_args`` go to every data node
-    (e.g. ``--min-replicas-to-write 1``)."""
+    (e.g. ``--min-replicas-to-write 1``); ``password`` is the data nodes'
+    ``requirepass`` (and ``masterauth``), ``sentinel_password`` the Sentinels'."""
 
     def __init__(
-        self, root: Path, replicas: int = 1, sentinels: int = 1, data_args: tuple[str, ...] = ()
+        self,
+        root: Path,
+        replicas: int = 1,
+        sentinels: int = 1,
+        data_args: tuple[str, ...] = (),
+        password: str = "",
+        sentinel_password: str = "",
     ) -> None:
         self.binary = RedisServer(root).binary
-        self.data = [Node(root, "master")] + [Node(root, f"replica{i}") for i in range(replicas)]
-        self.sentinels = [Node(root, f"sentinel{i}") for i in range(sentinels)]
+        self.data = [Node(root, "master", password)] + [
+            Node(root, f"replica{i}", password) for i in range(replicas)
+        ]
+        self.sentinels = [Node(root, f"sentinel{i}", sentinel_password) for i in range(sentinels)]
         self.data_args = data_args
+        self.password = password
+        self.sentinel_password = sentinel_password
 
     def start(self) -> None:
         master = self.data[0]
@@ -77,6 +89,8 @@ class SentinelSet:
                 "--repl-diskless-sync-delay", "0",  # a replica syncs at once, not after 5 s
                 *self.data_args,
             ]  # fmt: skip
+            if self.password:
+                args += ["--requirepass", self.password, "--masterauth", self.password]
             if node is not master:
                 args += ["--replicaof", "127.0.0.1", str(master.port)]
             node.start(args)
@@ -90,6 +104,8 @@ class SentinelSet:
                 f"sentinel monitor {SERVICE} 127.0.0.1 {master.port} 1\n"
                 f"sentinel down-after-milliseconds {SERVICE} 1000\n"
                 f"sentinel failover-timeout {SERVICE} 10000\n"
+                + (f"sentinel auth-pass {SERVICE} {self.password}\n" if self.password else "")
+                + (f"requirepass {self.sentinel_password}\n" if self.sentinel_password else "")
                 # Known at once, not after the master's next INFO (up to 10 s).
                 + "".join(
                     f"sentinel known-replica {SERVICE} 127.0.0.1 {n.port}\n"
@@ -152,6 +168,21 @@ class SentinelSet:
             if len(ports & {n.port for n in self.data if n is not master}) < len(self.data) - 1:
                 return False
         return True
+
+    def kill_master(self, within_s: float = 30.0) -> Node:
+        """SIGKILL the master; returns the replica the Sentinel promotes (after
+        down-after-milliseconds, 1 s, and the failover)."""
+        old = self.master()
+        assert old.proc is not None
+        old.proc.kill()
+        old.proc.wait()
+        old.proc = None
+        deadline = time.monotonic() + within_s
+        while (new := self.master()) is old:
+            if time.monotonic() > deadline:
+                raise AssertionError("the Sentinel did not promote a replica")
+            time.sleep(0.05)
+        return new
 
     def failover(self, within_s: float = 30.0) -> Node:
         """``SENTINEL FAILOVER``; returns the promoted node once the Sentinel names it."""

@@ -4,7 +4,7 @@ A master, a replica and a Sentinel (``tests/bus/sentinel_set.py``); the
 master runs with ``min-replicas-to-write 1``, the setting docs/operations.md
 asks for, so once its replica is promoted it refuses writes (NOREPLICAS, an
 outage) instead of taking writes the failover discards. Across a
-``SENTINEL FAILOVER`` a publisher and a consumer group keep going on the new
+``SENTINEL FAILOVER``, and across a SIGKILL of the master, a publisher and a consumer group keep going on the new
 master with every entry delivered once (the new master may lack the old one's
 last entries, taken in the instant before it noticed the promotion:
 asynchronous replication); the scheduler's fence never repeats.
@@ -25,7 +25,7 @@ import redis.asyncio as aioredis
 from structlog.testing import capture_logs
 
 from scheduler.leader import Leadership
-from star.bus import Bus, GroupReader, as_str, xrevrange
+from star.bus import Bus, BusUnavailable, GroupReader, as_str, xrevrange
 from star.ports import free_port
 from star.redis_sentinel import SentinelMaster
 from star.settings import RedisSettings
@@ -74,8 +74,9 @@ def sentinel_settings(cluster: SentinelSet, **kw: Any) -> RedisSettings:
     return RedisSettings(**defaults)
 
 
+@pytest.mark.parametrize("how", ["sentinel-failover", "master-killed"])
 async def test_publisher_and_group_reader_follow_a_sentinel_failover(
-    sentinel_set: SentinelSet,
+    sentinel_set: SentinelSet, how: str
 ) -> None:
     rs, bs = sentinel_settings(sentinel_set), bus_settings()
     producer = Bus.from_settings(rs, bs)
@@ -105,7 +106,10 @@ async def test_publisher_and_group_reader_follow_a_sentinel_failover(
             async with asyncio.timeout(SETTLE_S):
                 await half.wait()
             started = time.monotonic()
-            new = await asyncio.to_thread(sentinel_set.failover)
+            switch = (
+                sentinel_set.failover if how == "sentinel-failover" else sentinel_set.kill_master
+            )
+            new = await asyncio.to_thread(switch)
             assert new is not old
             async with asyncio.timeout(SETTLE_S):
                 await publisher
@@ -189,3 +193,53 @@ async def test_the_fence_never_repeats_across_a_failover(sentinel_set: SentinelS
     finally:
         await bus_a.close()
         await bus_b.close()
+
+
+async def test_the_passwords_of_the_master_and_of_the_sentinels(tmp_path: Path) -> None:
+    cluster = SentinelSet(tmp_path, password="master-pw-1234", sentinel_password="sentry-pw-5678")
+    cluster.start()
+    try:
+        # The Sentinels' password in their URLs, the master's in redis.password.
+        urls = tuple(f"redis://:sentry-pw-5678@{a}" for a in cluster.addresses)
+        good = sentinel_settings(cluster, sentinels=urls, password="master-pw-1234")
+        bus = Bus.from_settings(good, bus_settings())
+        try:
+            entry = await bus.publish("decisions", decision(0))
+            assert [as_str(i) for i, _ in await xrevrange(bus.redis, bus.keys.decisions, 5)] == [
+                entry
+            ]
+        finally:
+            await bus.close()
+        # redis.sentinel_password overrides the URLs'. A wrong one: refused at
+        # once, naming the Sentinels, never a password.
+        wrong = sentinel_settings(
+            cluster,
+            sentinels=urls,
+            sentinel_password="wrong-pw-0000",
+            password="master-pw-1234",
+        )
+        bus = Bus.from_settings(wrong, bus_settings())
+        try:
+            started = time.monotonic()
+            with pytest.raises(BusUnavailable) as err:
+                await bus.publish("decisions", decision(1))
+            assert time.monotonic() - started < 5
+        finally:
+            await bus.close()
+        text = str(err.value)
+        assert f"master {SERVICE!r} of Sentinels redis://:***@" in text
+        assert "every Sentinel refused the credentials" in text
+        assert "invalid username-password pair" in text, text
+        assert "pw-" not in text.replace("redis://:***@", "")
+        # A wrong password of the master: refused at once, as without Sentinel.
+        bad_master = sentinel_settings(cluster, sentinels=urls, password="not-the-master-pw")
+        bus = Bus.from_settings(bad_master, bus_settings())
+        try:
+            started = time.monotonic()
+            with pytest.raises(BusUnavailable, match="refused the credentials"):
+                await bus.publish("decisions", decision(2))
+            assert time.monotonic() - started < 5
+        finally:
+            await bus.close()
+    finally:
+        cluster.stop()
