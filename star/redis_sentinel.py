@@ -4,7 +4,9 @@ With ``redis.sentinels`` set, STAR asks those Sentinels for the address of the
 master they monitor under ``redis.service_name`` and connects there; every new
 connection asks again (redis-py's ``SentinelConnectionPool``), so after a
 failover the bus's retry loop, which drops its connections on an outage,
-reaches the promoted replica. ``redis.url`` then gives only the master's scheme
+reaches the promoted replica. An old master that takes writes without an
+error is left too: :meth:`SentinelMaster.follow` asks the Sentinels every
+:data:`FOLLOW_S` and moves the connections when they name another master. ``redis.url`` then gives only the master's scheme
 (``rediss://`` = TLS with the ``redis.tls_*`` files), database and
 credentials; its host and port are not used.
 
@@ -18,11 +20,14 @@ of options, so all of them must agree on TLS and credentials.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from dataclasses import dataclass
 from typing import Any, cast
 from urllib.parse import SplitResult, unquote, urlsplit
 
 import redis.asyncio as aioredis
+import structlog
 from redis.asyncio.connection import parse_url
 from redis.asyncio.sentinel import (
     MasterNotFoundError,
@@ -31,12 +36,14 @@ from redis.asyncio.sentinel import (
     SentinelManagedConnection,
     SentinelManagedSSLConnection,
 )
-from redis.exceptions import AuthenticationError
+from redis.exceptions import AuthenticationError, RedisError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from star.redact import redact_url
 from star.settings import RedisSettings, SettingsError, bare_userinfo
+
+log = structlog.get_logger(__name__)
 
 SENTINEL_PORT = 26379
 
@@ -118,6 +125,18 @@ def _dropping(
     """
 
     class Dropping(base):  # type: ignore[valid-type,misc]
+        switches = 0  # the pool's count of master switches when this one connected
+
+        async def connect(self) -> None:
+            # The pool calls this before every command it hands this connection:
+            # one made before the master switched (a blocked read then, say)
+            # is dropped here and dials the new master.
+            switches = getattr(self.connection_pool, "switches", 0)
+            if self.is_connected and self.switches != switches:
+                await self.disconnect()
+            await super().connect()
+            self.switches = switches
+
         async def read_response(self, *args: Any, **kwargs: Any) -> Any:
             try:
                 return await super().read_response(*args, **kwargs)
@@ -169,11 +188,60 @@ class Sentinels(Sentinel):
         raise MasterNotFoundError(f"no Sentinel names a master {service_name!r}: {detail}")
 
 
+FOLLOW_S = 1.0  # how often a client asks the Sentinels which server is master
+
+
 class SentinelMaster(aioredis.Redis):
-    """The master client :func:`connect_master` returns: closing it also closes
-    its clients of the Sentinels (redis-py leaves those to the caller)."""
+    """The master client :func:`connect_master` returns.
+
+    redis-py asks the Sentinels for the master only when it opens a
+    connection, and an old master that Sentinel has replaced stays a writable
+    master until Sentinel turns it into a replica (about 10 s later), so
+    connections already open would go on writing there, into data the
+    failover discards. :meth:`follow` asks the Sentinels every
+    :data:`FOLLOW_S` and, when they name another master, closes the idle
+    connections and has each busy one dropped before its next command. Closing
+    the client stops that and closes its clients of the Sentinels (redis-py
+    leaves those to the caller).
+    """
+
+    _follower: asyncio.Task[None] | None = None
+
+    def follow(self) -> None:
+        """Start following the Sentinels' master, once (needs a running loop)."""
+        if self._follower is None:
+            self._follower = asyncio.get_running_loop().create_task(
+                self._follow(), name="sentinel-follow"
+            )
+
+    async def _follow(self) -> None:
+        pool = cast(SentinelConnectionPool, self.connection_pool)
+        while True:
+            await asyncio.sleep(FOLLOW_S)
+            try:
+                address = await pool.sentinel_manager.discover_master(pool.service_name)
+            except (RedisError, OSError):
+                continue  # no Sentinel answers now: the connections stay as they are
+            old = pool.master_address
+            if old is None or tuple(address) == tuple(old):
+                continue
+            pool.master_address = address
+            pool.switches = getattr(pool, "switches", 0) + 1  # type: ignore[attr-defined]
+            log.warning(
+                "redis_master_switched",
+                service=pool.service_name,
+                old=f"{old[0]}:{old[1]}",
+                new=f"{address[0]}:{address[1]}",
+            )
+            with contextlib.suppress(RedisError, OSError):
+                await pool.disconnect(inuse_connections=False)
 
     async def aclose(self, close_connection_pool: bool | None = None) -> None:
+        follower, self._follower = self._follower, None
+        if follower is not None:
+            follower.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await follower
         try:
             await super().aclose(close_connection_pool)
         finally:

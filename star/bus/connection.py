@@ -19,7 +19,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from star.aio import raise_swallowed_cancel
-from star.redis_sentinel import connect_master, describe
+from star.redis_sentinel import SentinelMaster, connect_master, describe
 from star.redis_tls import tls_kwargs
 from star.settings import BusSettings, RedisSettings
 
@@ -259,6 +259,8 @@ class Connection:
         :class:`BusUnavailable` is raised, and at once when Redis refuses the
         credentials.
         """
+        if isinstance(self.redis, SentinelMaster):
+            self.redis.follow()
         cfg = self.redis_settings
         delay = cfg.backoff_base_s
         started = time.monotonic()

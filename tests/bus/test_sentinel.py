@@ -27,7 +27,7 @@ from structlog.testing import capture_logs
 from scheduler.leader import Leadership
 from star.bus import Bus, BusUnavailable, GroupReader, as_str, xrevrange
 from star.ports import free_port
-from star.redis_sentinel import SentinelMaster
+from star.redis_sentinel import FOLLOW_S, SentinelMaster
 from star.settings import RedisSettings
 from star.wire import Decision
 from tests.bus.sentinel_set import SERVICE, SentinelSet
@@ -243,3 +243,66 @@ async def test_the_passwords_of_the_master_and_of_the_sentinels(tmp_path: Path) 
             await bus.close()
     finally:
         cluster.stop()
+
+
+async def test_clients_leave_a_replaced_master_that_still_takes_writes(tmp_path: Path) -> None:
+    """Without ``min-replicas-to-write`` the old master stays a writable master
+    for about 10 s after ``SENTINEL FAILOVER``, and nothing tells its clients:
+    they follow the Sentinels (every ``FOLLOW_S``) and move on their own. What
+    they wrote to the old master before that is lost, a bounded window."""
+    cluster = SentinelSet(tmp_path, replicas=1, sentinels=1)
+    cluster.start()
+    rs, bs = sentinel_settings(cluster), bus_settings()
+    producer = Bus.from_settings(rs, bs)
+    reader_bus = Bus.from_settings(rs, bs)
+    reader = GroupReader(reader_bus, "decisions", "g", "c1", Decision)
+    got: list[str] = []
+    published: list[tuple[float, str, str]] = []  # (when, decision id, entry id)
+    half = asyncio.Event()
+    total = 400
+
+    async def consume() -> None:
+        async for batch in reader:
+            got.extend(e.msg.id for e in batch if isinstance(e.msg, Decision))
+
+    async def publish() -> None:
+        for i in range(total):
+            entry = await producer.publish("decisions", decision(i))
+            published.append((time.monotonic(), f"d{i}", entry))
+            if i == FAILOVER_AT:
+                half.set()
+            await asyncio.sleep(0.01)
+
+    old = cluster.master()
+    with capture_logs() as logs:
+        consumer = asyncio.create_task(consume())
+        publisher = asyncio.create_task(publish())
+        try:
+            async with asyncio.timeout(SETTLE_S):
+                await half.wait()
+            switched = time.monotonic()
+            new = await asyncio.to_thread(cluster.failover)
+            async with asyncio.timeout(SETTLE_S):
+                await publisher
+            settled = switched + 2 * FOLLOW_S + 1.0  # both clients have moved by then
+            assert published[-1][0] > settled + 0.5, "publish longer after the failover"
+            late = [d for t, d, _ in published if t > settled]
+            await wait_until(lambda: set(late) <= set(got), "the entries after the switch")
+            await stop(consumer)
+            with old.client() as client:  # not yet turned into a replica
+                assert as_str(client.execute_command("ROLE")[0]) == "master"
+            with new.client() as client:
+                kept = {as_str(i) for i, _ in client.xrange(producer.keys.decisions)}
+        finally:
+            consumer.cancel()
+            publisher.cancel()
+            await producer.close()
+            await reader_bus.close()
+            cluster.stop()
+    assert sum(1 for e in logs if e["event"] == "redis_master_switched") == 2  # each client
+    # Once each: nothing the consumer got twice.
+    assert len(got) == len(set(got))
+    assert got[-len(late) :] == late
+    # Only what was written around the switch can be missing from the new master.
+    missing = [t for t, _, entry in published if entry not in kept]
+    assert all(switched <= t <= settled for t in missing), (len(missing), switched, settled)
