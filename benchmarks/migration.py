@@ -37,7 +37,7 @@ from typing import Any
 import httpx
 
 from star.bus import Bus
-from star.cli.migrate import manual_decision
+from star.fleet import manual_decision
 from star.settings import BusSettings, RedisSettings
 from star.wire import Event, EventKind
 
@@ -320,7 +320,7 @@ def run(args: argparse.Namespace) -> int:
             )
         )
     else:
-        from star.cli.up import LocalCluster
+        from star.fleet import LocalCluster
 
         env = {
             **os.environ,

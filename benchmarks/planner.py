@@ -34,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from star.cli.simulate import max_migrations_arg
 from star.planner import Instance, Mode, PlannerParams, Request, plan
+from star.planner.core import max_migrations_arg
 from star.planner.reference import reference_plan
 from star.planner.trace import instance_traces
 

@@ -241,7 +241,7 @@ class Procs:
 
 
 def start_processes(run_dir: Path, prefix: str, args: argparse.Namespace) -> Procs:
-    from star.cli.up import ClusterError, Launcher, start_private_redis
+    from star.fleet import ClusterError, Launcher, start_private_redis
 
     binary = shutil.which("redis-server")
     if binary is None:

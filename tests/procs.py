@@ -199,7 +199,7 @@ def sigterm_interrupts() -> Iterator[None]:
     """Make SIGTERM (``timeout``, a CI runner) stop pytest the way Ctrl-C does.
 
     pytest unwinds only ``KeyboardInterrupt`` and its own ``Exit``: any other
-    exception raised by a signal handler (``star.cli.up.Terminated``) fails
+    exception raised by a signal handler (``star.fleet.Terminated``) fails
     the running test and the session goes on, and by default SIGTERM kills
     the process with no teardown at all. Fixtures' teardown runs in either
     case here; a second SIGTERM is ignored so that it cannot cut the

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.chaos.netns import Network
-from star.cli.up import Child, Launcher, group_members
+from star.fleet import Child, Launcher, group_members
 from star.settings import env_key
 
 SECRET_ENV = env_key("cluster.secret")

@@ -22,8 +22,7 @@ from typing import Any
 from benchmarks.chaos.fleet import NetFleet
 from star.aio import deadline
 from star.bus import Bus
-from star.cli.migrate import manual_decision
-from star.cli.up import group_members
+from star.fleet import group_members, manual_decision
 from star.settings import BusSettings, RedisSettings
 from star.wire import Event, EventKind
 

@@ -221,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"bench e2e: {exc}", file=sys.stderr)
         return 2
     if not args.report_only:
-        from star.cli.up import Terminated
+        from star.fleet import Terminated
 
         try:
             code = _run_cells(args, cells, out)

@@ -1,6 +1,6 @@
 """One cell of ``star bench e2e``: a fresh fleet, the seeded workload, what the bus saw.
 
-The fleet is :class:`star.cli.up.LocalCluster` (the code path of ``star up``)
+The fleet is :class:`star.fleet.LocalCluster` (the code path of ``star up``)
 with a private ``redis-server``, the regime's settings and the cell's
 scheduler mode. A few short requests warm every decode instance's NIXL path
 first; then the workload's requests go out at their seeded send times, and
@@ -95,7 +95,7 @@ def _run(coro: Coroutine[Any, Any, T]) -> T:
     """
     import uvloop
 
-    from star.cli.up import Terminated
+    from star.fleet import Terminated
 
     async def main() -> T:
         task = asyncio.ensure_future(coro)
@@ -130,7 +130,7 @@ def run_cell(
     progress: bool = False,
 ) -> CellResult:
     """Bring a fleet up, replay the workload, read the bus back, stop the fleet."""
-    from star.cli.up import LocalCluster
+    from star.fleet import LocalCluster
 
     prefix = f"e2e-{uuid.uuid4().hex[:8]}"
     env = dict(os.environ)

@@ -7,6 +7,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+from star.fleet.errors import FleetError
 from star.redact import redact_url
 from star.settings import Settings, SettingsError, load_settings, parse_assignment
 
@@ -29,7 +30,9 @@ def add_settings_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def settings_from_args(args: argparse.Namespace, flags: Mapping[str, Any] | None = None) -> Settings:
+def settings_from_args(
+    args: argparse.Namespace, flags: Mapping[str, Any] | None = None
+) -> Settings:
     """Load settings: defaults < file < STAR_* env < --set < a command's own flags."""
     overrides: dict[str, Any] = {}
     for text in getattr(args, "set_", []) or []:
@@ -50,12 +53,12 @@ class CliError(Exception):
 
 
 def guarded(func: Any) -> Any:
-    """Turn SettingsError/CliError into a one-line message and exit status 2."""
+    """Turn SettingsError/CliError/FleetError into a one-line message and exit status 2."""
 
     def run(args: argparse.Namespace) -> int:
         try:
             return int(func(args))
-        except (SettingsError, CliError) as exc:
+        except (SettingsError, CliError, FleetError) as exc:
             return fail(str(exc))
 
     run.__doc__ = func.__doc__

@@ -21,9 +21,9 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from star.planner.core import parse_max_migrations
+from star.planner.core import max_migrations_arg, parse_max_migrations
 from star.planner.types import Mode, PlannerParams
 from star.settings import DISPATCH_POLICIES
 from star.sim import report
@@ -218,14 +218,6 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--json", action="store_true", help="print the rows as a JSON list")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
-
-
-def max_migrations_arg(text: str) -> int | Literal["auto"]:
-    """argparse ``type`` of ``--max-migrations`` (also ``star bench planner``'s)."""
-    try:
-        return parse_max_migrations(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _ints(text: str, what: str) -> list[int]:

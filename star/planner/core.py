@@ -15,6 +15,7 @@ its verdict, computed here with numpy from the same prefix tables.
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import repeat
@@ -58,7 +59,15 @@ from star.planner.types import (
 _VERDICTS = tuple(Verdict)
 _CODE = {v: i for i, v in enumerate(_VERDICTS)}
 
-__all__ = ["CLASSIFY_RTOL", "TickMoves", "decide", "noise_floor", "parse_max_migrations", "plan"]
+__all__ = [
+    "CLASSIFY_RTOL",
+    "TickMoves",
+    "decide",
+    "max_migrations_arg",
+    "noise_floor",
+    "parse_max_migrations",
+    "plan",
+]
 
 
 def parse_max_migrations(text: str) -> int | Literal["auto"]:
@@ -73,6 +82,15 @@ def parse_max_migrations(text: str) -> int | Literal["auto"]:
     if value < 0:
         raise ValueError(f"max_migrations {text!r}: expected {AUTO!r} or an integer >= 0")
     return value
+
+
+def max_migrations_arg(text: str) -> int | Literal["auto"]:
+    """:func:`parse_max_migrations` as an argparse ``type`` (``--max-migrations`` of
+    ``star simulate`` and ``star bench planner``): its message, not argparse's."""
+    try:
+        return parse_max_migrations(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 @dataclass(slots=True)

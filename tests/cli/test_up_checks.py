@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from star.bus import Bus
-from star.cli.up import live_cluster
+from star.fleet import live_cluster
 from star.wire import Event, EventKind
 from tests.conftest import bus_settings, redis_settings
 from tests.procs import cluster_env, reaper

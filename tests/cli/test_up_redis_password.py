@@ -17,8 +17,7 @@ from urllib.parse import urlsplit
 import pytest
 import redis
 
-from star.cli import up
-from star.cli.up import Launcher, LocalCluster, start_private_redis
+from star.fleet import Child, Launcher, LocalCluster, start_private_redis
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="no redis-server")
 
@@ -70,7 +69,7 @@ def test_star_up_hands_the_password_to_children_by_environment_only(
             return real_start(self, name, argv, *args, **kw)
         extra = kw.get("extra_env") or (args[0] if args else None) or {}
         started.append((name, list(argv), {**self.env, **extra}))
-        return up.Child(name, argv, self.run_dir / f"{name}.log")
+        return Child(name, argv, self.run_dir / f"{name}.log")
 
     monkeypatch.setattr(Launcher, "start", record)
     env = {**_clean_env(), "STAR_REDIS_PASSWORD": "", "STAR_REDIS_USERNAME": "someone"}
@@ -115,7 +114,7 @@ def test_star_up_hands_the_password_to_children_by_environment_only(
         assert done.returncode == 0, done.stderr
         assert password not in done.stdout + done.stderr
         # A child started with the cluster's environment finds it the same way.
-        status = up.Launcher(tmp_path, cluster.env)
+        status = Launcher(tmp_path, cluster.env)
         probe = real_start(status, "status", [*star.split(), "status", "--json"])
         assert probe.proc is not None and probe.proc.wait(60) == 0, probe.log.read_text()
         status.stop(5)

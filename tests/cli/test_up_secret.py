@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from star.cli.up import SECRET_ENV, LocalCluster
+from star.fleet import SECRET_ENV, LocalCluster
 
 
 def _cluster(tmp_path: Path, env: dict[str, str]) -> LocalCluster:

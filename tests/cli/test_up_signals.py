@@ -22,13 +22,13 @@ from pathlib import Path
 import psutil
 import pytest
 
-from star.cli.up import group_members
+from star.fleet import group_members
 from tests.procs import cluster_env, reaper, sigkill, wait_gone
 
 HOLDER = textwrap.dedent(
     """
     import sys, time
-    from star.cli.up import LocalCluster
+    from star.fleet import LocalCluster
 
     class Sleepers(LocalCluster):
         def start(self):

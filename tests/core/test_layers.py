@@ -4,8 +4,11 @@ The contracts are import-linter's, in pyproject.toml ([tool.importlinter]):
 the core (``star`` but ``star.cli``) imports no adapter, no ``benchmarks``
 and not ``star.cli``; the adapters import no ``benchmarks``; the modules of
 each package import each other without cycles. ``star.cli`` (the composition
-root) and ``benchmarks`` may import everything. On top of import-linter, no
-two modules anywhere may import each other, directly or through others.
+root) and ``benchmarks`` may import everything but ``star.cli``: nothing
+outside ``star.cli`` imports it (the fleet library is ``star.fleet``), and
+the tests import it only to test the CLI (``star.cli.main`` anywhere, a
+command's own module in a CLI test). On top of import-linter, no two modules
+anywhere may import each other, directly or through others.
 
 Imports inside functions and under ``if TYPE_CHECKING:`` count: a lazy or a
 type-only import is still an arrow in the design.
@@ -13,6 +16,7 @@ type-only import is still an arrow in the design.
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 import tomllib
@@ -50,6 +54,33 @@ def test_the_core_contract_lists_every_module_of_star_but_cli() -> None:
     (core,) = (c for c in config["contracts"] if c["id"] == "core")
     children = {m for m in _graph().find_children("star") if m != "star.cli"}
     assert set(core["source_modules"]) == children
+
+
+def _cli_imports(path: Path) -> set[str]:
+    """The ``star.cli`` modules a file imports (``from star.cli import up`` names star.cli.up)."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module in ("star", "star.cli"):
+                out.update(f"{node.module}.{a.name}" for a in node.names)
+            else:
+                out.add(node.module)
+    return {m for m in out if m == "star.cli" or m.startswith("star.cli.")}
+
+
+def test_tests_import_star_cli_only_to_test_the_cli() -> None:
+    # The fleet, a manual decision, an argparse type: the library (star.fleet,
+    # star.planner), never a command's module; star.cli.main is the CLI itself.
+    tests = ROOT / "tests"
+    wrong = {}
+    for path in sorted(tests.rglob("*.py")):
+        is_cli_test = path.parent.name == "cli" or "cli" in path.stem
+        names = {m for m in _cli_imports(path) if m != "star.cli.main"}
+        if names and not is_cli_test:
+            wrong[str(path.relative_to(ROOT))] = sorted(names)
+    assert wrong == {}
 
 
 def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:

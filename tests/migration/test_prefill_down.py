@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 
 from star.bus import Bus
-from star.cli.up import LocalCluster, group_members
+from star.fleet import LocalCluster, group_members
 from tests.migration.conftest import MODEL, kill, restart
 from tests.migration.test_fleet import pytestmark as fleet_marks
 from tests.procs import proxy_process

@@ -30,7 +30,7 @@ from proxy.cluster import ClusterBackend, Directory
 from proxy.migration import RunState
 from proxy.tokenizer import ModelCard
 from proxy.upstream import ConnectionLost
-from star.cli.migrate import manual_decision
+from star.fleet import manual_decision
 from star.settings import ProxySettings
 from star.wire import Abort, Error, Event, EventKind, Generate, Handoff, Message, Release, Tokens
 from tests.proxy.rawhttp import exchange, parse_responses, request_bytes, until

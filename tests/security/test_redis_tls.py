@@ -156,7 +156,7 @@ async def test_client_certificate_when_the_server_requires_one(
 
 def test_star_up_takes_a_rediss_url_as_the_operators_redis(tls_redis: TlsRedisServer) -> None:
     """A plain PING to a TLS port gets no answer; `star up` must not start a private Redis then."""
-    from star.cli.up import _redis_answers
+    from star.fleet import redis_answers
 
-    assert _redis_answers(tls_redis.url())
-    assert not _redis_answers("redis://127.0.0.1:1/0")
+    assert redis_answers(tls_redis.url())
+    assert not redis_answers("redis://127.0.0.1:1/0")

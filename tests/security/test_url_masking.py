@@ -27,9 +27,8 @@ import pytest
 import structlog
 
 from star.bus import Bus, BusUnavailable, Outage
-from star.cli.common import CliError
 from star.cli.main import main
-from star.cli.up import refuse_a_second_cluster
+from star.fleet import FleetError, refuse_a_second_cluster
 from star.logs import configure_logging
 from star.ports import free_port
 from star.redact import MASK, redact_url, url_secrets
@@ -373,7 +372,7 @@ def test_star_up_refusal_masks_the_password(
             await bus.close()
 
     asyncio.run(first_cluster())
-    with pytest.raises(CliError) as caught:
+    with pytest.raises(FleetError) as caught:
         refuse_a_second_cluster(settings)
     assert "a cluster is already running on" in str(caught.value)
     assert_hidden(str(caught.value), password, host)
