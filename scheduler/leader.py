@@ -33,7 +33,8 @@ would hand the same number out again. Two rules prevent that:
    whatever the new master's ``<prefix>:fence`` says.
 
 A standalone Redis (no replicas) skips the wait: a fence is then as durable
-as the server's persistence (with AOF ``appendfsync always``, every one).
+as the server's persistence (with AOF ``appendfsync always``, every one). So
+does a Redis that refuses ROLE or WAIT, with one warning.
 """
 
 from __future__ import annotations
@@ -41,8 +42,10 @@ from __future__ import annotations
 from typing import Any
 
 import structlog
+from redis.exceptions import ResponseError
 
 from star.bus import Bus, as_str
+from star.bus.connection import TRANSIENT
 from star.wire import Decision, encode
 
 log = structlog.get_logger(__name__)
@@ -96,6 +99,7 @@ class Leadership:
         self.ttl_ms = max(1, int(ttl_s * 1000))
         self.fence = 0
         self.seen = 0  # the highest fence this node has seen (rule 2 above)
+        self._unchecked = False  # warned that ROLE/WAIT are refused
         self._value = ""
         redis = bus.redis
         self._acquire = redis.register_script(_ACQUIRE)
@@ -135,17 +139,35 @@ class Leadership:
         return self.is_leader
 
     async def _replicated(self, fence: int) -> bool:
-        """Whether every replica of the master acknowledged the lock script (rule 1 above)."""
+        """Whether every replica of the master acknowledged the lock script (rule 1 above).
+
+        A Redis that refuses ROLE or WAIT (an ACL user made before they were
+        needed, a managed Redis without them) is taken as one without
+        replicas, as before rule 1, with one warning: rule 2 still holds.
+        """
         redis = self.bus.redis
-        role = await redis.execute_command("ROLE")  # type: ignore[no-untyped-call]
-        replicas = len(role[2]) if as_str(role[0]) == "master" else 0
-        if not replicas:
+        try:
+            role = await redis.execute_command("ROLE")  # type: ignore[no-untyped-call]
+            replicas = len(role[2]) if as_str(role[0]) == "master" else 0
+            if not replicas:
+                return True
+            # WAIT blocks this connection: bounded by half the TTL and by the socket timeout.
+            timeout_ms = max(
+                1, min(self.ttl_ms // 2, int(self.bus.redis_settings.socket_timeout_s * 500))
+            )
+            acked = int(await redis.execute_command("WAIT", replicas, timeout_ms))  # type: ignore[no-untyped-call]
+        except ResponseError as exc:
+            if isinstance(exc, TRANSIENT):
+                raise  # an outage: the caller steps down and tries again
+            if not self._unchecked:
+                self._unchecked = True
+                log.warning(
+                    "fence_replication_unchecked",
+                    node=self.node,
+                    error=str(exc),
+                    hint="grant the scheduler's Redis user +role +wait (star config acl)",
+                )
             return True
-        # WAIT blocks this connection: bounded by half the TTL and by the socket timeout.
-        timeout_ms = max(
-            1, min(self.ttl_ms // 2, int(self.bus.redis_settings.socket_timeout_s * 500))
-        )
-        acked = int(await redis.execute_command("WAIT", replicas, timeout_ms))  # type: ignore[no-untyped-call]
         if acked < replicas:
             log.warning(
                 "leadership_not_replicated",

@@ -10,6 +10,7 @@ import os
 from typing import Any
 
 import pytest
+from redis.exceptions import ReadOnlyError, ResponseError
 from structlog.testing import capture_logs
 
 from scheduler.leader import Leadership
@@ -218,6 +219,31 @@ async def test_a_fence_is_used_once_every_replica_has_it(
     if waits:
         assert waits[0][2] == 750  # ttl/2, under half the socket timeout (1 s)
     assert any(e["event"] == "leadership_not_replicated" for e in logs) is (not used)
+
+
+class RefusingRedis(FakeRedis):
+    async def execute_command(self, *args: Any) -> Any:
+        self.calls.append(args)
+        raise self.error
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__("master", 1, 0)
+        self.error = error
+
+
+async def test_a_redis_without_role_or_wait_is_taken_as_one_without_replicas() -> None:
+    redis = RefusingRedis(
+        ResponseError("NOPERM User star-scheduler has no permissions to run 'role'")
+    )
+    lead = Leadership(FakeBus(redis), "n", ttl_s=1.5)  # type: ignore[arg-type]
+    with capture_logs() as logs:
+        assert await lead._replicated(1) is True
+        assert await lead._replicated(2) is True
+    assert [e["event"] for e in logs] == ["fence_replication_unchecked"]  # once
+    # An outage reply is no refusal: it goes up, and the step fails.
+    lead = Leadership(FakeBus(RefusingRedis(ReadOnlyError("You can't write"))), "n", ttl_s=1.5)  # type: ignore[arg-type]
+    with pytest.raises(ReadOnlyError):
+        await lead._replicated(1)
 
 
 async def test_a_standby_never_takes_a_fence_at_or_below_one_it_saw(own_redis: RedisServer) -> None:
