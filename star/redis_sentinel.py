@@ -288,7 +288,7 @@ def connect_master(
     if password:
         sentinel_kwargs["password"] = password
     if sentinel_tls.pop():
-        sentinel_kwargs.update(ssl=True, ssl_cert_reqs="required", **tls)
+        sentinel_kwargs.update({"ssl": True, "ssl_cert_reqs": "required", **tls})
 
     # The master: what redis.url says but its address (database, user, password,
     # query parameters), then the settings' user and password, as without Sentinel.
@@ -303,7 +303,7 @@ def connect_master(
     if settings.password:
         master["password"] = settings.password
     if master_tls:
-        master.update(ssl_cert_reqs="required", **tls)
+        master.update({"ssl_cert_reqs": "required", **tls})
     base = SentinelManagedSSLConnection if master_tls else SentinelManagedConnection
     master["connection_class"] = _dropping(base, outages)
     sentinel = Sentinels(  # type: ignore[no-untyped-call]
