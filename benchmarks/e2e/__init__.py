@@ -241,7 +241,12 @@ def run(args: argparse.Namespace) -> int:
     if args.prediction:
         from benchmarks.e2e.prereg import load, predicted_p99
 
-        predicted = predicted_p99(load(Path(args.prediction)))
+        ran: dict[tuple[str, str, float, str], list[int]] = {}
+        for d in docs:
+            r = d["row"]
+            key = (r["regime"], cluster_of(d), float(r["rate"]), r["mode"])
+            ran.setdefault(key, []).append(int(r["seed"]))
+        predicted = predicted_p99(load(Path(args.prediction)), lambda key: ran.get(key, []))
         for c in compared:
             key = (c["regime"], c["cluster"], c["rate"], c["mode"])
             c["predicted_p99_tpot_ms"] = predicted.get(key)

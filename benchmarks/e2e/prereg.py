@@ -172,16 +172,27 @@ def load(path: Path) -> dict[str, Any]:
     return doc
 
 
-def predicted_p99(doc: dict[str, Any]) -> dict[tuple[str, str, float, str], float]:
+def predicted_p99(
+    doc: dict[str, Any], seeds: Callable[[tuple[str, str, float, str]], Sequence[int]] | None = None
+) -> dict[tuple[str, str, float, str], float]:
     """Mean over seeds of the predicted P99 TPOT, per (regime, cluster, rate, mode).
 
-    A registration written before cells named their cluster has its design's shape.
+    ``seeds(key)``: the seeds to average over, those the fleet ran (a sweep
+    that has run 1 of 5 seeds is compared with that seed's prediction, not
+    with a mean that other seeds' overloads dominate); default every seed
+    registered. A registration written before cells named their cluster has
+    its design's shape.
     """
     design = doc.get("design") or {}
     shape = cluster_name(int(design.get("prefill", 1)), int(design.get("decode", 3)))
-    groups: dict[tuple[str, str, float, str], list[float]] = {}
+    groups: dict[tuple[str, str, float, str], dict[int, float]] = {}
     for c in doc["cells"]:
         if c.get("p99_tpot_ms") is not None:
             key = (c["regime"], c.get("cluster") or shape, float(c["rate"]), c["mode"])
-            groups.setdefault(key, []).append(float(c["p99_tpot_ms"]))
-    return {k: float(np.mean(v)) for k, v in groups.items()}
+            groups.setdefault(key, {})[int(c["seed"])] = float(c["p99_tpot_ms"])
+    out = {}
+    for key, by_seed in groups.items():
+        wanted = by_seed if seeds is None else [s for s in seeds(key) if s in by_seed]
+        if wanted:
+            out[key] = float(np.mean([by_seed[s] for s in wanted]))
+    return out

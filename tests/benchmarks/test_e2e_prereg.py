@@ -81,6 +81,12 @@ def test_a_registration_records_date_commit_design_and_knee(tmp_path: Path) -> N
     assert prereg.predicted_p99(doc) == {("device", "1P+3D", 2.0, "no-migration"): 20.0}
     doc["cells"][0]["cluster"] = "2P+6D"
     assert prereg.predicted_p99(doc) == {("device", "2P+6D", 2.0, "no-migration"): 20.0}
+    # Beside a sweep that has run some seeds, the mean over those seeds only.
+    doc["cells"] += [_cell("device", 2.0, 2, 0.5) | {"p99_tpot_ms": 80.0, "cluster": "2P+6D"}]
+    key = ("device", "2P+6D", 2.0, "no-migration")
+    assert prereg.predicted_p99(doc)[key] == 50.0
+    assert prereg.predicted_p99(doc, lambda k: [2] if k == key else [])[key] == 80.0
+    assert prereg.predicted_p99(doc, lambda k: [3]) == {}
     (tmp_path / "other.json").write_text("{}")
     with pytest.raises(prereg.PredictionError, match="not a pre-registration"):
         prereg.load(tmp_path / "other.json")
