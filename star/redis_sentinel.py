@@ -22,9 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import dataclass
 from typing import Any, cast
-from urllib.parse import SplitResult, unquote, urlsplit
+from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
 import structlog
@@ -41,59 +40,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from star.redact import redact_url
-from star.settings import RedisSettings, SettingsError, bare_userinfo
+from star.settings import RedisSettings, SentinelAddress, SettingsError, parse_sentinel
 
 log = structlog.get_logger(__name__)
-
-SENTINEL_PORT = 26379
-
-
-@dataclass(frozen=True, slots=True)
-class SentinelAddress:
-    """One entry of ``redis.sentinels``."""
-
-    host: str
-    port: int
-    tls: bool | None  # None: a bare host:port, TLS as redis.url says
-    username: str | None = None
-    password: str | None = None
-
-
-def parse_sentinel(entry: str) -> SentinelAddress:
-    """Read one ``redis.sentinels`` entry; :class:`ValueError` (password masked) if it is not one."""
-    text = entry.strip()
-    shown = repr(redact_url(bare_userinfo(text)))
-    form = "a sentinel is host, host:port or a redis:// or rediss:// URL"
-    parts: SplitResult
-    if "://" in text:
-        parts = urlsplit(text)
-        if parts.scheme not in ("redis", "rediss"):
-            raise ValueError(f"{shown}: {form}")
-        tls: bool | None = parts.scheme == "rediss"
-    else:
-        parts = urlsplit("//" + text)
-        tls = None
-        if parts.username is not None:
-            raise ValueError(
-                f"{shown}: credentials need the URL form, redis://user:password@host:port"
-            )
-    if parts.path not in ("", "/") or parts.query or parts.fragment:
-        raise ValueError(
-            f"{shown}: a sentinel is named by host and port only (no database or parameters)"
-        )
-    try:
-        port = parts.port
-    except ValueError:
-        raise ValueError(f"{shown}: the port must be a number in 1..65535") from None
-    if not parts.hostname:
-        raise ValueError(f"{shown}: {form}")
-    return SentinelAddress(
-        host=parts.hostname,
-        port=port or SENTINEL_PORT,
-        tls=tls,
-        username=unquote(parts.username) if parts.username else None,
-        password=unquote(parts.password) if parts.password else None,
-    )
 
 
 def sentinel_addresses(settings: RedisSettings) -> list[SentinelAddress]:

@@ -17,8 +17,16 @@ from scheduler.leader import Leadership
 from star.bus import Bus, BusUnavailable, connect_redis
 from star.cli.main import main
 from star.ports import free_port
-from star.redis_sentinel import SentinelAddress, SentinelMaster, describe, parse_sentinel
-from star.settings import RedisSettings, SettingsError, as_dict, load_settings, secret_values
+from star.redis_sentinel import SentinelMaster, describe
+from star.settings import (
+    RedisSettings,
+    SentinelAddress,
+    SettingsError,
+    as_dict,
+    load_settings,
+    parse_sentinel,
+    secret_values,
+)
 from tests.conftest import bus_settings, redis_settings
 from tests.redis_server import RedisServer
 
