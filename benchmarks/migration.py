@@ -36,6 +36,7 @@ from typing import Any
 
 import httpx
 
+from benchmarks.common import bench_main, text_table
 from star.bus import Bus
 from star.fleet import manual_decision
 from star.settings import BusSettings, RedisSettings
@@ -274,16 +275,7 @@ def render(doc: dict[str, Any]) -> str:
             )
         )
     slow = doc["co_running_itl_ms_in"] / doc["co_running_itl_ms_out"]
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    lines = [
-        "  ".join(
-            c.ljust(w) if i == 0 else c.rjust(w)
-            for i, (c, w) in enumerate(zip(r, widths, strict=True))
-        )
-        for r in rows
-    ]
-    lines.insert(1, "-" * len(lines[0]))
-    lines.append("")
+    lines = [text_table(rows, left=1, rule=True), ""]
     lines.append(
         f"co-running streams: {doc['co_running_itl_ms_in']:.2f} ms/chunk during migrations vs "
         f"{doc['co_running_itl_ms_out']:.2f} ms otherwise (x{slow:.2f}; samples {doc['co_running_samples']})"
@@ -355,9 +347,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.migration", description=__doc__)
-    configure(parser)
-    return run(parser.parse_args(argv))
+    """``python -m benchmarks.migration``."""
+    return bench_main("benchmarks.migration", configure, run, __doc__, argv)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.common import bench_main, text_table
 from star.planner import Instance, Mode, PlannerParams, Request, plan
 from star.planner.core import max_migrations_arg
 from star.planner.reference import reference_plan
@@ -340,19 +341,13 @@ def run(args: argparse.Namespace) -> int:
                 f"{r.moves:.2f}",
             )
         )
-    widths = [max(len(row[c]) for row in table) for c in range(len(header))]
-    for row in table:
-        print("  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)))
+    print(text_table(table))
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.planner",
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
-    )
-    configure(parser)
-    return run(parser.parse_args(argv))
+    """``python -m benchmarks.planner``."""
+    return bench_main("benchmarks.planner", configure, run, __doc__, argv)
 
 
 if __name__ == "__main__":

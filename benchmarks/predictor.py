@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import bench_main, text_table
+
 PAPER_DIM = 3584
 TINY_DIM = 128
 BATCHES = (1, 10, 64)
@@ -249,16 +251,23 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"mlp": rows, "engine": overhead}, indent=1))
         return 0
     print(f"torch {torch.__version__}, CPU threads {args.threads}")
-    print(
-        f"{'device':<7}{'MLP':<20}{'params':>11}{'batch':>7}{'median ms':>11}{'p90 ms':>9}"
-        f"{'engine path ms':>16}"
-    )
+    table: list[tuple[object, ...]] = [
+        ("device", "MLP", "params", "batch", "median ms", "p90 ms", "engine path ms")
+    ]
     for r in rows:
         shape = "-".join(map(str, [r["dim"], *r["hidden"], r["outputs"]]))
-        print(
-            f"{r['device']:<7}{shape:<20}{r['params']:>11,}"
-            f"{r['batch']:>7}{r['median_ms']:>11.3f}{r['p90_ms']:>9.3f}{r['engine_median_ms']:>16.3f}"
+        table.append(
+            (
+                r["device"],
+                shape,
+                f"{r['params']:,}",
+                r["batch"],
+                f"{r['median_ms']:.3f}",
+                f"{r['p90_ms']:.3f}",
+                f"{r['engine_median_ms']:.3f}",
+            )
         )
+    print(text_table(table, left=2))
     print("paper (GPU, d=3584): 1.33 ms at batch 1, 2.4 ms at batch 10")
     if overhead is not None:
         o = overhead
@@ -276,9 +285,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.predictor", description=__doc__)
-    configure(parser)
-    return run(parser.parse_args(argv))
+    """``python -m benchmarks.predictor``."""
+    return bench_main("benchmarks.predictor", configure, run, __doc__, argv)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, cast
 
+from benchmarks.common import bench_main
+
 DEFAULT_STREAMS = (1, 100, 1000)
 _CORPUS = "the quick brown fox jumps over the lazy dog while a proxy relays tokens to clients"
 
@@ -402,12 +404,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.proxy",
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
-    )
-    configure(parser)
-    return run(parser.parse_args(argv))
+    """``python -m benchmarks.proxy``."""
+    return bench_main("benchmarks.proxy", configure, run, __doc__, argv)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import bench_main
 from benchmarks.proxy import _CORPUS, _Stream, _tokenizer_dir, print_columns
 
 _STALL_PROMPT = "stall"
@@ -570,12 +571,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.proxy_hold",
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
-    )
-    configure(parser)
-    return run(parser.parse_args(argv))
+    """``python -m benchmarks.proxy_hold``."""
+    return bench_main("benchmarks.proxy_hold", configure, run, __doc__, argv)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from benchmarks.common import bench_main, text_table
 from benchmarks.emulated_workers import (
     Emulated,
     GenStats,
@@ -560,13 +562,10 @@ def print_table(r: dict[str, Any]) -> None:
         ),
         ("load average (cpus)", f"{r['load1_mean']} ({r['cpus']})", ""),
     ]
-    width = max(len(a) for a, _, _ in rows)
-    vwidth = max(len(b) for _, b, _ in rows)
     print(
         f"star bench scheduler: {r['duration_s']} s after a {r['warmup_s']} s warm-up, interval {r['interval_s']} s"
     )
-    for a, b, c in rows:
-        print(f"  {a:<{width}}  {b:<{vwidth}}  {c}")
+    print(text_table(rows, left=3, indent="  "))
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -646,7 +645,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m benchmarks.scheduler_load``."""
+    return bench_main("benchmarks.scheduler_load", configure, run, __doc__, argv)
+
+
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(prog="python -m benchmarks.scheduler_load")
-    configure(p)
-    raise SystemExit(run(p.parse_args()))
+    sys.exit(main())

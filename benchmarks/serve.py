@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.client import Timing, payload, stream_once
+from benchmarks.common import bench_main, text_table
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,9 +208,7 @@ def table(summary: dict[str, Any], title: str) -> str:
         rows.append((f"error x{count}", error))
     width = max(len(k) for k, _ in rows)
     line = "=" * (width + 24)
-    return "\n".join(
-        [line, title.center(len(line)), line, *(f"{k:<{width}}  {v}" for k, v in rows), line]
-    )
+    return "\n".join([line, title.center(len(line)), line, text_table(rows, left=2), line])
 
 
 async def drive(
@@ -412,11 +411,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.serve", description=__doc__.splitlines()[0]
-    )
-    configure(parser)
-    return run(parser.parse_args(argv))
+    """``python -m benchmarks.serve``."""
+    return bench_main("benchmarks.serve", configure, run, __doc__, argv)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from benchmarks.common import bench_main, text_table
 from star.sim import SimConfig, simulate
 
 DEFAULT_SIZES = (8, 16, 32, 64, 128, 256)
@@ -134,20 +135,13 @@ def run(args: argparse.Namespace) -> int:
         )
         for r in rows
     ]
-    widths = [max(len(row[c]) for row in table) for c in range(len(header))]
-    for row in table:
-        print("  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)))
+    print(text_table(table))
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m benchmarks.simulator``."""
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.simulator",
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
-    )
-    configure(parser)
-    return run(parser.parse_args(argv))
+    return bench_main("benchmarks.simulator", configure, run, __doc__, argv)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from benchmarks.chaos import load
 from benchmarks.chaos.fleet import NetFleet, host_names
 from benchmarks.chaos.netns import Network, unavailable
 from benchmarks.chaos.scenarios import SCENARIOS, Ctx, bus_call
+from benchmarks.common import bench_main, text_table
 from star.aio import deadline
 
 TTL_S = 30  # released-but-unread KV blocks are freed after this (decoder_kv_blocks_ttl)
@@ -212,13 +213,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
             f"{k} {v}" for k, v in row.items() if k not in known and v not in ("", None)
         )
         lines.append([*cells, notes])
-    widths = [max(len(str(line[i])) for line in lines) for i in range(len(head) - 1)]
-    return "\n".join(
-        "  ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=False))
-        + "  "
-        + str(line[-1])
-        for line in lines
-    )
+    return text_table(lines, left=len(head))
 
 
 async def _main(args: argparse.Namespace, names: list[str], run_dir: Path) -> list[dict[str, Any]]:
@@ -294,9 +289,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.chaos.run", description=__doc__)
-    configure(parser)
-    return run(parser.parse_args(argv))
+    """``python -m benchmarks.chaos.run``."""
+    return bench_main("benchmarks.chaos.run", configure, run, __doc__, argv)
 
 
 if __name__ == "__main__":
