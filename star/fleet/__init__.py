@@ -14,6 +14,8 @@ fleet:
   one bus.
 - :mod:`star.fleet.manual`: a manual migration decision, published and
   followed to its outcome.
+- :mod:`star.fleet.status`: the status document ``star status`` prints,
+  read from the bus.
 """
 
 from __future__ import annotations
