@@ -22,14 +22,14 @@ import structlog
 
 from scheduler.leader import Leadership
 from scheduler.metrics import SchedulerMetrics
-from scheduler.view import ClusterView, Snapshot, decision_for
+from scheduler.view import ClusterView, Snapshot, decision_for, rebuild
 from star.bus import TRANSIENT, Bus, BusUnavailable, GroupReader, Outage, Subscriber
 from star.planner.core import plan_on
 from star.planner.types import ModeKind, Plan, PlannerParams
 from star.predictor.live import AccuracyTracker
 from star.process import SafePointCollector, Service, set_gc_gen0_threshold
 from star.settings import Settings
-from star.wire import Decision, Event, EventKind, Report
+from star.wire import Decision, Event, EventKind, Message, Report, WireError, decode
 
 log = structlog.get_logger(__name__)
 
@@ -336,3 +336,41 @@ class SchedulerService(Service):
             ttl_s=self.view.staleness_s,
             policy=self.settings.scheduler.dispatch,  # the proxies follow it (proxy.cluster)
         )
+
+
+async def read_view(settings: Settings) -> ClusterView:
+    """The scheduler's view rebuilt from what the bus holds now (``star plan --from-redis``).
+
+    The newest reports and the windows this service reads: ``worker_down``
+    events a staleness window back, decisions until they expire and their
+    outcomes after them (:func:`scheduler.view.rebuild`). A message that does
+    not decode is passed over (a consumer group dead-letters it). Raises
+    :class:`BusUnavailable`.
+    """
+
+    def decoded(rows: list[tuple[str, dict[bytes, bytes]]]) -> list[Message]:
+        out: list[Message] = []
+        for _id, raw in rows:
+            try:
+                out.append(decode(raw.get(b"body", b"")))
+            except WireError:
+                continue
+        return out
+
+    cfg = settings.scheduler
+    bus = Bus.from_settings(settings.redis, settings.bus)
+    try:
+        reports = list((await bus.latest_reports()).values())
+        events = decoded(await bus.since("events", max(cfg.staleness_s, cfg.decision_timeout_s)))
+        decisions = decoded(await bus.since("decisions", cfg.decision_timeout_s))
+    finally:
+        await bus.close()
+    return rebuild(
+        reports,
+        [e for e in events if isinstance(e, Event)],
+        [d for d in decisions if isinstance(d, Decision)],
+        staleness_s=cfg.staleness_s,
+        decision_timeout_s=cfg.decision_timeout_s,
+        now=time.monotonic(),
+        now_wall=time.time(),
+    )

@@ -99,55 +99,19 @@ def load_state(args: argparse.Namespace) -> tuple[list[Instance], PlannerParams]
 
 
 def _live_state(args: argparse.Namespace) -> tuple[list[Instance], PlannerParams]:
-    """The scheduler's view rebuilt from the bus: the newest reports, the
-    ``worker_down`` events, the decisions not yet resolved (:func:`scheduler.view.rebuild`)."""
+    """The scheduler's view rebuilt from the bus (:func:`scheduler.service.read_view`)."""
     import asyncio
-    import time
 
-    from scheduler.view import rebuild
-    from star.bus import Bus, BusUnavailable
+    from scheduler.service import read_view
+    from star.bus import BusUnavailable
     from star.settings import load_settings
-    from star.wire import Decision, Event, Message, Report, WireError, decode
 
     settings = load_settings(args.config)
     params = params_from_dict(_overrides({}, args), base=PlannerParams.from_settings(settings))
-
-    def decoded(rows: list[tuple[str, dict[bytes, bytes]]]) -> list[Message]:
-        out: list[Message] = []
-        for _id, raw in rows:
-            try:
-                out.append(decode(raw.get(b"body", b"")))
-            except WireError:
-                continue  # a consumer group dead-letters it; nothing to plan on
-        return out
-
-    async def read() -> tuple[list[Report], list[Message], list[Message]]:
-        bus = Bus.from_settings(settings.redis, settings.bus)
-        try:
-            reports = list((await bus.latest_reports()).values())
-            # The windows the scheduler reads (scheduler.service): worker_down
-            # events a staleness window back, decisions until they expire, and
-            # their outcomes after them.
-            cfg = settings.scheduler
-            events = await bus.since("events", max(cfg.staleness_s, cfg.decision_timeout_s))
-            decisions = await bus.since("decisions", cfg.decision_timeout_s)
-        finally:
-            await bus.close()
-        return reports, decoded(events), decoded(decisions)
-
     try:
-        reports, events, decisions = asyncio.run(read())
+        view = asyncio.run(read_view(settings))
     except BusUnavailable as exc:
         raise ValueError(str(exc)) from None
-    view = rebuild(
-        reports,
-        [e for e in events if isinstance(e, Event)],
-        [d for d in decisions if isinstance(d, Decision)],
-        staleness_s=settings.scheduler.staleness_s,
-        decision_timeout_s=settings.scheduler.decision_timeout_s,
-        now=time.monotonic(),
-        now_wall=time.time(),
-    )
     instances = view.instances(params)
     if not instances:
         raise ValueError(
