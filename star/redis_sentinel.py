@@ -74,17 +74,17 @@ def _dropping(
     """
 
     class Dropping(base):  # type: ignore[valid-type,misc]
-        switches = 0  # the pool's count of master switches when this one connected
-
         async def connect(self) -> None:
             # The pool calls this before every command it hands this connection:
-            # one made before the master switched (a blocked read then, say)
-            # is dropped here and dials the new master.
-            switches = getattr(self.connection_pool, "switches", 0)
-            if self.is_connected and self.switches != switches:
+            # one still on a master the pool no longer names (it was busy, a
+            # blocked read say, when the master switched) is dropped here and
+            # dials the one named now. Compared by address, not by who noticed:
+            # redis-py's pool updates master_address itself whenever another
+            # connection opens, and then the follower sees no change.
+            named = getattr(self.connection_pool, "master_address", None)
+            if self.is_connected and named is not None and (self.host, self.port) != tuple(named):
                 await self.disconnect()
             await super().connect()
-            self.switches = switches
 
         async def read_response(self, *args: Any, **kwargs: Any) -> Any:
             try:
@@ -174,8 +174,7 @@ class SentinelMaster(aioredis.Redis):
             old = pool.master_address
             if old is None or tuple(address) == tuple(old):
                 continue
-            pool.master_address = address
-            pool.switches = getattr(pool, "switches", 0) + 1  # type: ignore[attr-defined]
+            pool.master_address = address  # busy connections leave it (Dropping.connect)
             log.warning(
                 "redis_master_switched",
                 service=pool.service_name,
@@ -187,16 +186,19 @@ class SentinelMaster(aioredis.Redis):
 
     async def aclose(self, close_connection_pool: bool | None = None) -> None:
         follower, self._follower = self._follower, None
-        if follower is not None:
-            follower.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await follower
         try:
-            await super().aclose(close_connection_pool)
+            if follower is not None:
+                follower.cancel()
+                # wait(), not ``await follower`` in suppress(CancelledError):
+                # that would swallow a cancel of this task too.
+                await asyncio.wait([follower])
         finally:
-            pool = self.connection_pool
-            if isinstance(pool, SentinelConnectionPool):
-                await pool.sentinel_manager.aclose()
+            try:
+                await super().aclose(close_connection_pool)
+            finally:
+                pool = self.connection_pool
+                if isinstance(pool, SentinelConnectionPool):
+                    await pool.sentinel_manager.aclose()
 
 
 def connect_master(

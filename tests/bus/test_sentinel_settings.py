@@ -3,13 +3,16 @@ factory builds; and the leader's fence rules, table-tested without Sentinel."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import io
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
+import redis.asyncio as aioredis
 from redis.exceptions import ReadOnlyError, ResponseError
 from structlog.testing import capture_logs
 
@@ -146,6 +149,52 @@ async def test_the_factory_builds_a_sentinel_client_with_the_settings() -> None:
         await client.aclose()
     with pytest.raises(SettingsError, match="unix://"):
         connect_redis(RedisSettings(url="unix:///run/redis.sock", sentinels=("s1:1",)))
+
+
+async def test_a_connection_busy_when_the_master_switched_leaves_it(
+    own_redis: RedisServer, tmp_path: Path
+) -> None:
+    """A connection in use while the Sentinels named another master is dropped
+    before its next command, also when redis-py's pool (a connection opened
+    meanwhile), not the follower, noticed the switch."""
+    (tmp_path / "new").mkdir()
+    new = RedisServer(tmp_path / "new", persistent=False)
+    new.start()
+    named = [("127.0.0.1", own_redis.port)]
+
+    async def discover(_service: str) -> tuple[str, int]:
+        return named[0]
+
+    client = connect_redis(RedisSettings(sentinels=(f"127.0.0.1:{free_port()}",)))
+    pool: Any = client.connection_pool
+    pool.sentinel_manager.discover_master = discover
+    old = aioredis.Redis(port=own_redis.port)
+    try:
+        busy = await pool.get_connection()
+        assert busy.port == own_redis.port
+        named[0] = ("127.0.0.1", new.port)
+        await client.ping()  # a second connection: the pool asks and takes the new master
+        assert tuple(pool.master_address) == named[0]
+        await pool.release(busy)
+        await client.set("where", "here")
+        assert await old.get("where") is None  # nothing written to the old master
+        assert await client.get("where") == b"here"
+    finally:
+        await old.aclose()
+        await client.aclose()
+        new.stop()
+
+
+async def test_closing_a_client_keeps_a_cancel_of_the_closer() -> None:
+    client = connect_redis(RedisSettings(sentinels=(f"127.0.0.1:{free_port()}",)))
+    assert isinstance(client, SentinelMaster)
+    client.follow()
+    closing = asyncio.create_task(client.aclose())
+    await asyncio.sleep(0)  # closing waits for the follower to end
+    closing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await closing
+    assert client._follower is None
 
 
 def _fields(settings: RedisSettings) -> dict[str, Any]:
