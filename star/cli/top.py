@@ -1,10 +1,10 @@
 """``star top``: a live terminal view of the fleet, refreshed from the bus.
 
-The adapter around :mod:`star.top`: it reads ``<prefix>:reports``,
-``:decisions`` and ``:events`` in order with :class:`~star.bus.Subscriber`
-(starting ``--window`` seconds back, so the first frame already shows the
-fleet), reads the leader lock, folds everything into a
-:class:`~star.top.TopState` and draws a frame every ``--interval``.
+The adapter around :mod:`star.top`: a :class:`star.fleet.feed.Feed` reads
+``<prefix>:reports``, ``:decisions`` and ``:events`` in order (starting
+``--window`` seconds back, so the first frame already shows the fleet) and
+the leader lock into a :class:`~star.top.TopState`; this module draws a
+frame every ``--interval``.
 """
 
 from __future__ import annotations
@@ -23,16 +23,13 @@ from collections.abc import Iterator
 from typing import Any
 
 from star.aio import deadline
-from star.bus import Bus, BusUnavailable, Subscriber, as_str
+from star.bus import Bus, BusUnavailable
 from star.cli.common import CliError, add_settings_args, guarded, settings_from_args
+from star.fleet.feed import Feed
 from star.logs import configure_logging
 from star.settings import LogSettings, Settings
 from star.top import TopState, render_view
-from star.wire import Decision, Event, Report
 
-# Reads per stream and refresh: a backlog larger than this (thousands of
-# reports) is caught up over several frames instead of stalling one.
-MAX_READS = 64
 ENTER_SCREEN = "\x1b[?1049h\x1b[?25l"  # alternate screen, hide the cursor
 LEAVE_SCREEN = "\x1b[?25h\x1b[?1049l"
 
@@ -123,38 +120,6 @@ def run(args: argparse.Namespace) -> int:
         return asyncio.run(_top(settings, args))
     except BusUnavailable as exc:
         raise CliError(str(exc)) from None
-
-
-class Feed:
-    """The three streams and the leader lock, folded into one :class:`TopState`."""
-
-    def __init__(self, bus: Bus, state: TopState, window_s: float) -> None:
-        self.bus = bus
-        self.state = state
-        # A time-based id: Redis stream ids are its millisecond clock.
-        start = f"{max(0, int((time.time() - window_s) * 1000))}-0"
-        self.subs = [
-            Subscriber(bus, "reports", Report, start=start),
-            Subscriber(bus, "decisions", Decision, start=start),
-            Subscriber(bus, "events", Event, start=start),
-        ]
-
-    async def refresh(self) -> None:
-        """Fold what is new on the bus (raises :class:`BusUnavailable`)."""
-        await asyncio.gather(*(self._drain(sub) for sub in self.subs), self._leader())
-
-    async def _drain(self, sub: Subscriber) -> None:
-        for _ in range(MAX_READS):
-            entries = await sub.read(block_ms=1)
-            self.state.fold_all([e.msg for e in entries])
-            if len(entries) < self.bus.settings.read_count:
-                return
-
-    async def _leader(self) -> None:
-        raw = await self.bus.retrying(
-            "GET leader", lambda: self.bus.redis.get(self.bus.keys.leader)
-        )
-        self.state.set_leader_lock(as_str(raw) if raw else None)
 
 
 async def _top(settings: Settings, args: argparse.Namespace) -> int:

@@ -16,6 +16,7 @@ fleet:
   followed to its outcome.
 - :mod:`star.fleet.status`: the status document ``star status`` prints,
   read from the bus.
+- :mod:`star.fleet.feed`: the bus folded into ``star top``'s state.
 """
 
 from __future__ import annotations
