@@ -205,7 +205,6 @@ def run_train(args: argparse.Namespace) -> int:
     from star.predictor import evaluate as ev
     from star.predictor import train as tr
     from star.predictor.dataset import DatasetError
-    from star.predictor.model import save_checkpoint
     from star.settings import SettingsError
 
     try:
@@ -218,7 +217,6 @@ def run_train(args: argparse.Namespace) -> int:
         data, samples = _load(args.data)
     except DatasetError as exc:
         return _err(str(exc))
-    splits = tr.split(samples, args.seed)
     base = tr.TrainConfig(
         hidden_sizes=settings.predictor.hidden_sizes,
         lr=args.lr,
@@ -229,44 +227,29 @@ def run_train(args: argparse.Namespace) -> int:
         uncertainty=not args.no_uncertainty,
         seed=args.seed,
     )
-    configs = [base] if args.no_search else tr.default_grid(base)
+    out = args.out or args.data / "predictor"
     try:
-        best, results = tr.search(configs, splits, progress=not args.quiet)
+        done = tr.train_checkpoint(
+            data,
+            samples,
+            base,
+            out,
+            grid=not args.no_search,
+            seed=args.seed,
+            progress=not args.quiet,
+        )
     except ValueError as exc:
         return _err(str(exc))
     print(f"{'configuration':<36}{'val MAE':>9}{'epochs':>8}{'best':>6}{'s':>7}")
-    for r in results:
-        mark = " *" if r is best else ""
+    for r in done.results:
+        mark = " *" if r is done.best else ""
         print(
             f"{r.config.label():<36}{r.val_mae:>9.1f}{r.epochs:>8}{r.best_epoch:>6}{r.seconds:>7.0f}{mark}"
         )
-    meta = data.index["meta"]
-    rows = ev.evaluate(best.model, splits["test"], splits["train"], _max_tokens(meta))
-    out = args.out or args.data / "predictor"
-    save_checkpoint(
-        best.model,
-        out,
-        {
-            "model": meta["model"],
-            "hidden_size": int(meta["hidden_size"]),
-            "data": {**meta, "hash": data.data_hash(), "rows": len(samples)},
-            "split_seed": args.seed,
-            "rows": {k: len(v) for k, v in splits.items()},
-            "train": tr.describe(best),
-            "search": [tr.describe(r) for r in results],
-            "metrics": ev.summary(rows),
-        },
-    )
-    print(f"\ntest split ({len(splits['test'])} rows), MAE in tokens:")
-    print(ev.format_table([r for r in rows if r.bucket == "all"]))
+    print(f"\ntest split ({len(done.splits['test'])} rows), MAE in tokens:")
+    print(ev.format_table([r for r in done.rows if r.bucket == "all"]))
     print(f"\nwrote {out}")
     return 0
-
-
-def _max_tokens(meta: dict[str, Any]) -> int | None:
-    """The max_tokens the data was collected with (None: not recorded)."""
-    value = meta.get("max_tokens")
-    return int(value) if value is not None else None
 
 
 def run_eval(args: argparse.Namespace) -> int:
@@ -285,7 +268,7 @@ def run_eval(args: argparse.Namespace) -> int:
             f"checkpoint expects hidden size {ckpt.config.input_dim}, the data has {samples.dim}"
         )
     splits = tr.split(samples, int(ckpt.metadata.get("split_seed", 0)))
-    max_tokens = _max_tokens(data.index["meta"])
+    max_tokens = tr.collected_max_tokens(data.index["meta"])
     preds = ev.predictions(ckpt.model, splits["test"], splits["train"], max_tokens)
     rows = ev.evaluate(ckpt.model, splits["test"], splits["train"], max_tokens, preds)
     if args.json:

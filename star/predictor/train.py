@@ -27,14 +27,16 @@ import math
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
-from star.predictor.dataset import Samples
-from star.predictor.model import LengthPredictor, PredictorConfig
+from star.predictor import evaluate as ev
+from star.predictor.dataset import DataDir, Samples
+from star.predictor.model import LengthPredictor, PredictorConfig, save_checkpoint
 
 SPLITS = ("train", "val", "test")
 
@@ -226,3 +228,58 @@ def describe(result: TrainResult) -> dict[str, Any]:
         "seconds": round(result.seconds, 1),
         "parameters": result.model.num_parameters(),
     }
+
+
+def collected_max_tokens(meta: dict[str, Any]) -> int | None:
+    """The max_tokens a data directory was collected with (None: not recorded)."""
+    value = meta.get("max_tokens")
+    return int(value) if value is not None else None
+
+
+@dataclass
+class Trained:
+    """What :func:`train_checkpoint` did: the winner, every run, the splits and
+    the winner's rows on the test split."""
+
+    best: TrainResult
+    results: list[TrainResult]
+    splits: dict[str, Samples]
+    rows: list[ev.Row]
+
+
+def train_checkpoint(
+    data: DataDir,
+    samples: Samples,
+    base: TrainConfig,
+    out: Path,
+    *,
+    grid: bool = True,
+    seed: int = 0,
+    progress: bool = True,
+) -> Trained:
+    """``star predictor train``: split ``samples`` by prompt (``seed``), train
+    ``base`` (with ``grid``, its :func:`default_grid`), evaluate the best on the
+    test split and save it to ``out`` with its data, split, search and metrics.
+
+    Raises ValueError when there is nothing to train on.
+    """
+    splits = split(samples, seed)
+    configs = default_grid(base) if grid else [base]
+    best, results = search(configs, splits, progress=progress)
+    meta = data.index["meta"]
+    rows = ev.evaluate(best.model, splits["test"], splits["train"], collected_max_tokens(meta))
+    save_checkpoint(
+        best.model,
+        out,
+        {
+            "model": meta["model"],
+            "hidden_size": int(meta["hidden_size"]),
+            "data": {**meta, "hash": data.data_hash(), "rows": len(samples)},
+            "split_seed": seed,
+            "rows": {k: len(v) for k, v in splits.items()},
+            "train": describe(best),
+            "search": [describe(r) for r in results],
+            "metrics": ev.summary(rows),
+        },
+    )
+    return Trained(best, results, splits, rows)
