@@ -110,7 +110,7 @@ class Sentinels(Sentinel):
     async def discover_master(self, service_name: str) -> tuple[str, int]:
         problems: list[str] = []
         refused = 0
-        for index, sentinel in enumerate(self.sentinels):
+        for sentinel in list(self.sentinels):
             kw = sentinel.connection_pool.connection_kwargs
             where = f"{kw.get('host')}:{kw.get('port')}"
             try:
@@ -124,6 +124,11 @@ class Sentinels(Sentinel):
                 continue
             state = masters.get(service_name)
             if state and self.check_master_state(state, service_name):
+                # To the front. Found again, not by its index when asked: a
+                # lookup at the same time (the follower's, a connection's)
+                # may have moved it, and a swap by a stale index doubles one
+                # Sentinel and loses another.
+                index = self.sentinels.index(sentinel)
                 self.sentinels[0], self.sentinels[index] = sentinel, self.sentinels[0]
                 return state["ip"], state["port"]
             problems.append(

@@ -8,11 +8,13 @@ import contextlib
 import dataclasses
 import io
 import os
+import types
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ReadOnlyError, ResponseError
 from structlog.testing import capture_logs
 
@@ -20,7 +22,7 @@ from scheduler.leader import Leadership
 from star.bus import Bus, BusUnavailable, connect_redis
 from star.cli.main import main
 from star.ports import free_port
-from star.redis_sentinel import SentinelMaster, describe
+from star.redis_sentinel import SentinelMaster, Sentinels, describe
 from star.settings import (
     RedisSettings,
     SentinelAddress,
@@ -195,6 +197,43 @@ async def test_closing_a_client_keeps_a_cancel_of_the_closer() -> None:
     with pytest.raises(asyncio.CancelledError):
         await closing
     assert client._follower is None
+
+
+class _Sentinel:
+    """A Sentinel client that fails at once (``down``) or answers when ``gate`` opens."""
+
+    def __init__(self, host: str, gate: asyncio.Event, down: bool = False) -> None:
+        self.connection_pool = types.SimpleNamespace(connection_kwargs={"host": host, "port": 1})
+        self.gate, self.down = gate, down
+
+    async def sentinel_masters(self) -> dict[str, Any]:
+        if self.down:
+            raise RedisConnectionError("refused")
+        await self.gate.wait()
+        state = {"ip": "10.0.0.1", "port": 6379, "is_master": True, "is_sdown": False}
+        return {"bus": {**state, "is_odown": False, "num-other-sentinels": 0}}
+
+
+async def test_concurrent_lookups_keep_every_sentinel() -> None:
+    """The follower and a connection opening ask at once; the one that answered
+    moves to the front, and no Sentinel is lost from the list (nor doubled)."""
+    gate = asyncio.Event()
+    down, answers, third = (
+        _Sentinel("s0", gate, down=True),
+        _Sentinel("s1", gate),
+        _Sentinel("s2", gate),
+    )
+    sentinels = Sentinels([("s0", 1), ("s1", 1), ("s2", 1)])  # type: ignore[no-untyped-call]
+    sentinels.sentinels = [down, answers, third]
+    try:
+        lookups = [asyncio.create_task(sentinels.discover_master("bus")) for _ in range(2)]
+        await asyncio.sleep(0)
+        gate.set()
+        assert await asyncio.gather(*lookups) == [("10.0.0.1", 6379)] * 2
+        assert sentinels.sentinels[0] is answers
+        assert {id(s) for s in sentinels.sentinels} == {id(down), id(answers), id(third)}
+    finally:
+        sentinels.sentinels = []
 
 
 def _fields(settings: RedisSettings) -> dict[str, Any]:
