@@ -35,7 +35,7 @@ from redis.asyncio.sentinel import (
     SentinelManagedConnection,
     SentinelManagedSSLConnection,
 )
-from redis.exceptions import AuthenticationError, RedisError
+from redis.exceptions import AuthenticationError, RedisError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -119,7 +119,9 @@ class Sentinels(Sentinel):
                 refused += 1
                 problems.append(f"{where}: {exc}")
                 continue
-            except (RedisConnectionError, RedisTimeoutError) as exc:
+            except (RedisConnectionError, RedisTimeoutError, ResponseError) as exc:
+                # An error reply too (NOPERM: its ACL user lacks SENTINEL MASTERS):
+                # one Sentinel's, and the next may answer.
                 problems.append(f"{where}: {exc}")
                 continue
             state = masters.get(service_name)

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from redis.asyncio.sentinel import MasterNotFoundError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ReadOnlyError, ResponseError
 from structlog.testing import capture_logs
@@ -202,11 +203,15 @@ async def test_closing_a_client_keeps_a_cancel_of_the_closer() -> None:
 class _Sentinel:
     """A Sentinel client that fails at once (``down``) or answers when ``gate`` opens."""
 
-    def __init__(self, host: str, gate: asyncio.Event, down: bool = False) -> None:
+    def __init__(
+        self, host: str, gate: asyncio.Event, down: bool = False, error: Exception | None = None
+    ) -> None:
         self.connection_pool = types.SimpleNamespace(connection_kwargs={"host": host, "port": 1})
-        self.gate, self.down = gate, down
+        self.gate, self.down, self.error = gate, down, error
 
     async def sentinel_masters(self) -> dict[str, Any]:
+        if self.error is not None:
+            raise self.error
         if self.down:
             raise RedisConnectionError("refused")
         await self.gate.wait()
@@ -232,6 +237,21 @@ async def test_concurrent_lookups_keep_every_sentinel() -> None:
         assert await asyncio.gather(*lookups) == [("10.0.0.1", 6379)] * 2
         assert sentinels.sentinels[0] is answers
         assert {id(s) for s in sentinels.sentinels} == {id(down), id(answers), id(third)}
+    finally:
+        sentinels.sentinels = []
+
+
+async def test_an_error_reply_of_one_sentinel_leaves_the_others() -> None:
+    gate = asyncio.Event()
+    gate.set()
+    noperm = ResponseError("NOPERM User watch has no permissions to run the 'sentinel|masters'")
+    sentinels = Sentinels([("s0", 1), ("s1", 1)])  # type: ignore[no-untyped-call]
+    sentinels.sentinels = [_Sentinel("s0", gate, error=noperm), _Sentinel("s1", gate)]
+    try:
+        assert await sentinels.discover_master("bus") == ("10.0.0.1", 6379)
+        sentinels.sentinels = [_Sentinel("s0", gate, error=noperm)]
+        with pytest.raises(MasterNotFoundError, match=r"s0:1: NOPERM"):
+            await sentinels.discover_master("bus")
     finally:
         sentinels.sentinels = []
 
