@@ -113,12 +113,14 @@ def parse_sentinel(entry: str) -> SentinelAddress:
     try:
         port = parts.port
     except ValueError:
-        raise ValueError(f"{shown}: the port must be a number in 1..65535") from None
+        port = 0
+    if port == 0:  # not a number, out of range, or 0 (never "the default")
+        raise ValueError(f"{shown}: the port must be a number in 1..65535")
     if not parts.hostname:
         raise ValueError(f"{shown}: {form}")
     return SentinelAddress(
         host=parts.hostname,
-        port=port or SENTINEL_PORT,
+        port=SENTINEL_PORT if port is None else port,
         tls=tls,
         username=unquote(parts.username) if parts.username else None,
         password=unquote(parts.password) if parts.password else None,

@@ -58,6 +58,8 @@ def test_sentinel_entries(entry: str, parsed: SentinelAddress) -> None:
     [
         "s1:notaport",
         "s1:70000",
+        "s1:0",
+        "redis://s1:0",
         "http://s1:1",
         "unix:///run/sentinel.sock",
         "redis://s1:1/2",
