@@ -74,6 +74,14 @@ def run(args: argparse.Namespace) -> int:
     if settings.cluster.secret:  # from a config file too: LocalCluster keeps it
         env[SECRET_ENV] = settings.cluster.secret
     model = args.model or settings.worker.model or None
+    if settings.redis.sentinels:
+        # star up checks, and may start, one Redis at redis.url; its children
+        # would follow the Sentinels' master instead, a different bus.
+        raise CliError(
+            "star up runs a local cluster on one Redis (redis.url, or a private one it starts) "
+            "and does not follow Sentinels; unset redis.sentinels (STAR_REDIS_SENTINELS) for it, "
+            "or run each process against the Sentinels under systemd (docs/operations.md)"
+        )
     refuse_a_second_cluster(settings)
     cluster = LocalCluster(
         settings.redis.url,

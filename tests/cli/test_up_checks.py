@@ -86,6 +86,21 @@ def test_a_second_star_up_on_a_live_bus_refuses_naming_it(
     assert not run_dir.exists()  # nothing was started
 
 
+def test_star_up_refuses_sentinels_before_starting_anything(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    env = {**cluster_env(), "STAR_REDIS_SENTINELS": "127.0.0.1:26379"}
+    out = subprocess.run(
+        ["star", "up", "--port", "0", "--run-dir", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert out.returncode == 2, out.stderr
+    assert "does not follow Sentinels; unset redis.sentinels" in out.stderr
+    assert not run_dir.exists()  # nothing was started
+
+
 @pytest.mark.engine
 def test_up_with_too_little_kv_cache_says_so_in_one_line(
     redis_server: RedisServer, tmp_path: Path
