@@ -381,6 +381,7 @@ def _run_cells(args: argparse.Namespace, cells: list[Cell], out: Path) -> int:
 
     from benchmarks.e2e.cell import document
     from benchmarks.e2e.fleet import run_cell
+    from benchmarks.e2e.prereg import source_tree
     from benchmarks.e2e.regimes import bytes_per_token, regime
     from benchmarks.e2e.simreal import simulate_cell
     from benchmarks.e2e.workload import Workload, schedule
@@ -404,6 +405,7 @@ def _run_cells(args: argparse.Namespace, cells: list[Cell], out: Path) -> int:
             file=sys.stderr,
         )
     count = _token_counter(model) if workload.name not in ("task", "replay") else None
+    tree = source_tree()  # what each cell ran: its commit, and whether the tree differed from it
     bar = tqdm(todo, unit="cell", disable=args.no_progress or not todo, file=sys.stderr)
     failed = 0
     for cell in bar:
@@ -447,6 +449,7 @@ def _run_cells(args: argparse.Namespace, cells: list[Cell], out: Path) -> int:
                 "decode": args.decode,
                 "bytes_per_token": bpt,
                 "wall_s": time.monotonic() - started,
+                **tree,
             },
         )
         doc["sim"] = simulate_cell(doc, rows)

@@ -152,17 +152,23 @@ def write(path: Path, cells: list[dict[str, Any]], design: dict[str, Any]) -> di
     return doc
 
 
-def _commit() -> str | None:
+def _git(*args: str) -> str | None:
     try:
         return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=Path(__file__).parent,
+            ["git", *args], capture_output=True, text=True, check=True, cwd=Path(__file__).parent
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
+
+
+def _commit() -> str | None:
+    return _git("rev-parse", "--short", "HEAD")
+
+
+def source_tree() -> dict[str, Any]:
+    """The commit this code runs from and whether tracked files differ from it (None: no git)."""
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": _commit(), "tree_modified": None if status is None else bool(status)}
 
 
 def load(path: Path) -> dict[str, Any]:

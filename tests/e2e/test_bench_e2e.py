@@ -63,7 +63,7 @@ def test_two_modes_on_real_fleets_then_resume(tmp_path: Path) -> None:
         rows = json.loads(done.stdout)
         assert [r["mode"] for r in rows] == ["no-migration", "predicted"]
         for r in rows:
-            assert (r["regime"], r["rate"], r["seeds"]) == ("device", 4.0, 1)
+            assert (r["regime"], r["cluster"], r["rate"], r["seeds"]) == ("device", "1P+3D", 4.0, 1)
             assert r["timing"] == "emulated device timing"
             # Paired by construction: greedy decoding gives every request of the seed
             # the baseline's output length (sampled, 3-11 % of natural lengths matched).
@@ -95,6 +95,13 @@ def test_two_modes_on_real_fleets_then_resume(tmp_path: Path) -> None:
             assert set(doc["series"]["instances"]) == {"decode-0", "decode-1", "decode-2"}
             # The card's 200,000 tokens / (32,768 / 256), within one of vLLM's 128-token blocks.
             assert abs(doc["row"]["kv_capacity"] - 1562) <= 128
+            # What the cell ran: this checkout's commit (None outside a git checkout).
+            head = subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+            )
+            assert doc["config"]["commit"] == (
+                head.stdout.strip() if head.returncode == 0 else None
+            )
 
         # Finished cells are skipped: the second run starts no fleet and prints the table.
         again = _bench(out, env)
@@ -102,7 +109,7 @@ def test_two_modes_on_real_fleets_then_resume(tmp_path: Path) -> None:
         assert "2 of 2 cells already done" in again.stderr
         pairs = rows[1]["requests"]
         assert (
-            f"| device (emulated device timing) | 4 | predicted | 1 | {pairs} | 100% |"
+            f"| device (emulated device timing) | 1P+3D | 4 | predicted | 1 | {pairs} | 100% |"
             in again.stdout
         )
         assert "| device (emulated device timing) | 4 | predicted | 1 |" in again.stdout
