@@ -68,13 +68,7 @@ def test_a_second_star_up_on_a_live_bus_refuses_naming_it(
     try:
         env = {**cluster_env(), "STAR_REDIS_URL": redis_server.url, "STAR_BUS_PREFIX": prefix}
         run_dir = tmp_path / "second"
-        out = subprocess.run(
-            ["star", "up", "--port", "0", "--run-dir", str(run_dir)],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env=env,
-        )
+        out = _star_up(run_dir, env)
     finally:
         asyncio.run(first_cluster(up=False))
     assert out.returncode == 2, out.stderr
@@ -86,16 +80,20 @@ def test_a_second_star_up_on_a_live_bus_refuses_naming_it(
     assert not run_dir.exists()  # nothing was started
 
 
-def test_star_up_refuses_sentinels_before_starting_anything(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    env = {**cluster_env(), "STAR_REDIS_SENTINELS": "127.0.0.1:26379"}
-    out = subprocess.run(
+def _star_up(run_dir: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """``star up`` on a free port with its logs in ``run_dir``, for a refusal it must print."""
+    return subprocess.run(
         ["star", "up", "--port", "0", "--run-dir", str(run_dir)],
         capture_output=True,
         text=True,
         timeout=120,
         env=env,
     )
+
+
+def test_star_up_refuses_sentinels_before_starting_anything(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    out = _star_up(run_dir, {**cluster_env(), "STAR_REDIS_SENTINELS": "127.0.0.1:26379"})
     assert out.returncode == 2, out.stderr
     assert "does not follow Sentinels; unset redis.sentinels" in out.stderr
     assert not run_dir.exists()  # nothing was started
