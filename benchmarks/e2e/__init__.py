@@ -46,6 +46,7 @@ from benchmarks.e2e.report import (
     cell_of,
     cluster_name,
     cluster_of,
+    group_of,
     live_table,
     load_all,
     load_cell,
@@ -243,9 +244,7 @@ def run(args: argparse.Namespace) -> int:
 
         ran: dict[tuple[str, str, float, str], list[int]] = {}
         for d in docs:
-            r = d["row"]
-            key = (r["regime"], cluster_of(d), float(r["rate"]), r["mode"])
-            ran.setdefault(key, []).append(int(r["seed"]))
+            ran.setdefault(group_of(d), []).append(int(d["row"]["seed"]))
         predicted = predicted_p99(load(Path(args.prediction)), lambda key: ran.get(key, []))
         for c in compared:
             key = (c["regime"], c["cluster"], c["rate"], c["mode"])
@@ -258,11 +257,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         for c in compared:  # each comparison row carries the rows of its cells
             group = (c["regime"], c["cluster"], c["rate"], c["mode"])
-            c["cells"] = [
-                r
-                for r, d in zip(rows, docs, strict=True)
-                if (r["regime"], cluster_of(d), float(r["rate"]), r["mode"]) == group
-            ]
+            c["cells"] = [r for r, d in zip(rows, docs, strict=True) if group_of(d) == group]
         print(json.dumps(_plain(compared), indent=1, allow_nan=False))
     else:
         print(comparison_table(compared))

@@ -277,15 +277,14 @@ def comparison_rows(
     """One row per (regime, cluster, rate, mode) from finished cells: (``cell.json``
     document, requests). Fleet shapes are compared apart: a cell is paired only
     with the baseline of its own regime, cluster, rate and seed."""
-    from benchmarks.e2e.report import cluster_of
+    from benchmarks.e2e.report import group_of
 
     groups: dict[tuple[str, str, float, str], list[tuple[Mapping[str, Any], Arm]]] = {}
     for doc, requests in cells:
         row = doc["row"]
         reg = (doc.get("config") or {}).get("regime") or {}
         slo = (float(reg.get("slo_ttft_ms", math.inf)), float(reg.get("slo_tpot_ms", math.inf)))
-        key = (str(row["regime"]), cluster_of(doc), float(row["rate"]), str(row["mode"]))
-        groups.setdefault(key, []).append((row, Arm.from_cell(row, requests, slo)))
+        groups.setdefault(group_of(doc), []).append((row, Arm.from_cell(row, requests, slo)))
     sweeps: dict[tuple[str, str], dict[str, dict[float, list[Arm]]]] = {}
     for (regime, cluster, rate, mode), members in groups.items():
         sweep = sweeps.setdefault((regime, cluster), {})

@@ -111,6 +111,12 @@ def cluster_of(doc: dict[str, Any]) -> str:
     )
 
 
+def group_of(doc: dict[str, Any]) -> tuple[str, str, float, str]:
+    """The comparison row a cell belongs to: (regime, cluster, rate, mode)."""
+    r = doc["row"]
+    return str(r["regime"]), cluster_of(doc), float(r["rate"]), str(r["mode"])
+
+
 def cell_of(doc: dict[str, Any]) -> Cell:
     r = doc["row"]
     return Cell(r["regime"], r["mode"], float(r["rate"]), int(r["seed"]))
