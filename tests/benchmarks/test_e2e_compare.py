@@ -169,6 +169,18 @@ def test_rows_count_completed_migrations_apart_from_decisions() -> None:
     assert "| 6 / 10 |" in text
 
 
+def test_baseline_preemptions_count_only_the_seeds_a_mode_ran() -> None:
+    cells = []
+    for seed, preemptions in ((1, 81), (2, 120), (3, 117)):
+        base = _row("no-migration", seed, preemptions=preemptions)
+        cells.append((_doc(base), _requests(_tpots(seed, 51))))
+    current = _row("current", 1, preemptions=7)
+    cells.append((_doc(current), _requests(_tpots(1, 51, scale=0.9))))
+    base, cur = comparison_rows(cells, bootstrap=50)
+    assert (base["preemptions"], cur["preemptions"], cur["baseline_preemptions"]) == (318, 7, 81)
+    assert "| 7 (81) |" in comparison_table([base, cur])
+
+
 def test_fleet_shapes_are_compared_apart(tmp_path: Path) -> None:
     small = {"prefill": 1, "decode": 3}
     large = {"prefill": 2, "decode": 6}
