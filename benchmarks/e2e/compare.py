@@ -338,32 +338,55 @@ def _order(item: tuple[tuple[str, str, float, str], Any]) -> tuple[str, str, flo
     return regime, cluster, rate, MODES.index(mode) if mode in MODES else len(MODES), mode
 
 
-def comparison_table(rows: Sequence[Mapping[str, Any]]) -> str:
+def comparison_table(rows_in: Sequence[Mapping[str, Any]]) -> str:
     """The paired comparison as a markdown table (what ``star bench e2e`` prints first)."""
-    lines = [
-        "| regime | cluster | rate | mode | seeds | pairs | length match | P99 TPOT ms (pooled) "
-        "| × no-mig. [95 % CI] | predicted P99 ms | SLO met | capacity req/s "
-        "| × no-mig. [95 % CI] | preemptions (no-mig., same seeds) "
-        "| migrations done / decided | note |",
-        "|" + "---|" * 16,
-    ]
-    for r in rows:
+    from benchmarks.e2e.report import markdown
+
+    head = (
+        "regime",
+        "cluster",
+        "rate",
+        "mode",
+        "seeds",
+        "pairs",
+        "length match",
+        "P99 TPOT ms (pooled)",
+        "× no-mig. [95 % CI]",
+        "predicted P99 ms",
+        "SLO met",
+        "capacity req/s",
+        "× no-mig. [95 % CI]",
+        "preemptions (no-mig., same seeds)",
+        "migrations done / decided",
+        "note",
+    )
+    rows = []
+    for r in rows_in:
         label = r["regime"] + (
             " (emulated device timing)" if r.get("timing") == "emulated device timing" else ""
         )
         match = r.get("length_match")
-        lines.append(
-            f"| {label} | {r.get('cluster', '-')} | {r['rate']:g} | {r['mode']} "
-            f"| {r.get('seeds', '-')} "
-            f"| {r.get('requests', '-')} "
-            f"| {'-' if match is None or math.isnan(match) else f'{match:.0%}'} "
-            f"| {_f(r.get('p99_tpot_ms'))} | {_ratio(r, 'p99_tpot_ratio')} "
-            f"| {_f(r.get('predicted_p99_tpot_ms'))} "
-            f"| {_pct(r.get('slo_attainment'))} | {_capacity(r)} "
-            f"| {_ratio(r, 'capacity_goodput_ratio')} | {_preemptions(r)} "
-            f"| {r['migrations_completed']} / {r['decisions']} | {r.get('note', '')} |"
+        rows.append(
+            (
+                label,
+                r.get("cluster", "-"),
+                f"{r['rate']:g}",
+                r["mode"],
+                r.get("seeds", "-"),
+                r.get("requests", "-"),
+                "-" if match is None or math.isnan(match) else f"{match:.0%}",
+                _f(r.get("p99_tpot_ms")),
+                _ratio(r, "p99_tpot_ratio"),
+                _f(r.get("predicted_p99_tpot_ms")),
+                _pct(r.get("slo_attainment")),
+                _capacity(r),
+                _ratio(r, "capacity_goodput_ratio"),
+                _preemptions(r),
+                f"{r['migrations_completed']} / {r['decisions']}",
+                r.get("note", ""),
+            )
         )
-    return "\n".join(lines)
+    return markdown(head, rows)
 
 
 def _preemptions(r: Mapping[str, Any]) -> str:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.e2e.metrics import interval
+from star.sim.report import markdown_table
 
 MODES = ("no-migration", "current", "predicted", "oracle")
 ROW_KEYS = (
@@ -192,24 +193,51 @@ def _ci(a: dict[str, Any], key: str, spec: str) -> str:
 def table(aggs: Sequence[dict[str, Any]]) -> str:
     """The e2e table of docs/results.md: one line per (regime, rate, mode)."""
     head = (
-        "| regime | rate | mode | seeds | P99 TPOT ms | vs no-mig. | goodput req/s | × no-mig. "
-        "| SLO met | preemptions | migrations | exec-time var. ms² | max KV | padding |"
+        "regime",
+        "rate",
+        "mode",
+        "seeds",
+        "P99 TPOT ms",
+        "vs no-mig.",
+        "goodput req/s",
+        "× no-mig.",
+        "SLO met",
+        "preemptions",
+        "migrations",
+        "exec-time var. ms²",
+        "max KV",
+        "padding",
     )
-    lines = [head, "|" + "---|" * 14]
+    rows = []
     for a in aggs:
         label = a["regime"] + (
             " (emulated device timing)" if a.get("timing") == "emulated device timing" else ""
         )
         base = "—" if a["mode"] == "no-migration" else ""  # the baseline itself
-        lines.append(
-            f"| {label} | {a['rate']:g} | {a['mode']} | {a['seeds']} "
-            f"| {_ci(a, 'p99_tpot_ms', '.1f')} | {base or _pct(a.get('tpot_reduction'))} "
-            f"| {_ci(a, 'goodput', '.2f')} | {base or _fmt(a.get('goodput_ratio'), '.2f') + '×'} "
-            f"| {_fmt(a['slo_met'] * 100, '.0f')} % | {_ci(a, 'preemptions', '.1f')} "
-            f"| {_ci(a, 'migrations', '.1f')} | {_fmt(a['exec_time_variance'], '.2f')} "
-            f"| {_fmt(a['max_kv_use'] * 100, '.0f')} % | {_fmt(a['pad_share'] * 100, '.0f')} % |"
+        rows.append(
+            (
+                label,
+                f"{a['rate']:g}",
+                a["mode"],
+                a["seeds"],
+                _ci(a, "p99_tpot_ms", ".1f"),
+                base or _pct(a.get("tpot_reduction")),
+                _ci(a, "goodput", ".2f"),
+                base or _fmt(a.get("goodput_ratio"), ".2f") + "×",
+                f"{_fmt(a['slo_met'] * 100, '.0f')} %",
+                _ci(a, "preemptions", ".1f"),
+                _ci(a, "migrations", ".1f"),
+                _fmt(a["exec_time_variance"], ".2f"),
+                f"{_fmt(a['max_kv_use'] * 100, '.0f')} %",
+                f"{_fmt(a['pad_share'] * 100, '.0f')} %",
+            )
         )
-    return "\n".join(lines)
+    return markdown(head, rows)
+
+
+def markdown(head: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """The e2e report's markdown tables: ``star simulate``'s printer, cells formatted here."""
+    return markdown_table(head, rows).rstrip("\n")
 
 
 def _pct(v: Any) -> str:
@@ -225,11 +253,17 @@ def sim_table(docs: Sequence[dict[str, Any]]) -> str:
         if d.get("sim"):
             r = d["row"]
             groups.setdefault((r["regime"], float(r["rate"]), r["mode"]), []).append(d)
-    lines = [
-        "| regime | rate | mode | P99 TPOT real / sim ms | sim vs real | preemptions real / sim "
-        "| exec-time var. real / sim ms² | migrations real / sim |",
-        "|" + "---|" * 8,
-    ]
+    head = (
+        "regime",
+        "rate",
+        "mode",
+        "P99 TPOT real / sim ms",
+        "sim vs real",
+        "preemptions real / sim",
+        "exec-time var. real / sim ms²",
+        "migrations real / sim",
+    )
+    rows = []
     for (reg, rate, mode), ds in sorted(
         groups.items(), key=lambda kv: (kv[0][0], kv[0][1], _mode_order(kv[0][2]))
     ):
@@ -240,13 +274,19 @@ def sim_table(docs: Sequence[dict[str, Any]]) -> str:
 
         real_p99, sim_p99 = mean("row", "p99_tpot_ms"), mean("sim", "p99_tpot_ms")
         gap = sim_p99 / real_p99 - 1.0 if real_p99 else math.nan
-        lines.append(
-            f"| {reg} | {rate:g} | {mode} | {real_p99:.1f} / {sim_p99:.1f} | {gap * 100:+.0f} % "
-            f"| {mean('row', 'preemptions'):.1f} / {mean('sim', 'preemptions'):.1f} "
-            f"| {mean('row', 'exec_time_variance'):.2f} / {mean('sim', 'exec_time_variance'):.2f} "
-            f"| {mean('row', 'migrations'):.1f} / {mean('sim', 'migrations'):.1f} |"
+        rows.append(
+            (
+                reg,
+                f"{rate:g}",
+                mode,
+                f"{real_p99:.1f} / {sim_p99:.1f}",
+                f"{gap * 100:+.0f} %",
+                f"{mean('row', 'preemptions'):.1f} / {mean('sim', 'preemptions'):.1f}",
+                f"{mean('row', 'exec_time_variance'):.2f} / {mean('sim', 'exec_time_variance'):.2f}",
+                f"{mean('row', 'migrations'):.1f} / {mean('sim', 'migrations'):.1f}",
+            )
         )
-    return "\n".join(lines)
+    return markdown(head, rows)
 
 
 def live_table(docs: Sequence[dict[str, Any]]) -> str:
@@ -272,19 +312,13 @@ def live_table(docs: Sequence[dict[str, Any]]) -> str:
         total = g.setdefault("all", [0.0, 0.0])
         total[0] += live["points"]
         total[1] += live["points"] * live["mae"]
-    lines = [
-        "| regime | mode | points | MAE | " + " | ".join(f"{x} generated" for x in labels) + " |",
-        "|" + "---|" * (4 + len(labels)),
-    ]
+    head = ("regime", "mode", "points", "MAE", *(f"{x} generated" for x in labels))
+    rows = []
     for (reg, mode), g in sorted(groups.items(), key=lambda kv: (kv[0][0], _mode_order(kv[0][1]))):
 
         def mae(key: str, g: dict[str, list[float]] = g) -> str:
             n, err = g.get(key, [0.0, 0.0])
             return f"{err / n:.0f}" if n else "-"
 
-        lines.append(
-            f"| {reg} | {mode} | {g['all'][0]:.0f} | {mae('all')} | "
-            + " | ".join(mae(x) for x in labels)
-            + " |"
-        )
-    return "\n".join(lines)
+        rows.append((reg, mode, f"{g['all'][0]:.0f}", mae("all"), *(mae(x) for x in labels)))
+    return markdown(head, rows)
