@@ -3,7 +3,8 @@
 Times :func:`star.planner.plan` on imbalanced random cluster states (8 to
 1,024 decode instances x 64 running requests, H = 64, M = ``auto`` by
 default) next to the straightforward O(|O|·|U|·R·H)-per-move implementation
-of the same rule (:func:`star.planner.reference.reference_plan`, up to
+of the same rule (the tests' brute-force oracle, ``tests/planner/reference.py``,
+loaded from the checkout this package is installed from; up to
 ``--naive-up-to`` instances: it takes minutes beyond), in the same process,
 pinned to one CPU. docs/design.md §7: "scheduler tick, 256 decode instances x 64
 requests, H = 64 | paper: < 300 ms | >= 300x the naive rule in the same run,
@@ -24,12 +25,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib.util
 import json
 import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -37,9 +40,9 @@ import numpy as np
 from benchmarks.common import bench_main, text_table
 from star.planner import Instance, Mode, PlannerParams, Request, plan
 from star.planner.core import max_migrations_arg
-from star.planner.reference import reference_plan
 from star.planner.trace import instance_traces
 
+REFERENCE = Path(__file__).resolve().parents[1] / "tests" / "planner" / "reference.py"
 DEFAULT_SIZES = (8, 16, 32, 64, 128, 256, 1024)
 # Distinct states cycled through per size: enough to vary O, U and the
 # winner, few enough that building them stays cheap next to the timing.
@@ -151,6 +154,22 @@ CLOCKS: dict[str, Callable[[], float]] = {
 }
 
 
+def reference_plan() -> Callable[..., Any]:
+    """The brute-force oracle's ``reference_plan``: it lives with the tests (production code
+    has one Algorithm 1), so the bench loads it from the checkout it is installed from."""
+    if not REFERENCE.is_file():
+        raise SystemExit(
+            f"bench planner: the naive reference ({REFERENCE}) is part of a STAR checkout, "
+            "not of an installed package; run from a checkout (pip install -e .) or pass "
+            "--naive-ticks 0"
+        )
+    spec = importlib.util.spec_from_file_location("star_planner_reference", REFERENCE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.reference_plan  # type: ignore[no-any-return]
+
+
 def _times(
     fn: Callable[[Sequence[Instance]], object],
     states: Sequence[Sequence[Instance]],
@@ -184,6 +203,7 @@ def bench(
     tick = CLOCKS[clock]
     rng = np.random.default_rng(seed)
     rows: list[Row] = []
+    naive_plan = reference_plan() if naive_ticks > 0 else None
     for n in sizes:
         states: list[list[Instance]] = []
         stats: list[tuple[int, int, int]] = []
@@ -197,8 +217,8 @@ def bench(
         _times(lambda s: plan(s, params), states, len(states))
         fast = np.array(_times(lambda s: plan(s, params), states, ticks, tick)) * 1e3
         naive: float | None = None
-        if naive_ticks > 0 and (naive_up_to is None or n <= naive_up_to):
-            slow = _times(lambda s: reference_plan(s, params), states, naive_ticks, tick)
+        if naive_plan is not None and (naive_up_to is None or n <= naive_up_to):
+            slow = _times(lambda s: naive_plan(s, params), states, naive_ticks, tick)
             naive = float(np.median(slow) * 1e3)
         o, u, m = (float(np.mean(col)) for col in zip(*stats, strict=True))
         rows.append(

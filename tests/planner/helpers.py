@@ -9,9 +9,9 @@ import numpy as np
 from hypothesis import strategies as st
 
 from star.planner import Instance, Mode, Move, Plan, PlannerParams, Request
-from star.planner.reference import reference_traces
 from star.planner.trace import weighted_variance, weights
 from star.planner.types import AUTO
+from tests.planner.reference import reference_traces
 
 MODES = ("predicted", "oracle", "current", "bins:2", "bins:4", "bins:6")
 

@@ -17,7 +17,6 @@ from hypothesis import strategies as st
 
 from benchmarks.planner import random_cluster
 from star.planner import Instance, Plan, PlannerParams, Verdict, plan
-from star.planner.reference import reference_plan
 from star.planner.types import AUTO, BALANCE, DRAIN
 from tests.planner.helpers import (
     apply_moves,
@@ -28,6 +27,7 @@ from tests.planner.helpers import (
     traces,
     variance_of,
 )
+from tests.planner.reference import reference_plan
 
 SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -190,7 +190,9 @@ def test_a_tick_of_many_moves_matches_the_reference_move_for_move(budget_s: floa
     if budget_s:  # 4 s at 25 Gb/s: about six of these requests' KV
         kv = sum(m.tokens * 131_072 for m in fast.moves)
         assert kv <= budget_s * params.bandwidth_bytes_per_s
-        assert len(fast.moves) < len(plan(cluster, dataclasses.replace(params, transfer_budget_s=0.0)).moves)
+        assert len(fast.moves) < len(
+            plan(cluster, dataclasses.replace(params, transfer_budget_s=0.0)).moves
+        )
 
 
 @settings(max_examples=60, deadline=None)

@@ -11,9 +11,9 @@ import dataclasses
 import pytest
 
 from star.planner import Instance, Mode, PlannerParams, plan
-from star.planner.reference import reference_plan
 from star.planner.types import BALANCE, DRAIN
 from tests.planner.helpers import inst, req
+from tests.planner.reference import reference_plan
 
 P = PlannerParams(horizon=2, delta=10, beta_decay=1.0, handoff_latency_s=0.0)
 

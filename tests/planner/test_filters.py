@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from star.planner import Instance, Mode, Plan, PlannerParams, Request, Verdict, plan
-from star.planner.reference import reference_plan
 from tests.planner.helpers import inst, req
+from tests.planner.reference import reference_plan
 
 # Two grid points ahead, 10 steps apart; migration cost only from the flags
 # under test.
@@ -193,7 +193,10 @@ def test_up_to_m_moves_each_instance_in_at_most_one() -> None:
     ends = [x for m in three.moves for x in (m.source, m.target)]
     assert sorted(ends) == ["s1", "s2", "t1", "t2"]
     assert three.variance_after < one.variance_after < one.variance_before
-    assert plan(cluster, dataclasses.replace(P, max_migrations=0)).moves == ()
+    # M = 0 is no rule of the settings' (scheduler.max_migrations >= 1; mode
+    # no-migration is how not to migrate), so the planner refuses it too.
+    with pytest.raises(ValueError, match="max_migrations=0"):
+        plan(cluster, dataclasses.replace(P, max_migrations=0))
 
 
 def two_pairs(bytes_per_token: int = 0) -> list[Instance]:
@@ -201,7 +204,13 @@ def two_pairs(bytes_per_token: int = 0) -> list[Instance]:
     kw = {"bytes_per_token": bytes_per_token}
     return [
         inst("s1", req("a", 8000, 5000), req("b", 7000, 5000), **kw),
-        inst("s2", req("c", 7500, 5000), req("d", 6000, 5000), req("pin", 1000, 5000, migratable=False), **kw),
+        inst(
+            "s2",
+            req("c", 7500, 5000),
+            req("d", 6000, 5000),
+            req("pin", 1000, 5000, migratable=False),
+            **kw,
+        ),
         inst("t1"),
         inst("t2"),
     ]

@@ -22,10 +22,10 @@ from star.planner import (
     remaining_for,
     weights,
 )
-from star.planner.reference import reference_plan, reference_traces
 from star.planner.trace import bin_edges, cutoffs, grid, instance_traces, remaining_array
 from star.planner.types import validate_params
 from tests.planner.helpers import MODES, cluster_st, params_st
+from tests.planner.reference import reference_plan, reference_traces
 
 K = 1024
 

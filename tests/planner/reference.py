@@ -117,7 +117,9 @@ def reference_plan(
         return vals
 
     scale = params.bins_scale_tokens
-    remaining = [[remaining_for(r, params.mode, scale) for r in inst.requests] for inst in instances]
+    remaining = [
+        [remaining_for(r, params.mode, scale) for r in inst.requests] for inst in instances
+    ]
     contrib = [
         np.array(
             [
