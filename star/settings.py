@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import tomllib
 import types
@@ -42,20 +43,36 @@ class SettingsError(ValueError):
 # -- validators: each returns an error message or None ---------------------
 
 
-def positive(value: Any) -> str | None:
-    return None if value > 0 else "must be > 0"
+@dataclass(frozen=True, slots=True)
+class Bound:
+    """A numeric bound declared once, as data: ``gt`` / ``ge`` / ``le``, and finite.
+
+    Called as a check (an error message or None). The planner's parameters, the
+    simulator's config and ``star simulate``'s flags reach the same objects
+    through :func:`rule`, so a bound is never restated.
+    """
+
+    says: str
+    gt: float | None = None
+    ge: float | None = None
+    le: float | None = None
+
+    def __call__(self, value: Any) -> str | None:
+        if not math.isfinite(value):
+            return f"{self.says} (a finite number)"
+        if (
+            (self.gt is not None and not value > self.gt)
+            or (self.ge is not None and not value >= self.ge)
+            or (self.le is not None and not value <= self.le)
+        ):
+            return self.says
+        return None
 
 
-def non_negative(value: Any) -> str | None:
-    return None if value >= 0 else "must be >= 0"
-
-
-def fraction(value: Any) -> str | None:
-    return None if 0 < value <= 1 else "must be in (0, 1]"
-
-
-def port(value: Any) -> str | None:
-    return None if 0 <= value <= 65535 else "must be a TCP port in 0..65535 (0 = pick a free one)"
+positive = Bound("must be > 0", gt=0)
+non_negative = Bound("must be >= 0", ge=0)
+fraction = Bound("must be in (0, 1]", gt=0, le=1)
+port = Bound("must be a TCP port in 0..65535 (0 = pick a free one)", ge=0, le=65535)
 
 
 def one_of(*choices: str) -> Check:
@@ -167,8 +184,15 @@ def _opt(default: Any, help: str, check: Check | None = None, secret: bool = Fal
     return field(default=default, repr=not secret, metadata={"help": help, "check": check, "secret": secret})
 
 
-DISPATCH_POLICIES = ("round-robin", "current-load", "predicted")
-DISPATCH_CHARGES = ("expected", "prompt")  # star.planner.dispatch.booking says what each books
+# Choices are declared once, as Literal types: a field of such a type is checked
+# against them (its rule's check is one_of its words) and `star simulate` offers them.
+DispatchPolicy = Literal["round-robin", "current-load", "predicted"]
+DispatchCharge = Literal["expected", "prompt"]  # star.planner.dispatch.booking says what each books
+Role = Literal["prefill", "decode"]
+LogLevel = Literal["debug", "info", "warning", "error"]
+LogFormat = Literal["auto", "json", "console"]
+DISPATCH_POLICIES: tuple[str, ...] = typing.get_args(DispatchPolicy)
+DISPATCH_CHARGES: tuple[str, ...] = typing.get_args(DispatchCharge)
 
 # The one check of a P->D policy (star.planner.dispatch says what each does): the
 # configured ones below, and the one a scheduler publishes, which a proxy follows.
@@ -242,7 +266,7 @@ class SchedulerSettings:
 
     interval_s: float = _opt(0.25, "planner tick interval", positive)
     mode: str = _opt("predicted", "no-migration, current, predicted, oracle (true lengths, known for requests sent with ignore_eos and max_tokens; others count as unknown) or bins:K", planner_mode)
-    dispatch: str = _opt("current-load", "P->D dispatch policy the leader publishes with the load view (<prefix>:dispatch); the proxies follow it while it is fresh", dispatch_policy)
+    dispatch: DispatchPolicy = _opt("current-load", "P->D dispatch policy the leader publishes with the load view (<prefix>:dispatch); the proxies follow it while it is fresh")  # noqa: RUF009 (a field)
     theta: float = _opt(0.1, "classification threshold: overloaded if w_i > (1+theta) * mean", non_negative)
     horizon: int = _opt(64, "H: future grid points tau_1..tau_H", non_negative)
     delta: int = _opt(32, "decode steps between grid points", positive)
@@ -266,7 +290,7 @@ class SchedulerSettings:
 class WorkerSettings:
     """One worker process wrapping one vLLM engine."""
 
-    role: str = _opt("decode", "prefill or decode", one_of("prefill", "decode"))
+    role: Role = _opt("decode", "prefill or decode")  # noqa: RUF009 (a field)
     model: str = _opt("", "model path or name (empty = the bundled tiny demo model)")
     instance: str = _opt("", "instance id on the bus (empty = <role>-<host>-<port>)")
     host: str = _opt("127.0.0.1", "address of the internal token protocol")
@@ -300,8 +324,8 @@ class ProxySettings:
     idle_timeout_s: float = _opt(75.0, "close a connection, new or kept alive, that sends no byte of a request this long", positive)
     head_timeout_s: float = _opt(30.0, "a request head must be complete this long after its first byte, or 408 and close (slow-header clients)", positive)
     body_timeout_s: float = _opt(60.0, "a request body must be complete this long after its head, or 408 and close (slow-body clients)", positive)
-    dispatch: str = _opt("current-load", "P->D policy while no scheduler publishes one (a leader's scheduler.dispatch wins)", dispatch_policy)
-    dispatch_charge: str = _opt("expected", "what a current-load dispatch books on its decode instance until the next load view: expected (the prompt plus the mean output length of the requests this proxy saw finish: no herd onto one instance between views) or prompt (the prompt alone)", one_of(*DISPATCH_CHARGES))
+    dispatch: DispatchPolicy = _opt("current-load", "P->D policy while no scheduler publishes one (a leader's scheduler.dispatch wins)")  # noqa: RUF009 (a field)
+    dispatch_charge: DispatchCharge = _opt("expected", "what a current-load dispatch books on its decode instance until the next load view: expected (the prompt plus the mean output length of the requests this proxy saw finish: no herd onto one instance between views) or prompt (the prompt alone)")  # noqa: RUF009 (a field)
     prefill_fallback: bool = _opt(True, "while no prefill instance answers (none up or reachable, or the chosen one went away mid-prefill), a request runs whole (prefill included) on the decode instance the dispatch policy picks (false: those requests get 503)")
     drain_timeout_s: float = _opt(30.0, "on SIGTERM, wait this long for open streams", positive)
     write_stall_timeout_s: float = _opt(60.0, "cut a stream whose client leaves the proxy's write buffer for it full this long (a client that stopped reading)", positive)
@@ -342,8 +366,8 @@ class SimulatorSettings:
 class LogSettings:
     """structlog output."""
 
-    level: str = _opt("info", "debug, info, warning or error", one_of("debug", "info", "warning", "error"))
-    format: str = _opt("auto", "auto (console on a TTY, JSON otherwise), json or console", one_of("auto", "json", "console"))
+    level: LogLevel = _opt("info", "debug, info, warning or error")  # noqa: RUF009 (a field)
+    format: LogFormat = _opt("auto", "auto (console on a TTY, JSON otherwise), json or console")  # noqa: RUF009 (a field)
 
 
 @dataclass(frozen=True)
@@ -423,6 +447,8 @@ def _coerce(tp: Any, value: Any, from_text: bool) -> Any:
         except ValueError:
             quoted = " or ".join(json.dumps(w) for w in words)
             raise ValueError(f"expected {quoted} or {_NOUNS.get(rest[0], rest[0])}") from None
+    if origin is Literal:  # its words are the rule's check (Rule.check)
+        return _coerce(str, value, from_text)
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -435,7 +461,10 @@ def _coerce(tp: Any, value: Any, from_text: bool) -> Any:
         if isinstance(value, int):
             return value
         if from_text and isinstance(value, str):
-            return int(value.strip().replace("_", ""))
+            try:
+                return int(value.strip().replace("_", ""))
+            except ValueError:
+                pass
         raise ValueError("expected an integer")
     if tp is float:
         if isinstance(value, bool):
@@ -443,13 +472,126 @@ def _coerce(tp: Any, value: Any, from_text: bool) -> Any:
         if isinstance(value, int | float):
             return float(value)
         if from_text and isinstance(value, str):
-            return float(value.strip())
+            try:
+                return float(value.strip())
+            except ValueError:
+                pass
         raise ValueError("expected a number")
     if tp is str:
         if isinstance(value, str):
             return value
         raise ValueError("expected a string")
     raise TypeError(f"unsupported settings type {tp}")
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """The value rule of one setting: the type :func:`_coerce` converts to, and its check.
+
+    The one place a value is judged: :func:`load_settings` (file, environment,
+    ``--set``), the planner's parameters (``star.planner.types.PARAM_RULES``), the
+    simulator's config (``star.sim.config``) and the flags :func:`add_setting_flag`
+    makes all call :meth:`parse` or :meth:`problem` of the same :data:`RULES` entry.
+    """
+
+    key: str
+    tp: Any
+    check: Check | None = None
+    default: Any = None
+    help: str = ""
+
+    def convert(self, raw: Any, *, from_text: bool = True) -> Any:
+        """``raw`` as this rule's type (text parsed when ``from_text``); ValueError if it is not one."""
+        try:
+            return _coerce(self.tp, raw, from_text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(str(exc)) from None
+
+    def parse(self, raw: Any, *, from_text: bool = True) -> Any:
+        """``raw`` converted and checked; ValueError saying why it is refused."""
+        value = self.convert(raw, from_text=from_text)
+        problem = None if self.check is None or value is None else self.check(value)
+        if problem:
+            raise ValueError(problem)
+        return value
+
+    def problem(self, value: Any) -> str | None:
+        """Why ``value``, a typed value (never parsed from text), breaks the rule; None if it does not."""
+        try:
+            self.parse(value, from_text=False)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+
+def _rules() -> dict[str, Rule]:
+    out: dict[str, Rule] = {}
+    for area in AREAS:
+        hints = _field_types(area)
+        for f in dataclasses.fields(_AREA_TYPES[area]):
+            tp = hints[f.name]
+            check: Check | None = f.metadata.get("check")
+            if check is None and typing.get_origin(tp) is Literal:
+                check = one_of(*typing.get_args(tp))
+            key = f"{area}.{f.name}"
+            out[key] = Rule(key, tp, check, f.default, f.metadata.get("help", ""))
+    return out
+
+
+RULES: Mapping[str, Rule] = types.MappingProxyType(_rules())
+"""Every setting's :class:`Rule`, by ``area.key``."""
+
+
+def setting_arg(key: str) -> Callable[[str], Any]:
+    """An argparse ``type`` that parses and checks a flag by setting ``key``'s rule."""
+    import argparse
+
+    rule = RULES[key]
+
+    def parse(text: str) -> Any:
+        try:
+            return rule.parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"{key}: {exc}, got {text!r}") from None
+
+    parse.__name__ = key
+    return parse
+
+
+def add_setting_flag(
+    parser: Any,
+    flag: str,
+    key: str,
+    *,
+    metavar: str | None = None,
+    default: Any = None,
+    from_settings: bool = False,
+    **kwargs: Any,
+) -> None:
+    """Add ``flag`` to an argparse ``parser``, mirroring setting ``key``: its type,
+    check, choices and help come from the settings, its default is the setting's
+    default. With ``from_settings`` the flag defaults to None and the command fills
+    it from :func:`load_settings` (so the file and STAR_* environment apply).
+    """
+    rule = RULES[key]
+    shown = render(rule.default, False).strip('"')
+    if isinstance(rule.default, float):
+        shown = f"{rule.default:g}"
+    if from_settings:
+        default, tail = None, f"default: {key} = {shown}"
+    else:
+        default = rule.default if default is None else default
+        tail = f"as {key}; default %(default)s"
+    if typing.get_origin(rule.tp) is Literal:
+        kwargs["choices"] = typing.get_args(rule.tp)
+    parser.add_argument(
+        flag,
+        type=setting_arg(key),
+        default=default,
+        metavar=metavar,
+        help=f"{rule.help} ({tail})",
+        **kwargs,
+    )
 
 
 def _quoted(value: Any, f: dataclasses.Field[Any]) -> str:
@@ -572,21 +714,20 @@ def load_settings(
     sources: dict[str, str] = {}
     for area in AREAS:
         cls = _AREA_TYPES[area]
-        hints = _field_types(area)
         kwargs: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
             key = f"{area}.{f.name}"
             if key in layered:
                 raw, source = layered[key]
                 try:
-                    value = _coerce(hints[f.name], raw, from_text=not source.startswith("file"))
-                except (ValueError, json.JSONDecodeError) as exc:
+                    value = RULES[key].convert(raw, from_text=not source.startswith("file"))
+                except ValueError as exc:
                     raise SettingsError(
                         f"{key}: invalid value {_quoted(raw, f)}{_describe(source)}: {redact_url(str(exc))}"
                     ) from None
                 kwargs[f.name] = value
                 sources[key] = source
-            check: Check | None = f.metadata.get("check")
+            check = RULES[key].check
             current = kwargs.get(f.name, f.default)
             if check is not None and current is not None:
                 problem = check(current)

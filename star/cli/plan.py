@@ -162,8 +162,6 @@ def reason(result: Plan, params: PlannerParams, draining: Sequence[str] = ()) ->
         return f"{n} migration{'s' if n > 1 else ''} lower the weighted variance V"
     if params.mode.kind is ModeKind.NO_MIGRATION:
         return "mode no-migration never migrates (P->D dispatch only)"
-    if params.max_migrations == 0:
-        return "max_migrations is 0"
     if not result.workloads:
         return "no decode instances"
     if not result.overloaded:

@@ -23,11 +23,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from star.planner.core import max_migrations_arg, parse_max_migrations
-from star.planner.types import Mode, PlannerParams
-from star.settings import DISPATCH_POLICIES
+from star.planner.types import PARAM_RULES, Mode, PlannerParams
+from star.settings import Rule, add_setting_flag, load_settings
 from star.sim import report
-from star.sim.config import PREDICTORS, ConfigError, SimConfig
+from star.sim.config import PREDICTORS, RULES_BY_FIELD, ConfigError, SimConfig
 from star.sim.metrics import ROW_KEYS, SimResult
 from star.sim.sweep import sweep
 from star.sim.workload import SYNTHETIC, Workload, WorkloadError, load
@@ -51,6 +50,18 @@ INTERVAL_STUDY: tuple[tuple[str, str, str, int], ...] = (
 )
 STUDIES = {"bins": BINS_STUDY, "interval": INTERVAL_STUDY}
 TABLE_RATE_PER_8 = 0.5
+
+# The flags that mirror a setting, made from its metadata (star.settings.add_setting_flag):
+# (flag, setting, metavar, default from the loaded settings rather than the setting's default).
+MIRRORED: tuple[tuple[str, str, str | None, bool], ...] = (
+    ("--duration", "simulator.duration_s", "S", True),
+    ("--rate-per-8", "simulator.rate_per_8", "RPS", True),
+    ("--tick", "simulator.tick_s", "S", True),
+    ("--bandwidth-gbps", "simulator.bandwidth_gbps", "G", True),
+    ("--dispatch", "scheduler.dispatch", None, False),
+    ("--predict-every", "predictor.every_k", "K", False),
+    ("--max-migrations", "scheduler.max_migrations", "M", False),
+)
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -79,25 +90,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     p.add_argument("--seeds", default=str(d.seed), metavar="LIST", help="(default %(default)s)")
     p.add_argument(
-        "--duration",
-        type=float,
-        default=None,
-        metavar="S",
-        help="simulated seconds per run (default: simulator.duration_s = 2000)",
-    )
-    p.add_argument(
         "--rate",
         type=float,
         default=0.0,
         metavar="RPS",
         help="arrival rate; default scales with size: --rate-per-8 x instances / 8",
-    )
-    p.add_argument(
-        "--rate-per-8",
-        type=float,
-        default=None,
-        metavar="RPS",
-        help="arrivals per second per 8 decode instances (default: simulator.rate_per_8 = 0.4: the paper's 0.3 per 2 prefill + 6 decode, §6.3)",
     )
     p.add_argument(
         "--workload",
@@ -110,30 +107,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--workload-format", default="auto", choices=("auto", "sharegpt", "alpaca", "trace")
     )
     p.add_argument(
-        "--dispatch",
-        default=d.dispatch,
-        choices=DISPATCH_POLICIES,
-        help="P->D dispatch policy (default %(default)s)",
-    )
-    p.add_argument(
         "--predictor",
         default=d.predictor,
         choices=PREDICTORS,
         help="what predicted and bins:K modes see (default %(default)s)",
-    )
-    p.add_argument(
-        "--predict-every",
-        type=int,
-        default=d.predict_every,
-        metavar="K",
-        help="decode steps between predictions (default %(default)s)",
-    )
-    p.add_argument(
-        "--tick",
-        type=float,
-        default=None,
-        metavar="S",
-        help="scheduler tick in simulated seconds (default: simulator.tick_s = 1)",
     )
     p.add_argument(
         "--warmup",
@@ -149,21 +126,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         metavar="TOKENS",
         help="KV capacity per decode instance (default %(default)s)",
     )
-    p.add_argument(
-        "--bandwidth-gbps",
-        type=float,
-        default=None,
-        metavar="G",
-        help="KV transfer bandwidth (default: simulator.bandwidth_gbps = 25, paper §6.3)",
+    mirrored = p.add_argument_group(
+        "flags that mirror a setting",
+        "type, bounds and help as in `star config show`; the simulator.* ones default "
+        "to the settings ($STAR_CONFIG file, STAR_SIMULATOR_*), the others to the setting's default",
     )
-    p.add_argument(
-        "--max-migrations",
-        type=max_migrations_arg,
-        default=d.planner.max_migrations,
-        metavar="M",
-        help="migrations per tick: auto (up to one per overloaded instance) or an integer, "
-        "1 being the paper's rule (default %(default)s)",
-    )
+    for flag, key, metavar, from_settings in MIRRORED:
+        add_setting_flag(mirrored, flag, key, metavar=metavar, from_settings=from_settings)
     p.add_argument(
         "--set",
         dest="set_",
@@ -230,24 +199,11 @@ def _ints(text: str, what: str) -> list[int]:
     return values
 
 
-def _coerce(name: str, text: str, default: Any) -> Any:
-    if isinstance(default, bool):
-        if text.lower() in {"1", "true", "yes", "on"}:
-            return True
-        if text.lower() in {"0", "false", "no", "off"}:
-            return False
-        raise ConfigError(f"--set {name}={text!r}: expected true or false")
-    if isinstance(default, Mode):
-        return Mode.parse(text)
-    if name == "planner.max_migrations":
-        try:
-            return parse_max_migrations(text)
-        except ValueError as exc:
-            raise ConfigError(f"--set {name}={text!r}: {exc}") from None
+def _coerce(name: str, text: str, rule: Rule) -> Any:
     try:
-        return type(default)(text)
-    except (TypeError, ValueError):
-        raise ConfigError(f"--set {name}={text!r}: expected {type(default).__name__}") from None
+        return rule.parse(text)
+    except ValueError as exc:
+        raise ConfigError(f"--set {name}={text!r}: {exc}") from None
 
 
 def apply_sets(base: SimConfig, assignments: Sequence[str]) -> SimConfig:
@@ -265,9 +221,9 @@ def apply_sets(base: SimConfig, assignments: Sequence[str]) -> SimConfig:
             name = key.removeprefix("planner.")
             if name not in plan_fields or name == "mode":
                 raise ConfigError(f"--set {key}: unknown planner field (use --modes for the mode)")
-            planner[name] = _coerce(key, value, getattr(base.planner, name))
+            planner[name] = _coerce(key, value, PARAM_RULES[name])
         elif key in sim_fields and key != "planner":
-            changes[key] = _coerce(key, value, getattr(base, key))
+            changes[key] = _coerce(key, value, RULES_BY_FIELD[key])
         else:
             raise ConfigError(
                 f"--set {key}: unknown simulator field; one of {', '.join(sorted(sim_fields))}"
@@ -343,17 +299,12 @@ def _apply_settings(args: argparse.Namespace) -> None:
 
     (This command's own ``--set`` sets simulator fields directly, not settings keys.)
     """
-    from star.settings import load_settings
-
-    sim = load_settings().simulator
-    for attr, value in (
-        ("duration", sim.duration_s),
-        ("rate_per_8", sim.rate_per_8),
-        ("tick", sim.tick_s),
-        ("bandwidth_gbps", sim.bandwidth_gbps),
-    ):
-        if getattr(args, attr) is None:
-            setattr(args, attr, value)
+    settings = load_settings()
+    for flag, key, _metavar, from_settings in MIRRORED:
+        dest = flag.removeprefix("--").replace("-", "_")
+        if from_settings and getattr(args, dest) is None:
+            area, name = key.split(".")
+            setattr(args, dest, getattr(getattr(settings, area), name))
 
 
 def run(args: argparse.Namespace) -> int:

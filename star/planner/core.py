@@ -43,7 +43,6 @@ from star.planner.trace import (
     weights,
 )
 from star.planner.types import (
-    AUTO,
     BALANCE,
     DRAIN,
     Candidate,
@@ -55,6 +54,7 @@ from star.planner.types import (
     Verdict,
     validate_params,
 )
+from star.settings import RULES
 
 _VERDICTS = tuple(Verdict)
 _CODE = {v: i for i, v in enumerate(_VERDICTS)}
@@ -71,16 +71,11 @@ __all__ = [
 
 
 def parse_max_migrations(text: str) -> int | Literal["auto"]:
-    """``max_migrations`` as typed on a command line: ``auto`` or an integer >= 0."""
-    word = text.strip()
-    if word == AUTO:
-        return AUTO
+    """``max_migrations`` as typed on a command line, by scheduler.max_migrations's rule."""
     try:
-        value = int(word)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(f"max_migrations {text!r}: expected {AUTO!r} or an integer >= 0")
+        value: int | Literal["auto"] = RULES["scheduler.max_migrations"].parse(text)
+    except ValueError as exc:
+        raise ValueError(f"max_migrations {text!r}: {exc}") from None
     return value
 
 

@@ -28,25 +28,12 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from star.planner.types import AUTO, Instance, Mode, PlannerParams, Request, validate_params
+from star.planner.types import PARAM_RULES, Instance, Mode, PlannerParams, Request, validate_params
 
 SCHEMA_VERSION = 1
 
-_PARAM_TYPES: dict[str, type] = {
-    "mode": Mode,
-    "horizon": int,
-    "delta": int,
-    "beta_decay": float,
-    "theta": float,
-    "min_gain": float,
-    "max_migrations": int,
-    "bandwidth_bytes_per_s": float,
-    "handoff_latency_s": float,
-    "default_step_time_s": float,
-    "transfer_budget_s": float,
-    "bins_scale_tokens": int,
-}
-assert set(_PARAM_TYPES) == {f.name for f in dataclasses.fields(PlannerParams)}
+_PARAM_NAMES: tuple[str, ...] = ("mode", *PARAM_RULES)
+assert set(_PARAM_NAMES) == {f.name for f in dataclasses.fields(PlannerParams)}
 
 
 class StateError(ValueError):
@@ -192,7 +179,7 @@ def instances_from_state(obj: dict[str, Any]) -> tuple[list[Instance], dict[str,
                 )
             owner[r.id] = inst.id
     params = dict(_mapping(root.get("params", {}), "state.params"))
-    _keys(params, "state.params", set(), set(_PARAM_TYPES))
+    _keys(params, "state.params", set(), set(_PARAM_NAMES))
     return instances, params
 
 
@@ -206,39 +193,29 @@ def params_from_dict(
     """
     changes: dict[str, Any] = {}
     for key, value in overrides.items():
-        kind = _PARAM_TYPES.get(key)
-        if kind is None:
+        if key not in _PARAM_NAMES:
             raise ValueError(
-                f"unknown planner parameter {key!r}; expected one of {', '.join(_PARAM_TYPES)}"
+                f"unknown planner parameter {key!r}; expected one of {', '.join(_PARAM_NAMES)}"
             )
-        changes[key] = _convert(key, kind, value)
+        changes[key] = _convert(key, value)
     params = dataclasses.replace(base or PlannerParams(), **changes)
     validate_params(params)
     return params
 
 
-def _convert(key: str, kind: type, value: Any) -> Any:
-    if kind is Mode:
+def _convert(key: str, value: Any) -> Any:
+    """A JSON value or ``--set`` text by the parameter's rule (``PARAM_RULES``: the setting's)."""
+    if key == "mode":
         if isinstance(value, Mode):
             return value
         if not isinstance(value, str):
             raise ValueError(f"planner parameter mode={value!r}: expected a string")
         return Mode.parse(value)
-    if key == "max_migrations" and isinstance(value, str) and value.strip() == AUTO:
-        return AUTO
-    if isinstance(value, bool):
-        raise ValueError(f"planner parameter {key}={value!r}: expected a number")
     try:
-        if kind is int:
-            if isinstance(value, float) and not value.is_integer():
-                raise ValueError
-            return int(value) if not isinstance(value, str) else int(value.strip())
-        return float(value)
-    except (TypeError, ValueError):
-        noun = "an integer" if kind is int else "a number"
-        if key == "max_migrations":
-            noun = f"{AUTO!r} or an integer"
-        raise ValueError(f"planner parameter {key}={value!r}: expected {noun}") from None
+        return PARAM_RULES[key].convert(value)
+    except ValueError as exc:
+        raise ValueError(f"planner parameter {key}={value!r}: {exc}") from None
+    # The bound: validate_params, on the whole result.
 
 
 def state_from_instances(

@@ -13,13 +13,56 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import Any
 
-from star.planner.types import Mode, ModeKind, PlannerParams
-from star.settings import DISPATCH_CHARGES, DISPATCH_POLICIES
+from star.planner.types import Mode, ModeKind, PlannerParams, validate_params
+from star.settings import RULES, Check, Rule, non_negative, one_of, positive
 from star.sim.predictor import PREDICT_LATENCY_S
 from star.sim.workload import MAX_OUTPUT_TOKENS, SYNTHETIC
 
 PREDICTORS = ("noisy", "oracle")
+
+
+def _own(name: str, tp: Any, check: Check | None = None) -> Rule:
+    """The rule of a field no setting holds, with the settings' bounds (star.settings)."""
+    return Rule(f"simulator setting {name}", tp, check)
+
+
+# Every field's rule: the setting's where one mirrors it (one rule,
+# star.settings.RULES), else the settings' own bounds. ``planner``: validate_params.
+RULES_BY_FIELD: dict[str, Rule] = {
+    "decode_instances": _own("decode_instances", int, positive),
+    "prefill_instances": _own("prefill_instances", int, non_negative),  # 0: decode / 3
+    "duration_s": RULES["simulator.duration_s"],
+    "rate_rps": _own("rate_rps", float, non_negative),  # 0: rate_per_8
+    "rate_per_8": RULES["simulator.rate_per_8"],
+    "workload": _own("workload", str, one_of(*SYNTHETIC)),
+    "seed": _own("seed", int),
+    "mode": RULES["scheduler.mode"],
+    "dispatch": RULES["scheduler.dispatch"],
+    "dispatch_charge": RULES["proxy.dispatch_charge"],
+    "predictor": _own("predictor", str, one_of(*PREDICTORS)),
+    "predict_every": RULES["predictor.every_k"],
+    "predict_latency_s": _own("predict_latency_s", float, non_negative),
+    "step_base_s": _own("step_base_s", float, positive),
+    "step_per_token_s": _own("step_per_token_s", float, non_negative),
+    "kv_capacity_tokens": _own("kv_capacity_tokens", int, positive),
+    "bytes_per_token": _own("bytes_per_token", int, positive),
+    "bandwidth_gbps": RULES["simulator.bandwidth_gbps"],
+    "handoff_latency_s": RULES["scheduler.handoff_latency_s"],
+    "migration_latency_s": _own("migration_latency_s", float, non_negative),  # None: handoff's
+    "kv_block_tokens": _own("kv_block_tokens", int, positive),
+    "plan_kv_blocks": _own("plan_kv_blocks", bool),
+    "prefill_base_s": _own("prefill_base_s", float, non_negative),
+    "prefill_per_token_s": _own("prefill_per_token_s", float, non_negative),
+    "tick_s": RULES["simulator.tick_s"],
+    "warmup_s": _own("warmup_s", float, non_negative),
+    "ttft_slo_s": _own("ttft_slo_s", float, non_negative),
+    "tpot_slo_s": _own("tpot_slo_s", float, non_negative),
+    "max_output_tokens": _own("max_output_tokens", int, positive),
+    "drain": _own("drain", bool),
+    "gate": _own("gate", bool),
+}
 
 
 class ConfigError(ValueError):
@@ -32,24 +75,25 @@ class SimConfig:
 
     decode_instances: int = 8
     prefill_instances: int = 0  # 0: ceil(decode / 3), the paper's 1:3 ratio
-    duration_s: float = 2000.0
+    duration_s: float = RULES["simulator.duration_s"].default
     rate_rps: float = 0.0  # 0: rate_per_8 * decode_instances / 8
-    rate_per_8: float = 0.4  # the paper's 0.3 req/s per 2 prefill + 6 decode instances
+    rate_per_8: float = RULES["simulator.rate_per_8"].default  # paper: 0.3 per 2 prefill + 6 decode
     workload: str = "sharegpt"  # synthetic name (for file workloads pass a Workload)
     seed: int = 1
-    mode: str = "predicted"  # no-migration, current, predicted, oracle, bins:K
-    dispatch: str = "current-load"
+    mode: str = RULES["scheduler.mode"].default  # no-migration, current, predicted, oracle, bins:K
+    dispatch: str = RULES["scheduler.dispatch"].default
     # current-load only: what a dispatch books until the next view (star.planner.dispatch.booking)
-    dispatch_charge: str = "expected"
+    dispatch_charge: str = RULES["proxy.dispatch_charge"].default
     predictor: str = "noisy"  # what predicted / bins:K modes see: noisy or oracle
-    predict_every: int = 20
+    predict_every: int = RULES["predictor.every_k"].default
     predict_latency_s: float = PREDICT_LATENCY_S
     step_base_s: float = 0.008
     step_per_token_s: float = 1.0e-7
     kv_capacity_tokens: int = 200_000
     bytes_per_token: int = 57_344
-    bandwidth_gbps: float = 25.0  # D->D migration and P->D transfer
-    handoff_latency_s: float = 0.025  # fixed cost of a P->D transfer (and of D->D, by default)
+    bandwidth_gbps: float = RULES["simulator.bandwidth_gbps"].default  # D->D and P->D
+    # The fixed cost of a P->D transfer (and of D->D, by default).
+    handoff_latency_s: float = RULES["scheduler.handoff_latency_s"].default
     migration_latency_s: float | None = None  # fixed cost of a D->D move; None: handoff_latency_s
     # KV allocation unit, tokens (vLLM's block). A running request holds on average
     # (block - 1) / 2 tokens more than its own (its last block's unused part); 1 = exact.
@@ -59,7 +103,7 @@ class SimConfig:
     plan_kv_blocks: bool = False
     prefill_base_s: float = 0.015
     prefill_per_token_s: float = 1.25e-4
-    tick_s: float = 1.0
+    tick_s: float = RULES["simulator.tick_s"].default
     warmup_s: float = 0.0  # metrics averaged over [warmup_s, duration_s]
     ttft_slo_s: float = 1.0
     tpot_slo_s: float = 0.025
@@ -69,59 +113,21 @@ class SimConfig:
     planner: PlannerParams = field(default_factory=PlannerParams)
 
     def __post_init__(self) -> None:
-        def bad(name: str, why: str) -> ConfigError:
-            return ConfigError(f"simulator setting {name}={getattr(self, name)!r}: {why}")
-
-        for name in (
-            "decode_instances",
-            "predict_every",
-            "kv_capacity_tokens",
-            "kv_block_tokens",
-            "bytes_per_token",
-            "max_output_tokens",
-        ):
-            if int(getattr(self, name)) < 1:
-                raise bad(name, "must be >= 1")
-        if self.prefill_instances < 0:
-            raise bad("prefill_instances", "must be >= 0 (0 = decode / 3)")
-        for name in ("duration_s", "rate_per_8", "bandwidth_gbps", "tick_s", "step_base_s"):
-            value = float(getattr(self, name))
-            if not (math.isfinite(value) and value > 0):
-                raise bad(name, "must be a finite number > 0")
-        for name in (
-            "rate_rps",
-            "predict_latency_s",
-            "step_per_token_s",
-            "handoff_latency_s",
-            "prefill_base_s",
-            "prefill_per_token_s",
-            "warmup_s",
-            "ttft_slo_s",
-            "tpot_slo_s",
-        ):
-            value = float(getattr(self, name))
-            if not (math.isfinite(value) and value >= 0):
-                raise bad(name, "must be a finite number >= 0")
-        if self.migration_latency_s is not None and not (
-            math.isfinite(self.migration_latency_s) and self.migration_latency_s >= 0
-        ):
-            raise bad("migration_latency_s", "must be a finite number >= 0 (or None)")
+        for name, rule in RULES_BY_FIELD.items():
+            value = getattr(self, name)
+            if name == "migration_latency_s" and value is None:
+                continue
+            problem = rule.problem(value)
+            if problem:
+                raise ConfigError(f"simulator setting {name}={value!r}: {problem}")
         if self.warmup_s >= self.duration_s:
-            raise bad("warmup_s", f"must be below duration_s={self.duration_s}")
-        if self.dispatch not in DISPATCH_POLICIES:
-            raise bad("dispatch", f"expected one of {', '.join(DISPATCH_POLICIES)}")
-        if self.dispatch_charge not in DISPATCH_CHARGES:
-            raise bad("dispatch_charge", f"expected one of {', '.join(DISPATCH_CHARGES)}")
-        if self.workload not in SYNTHETIC:
-            raise bad(
-                "workload", f"expected one of {', '.join(SYNTHETIC)} (pass a file as a Workload)"
+            raise ConfigError(
+                f"simulator setting warmup_s={self.warmup_s!r}: must be below duration_s={self.duration_s}"
             )
-        if self.predictor not in PREDICTORS:
-            raise bad("predictor", f"expected one of {', '.join(PREDICTORS)}")
         try:
-            Mode.parse(self.mode)
+            validate_params(self.planner)
         except ValueError as exc:
-            raise ConfigError(f"simulator setting mode={self.mode!r}: {exc}") from None
+            raise ConfigError(f"simulator setting planner: {exc}") from None
 
     @property
     def prefills(self) -> int:

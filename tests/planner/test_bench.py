@@ -65,4 +65,7 @@ def test_naive_up_to_and_max_migrations(capsys: pytest.CaptureFixture[str]) -> N
     assert [r[-1] for r in rows] == ["1.00", "1.00"]  # one move per tick
     with pytest.raises(SystemExit):
         parse([*argv, "--max-migrations", "many"])
-    assert "expected 'auto' or an integer >= 0" in capsys.readouterr().err
+    assert 'expected "auto" or an integer' in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # scheduler.max_migrations's rule: M >= 1
+        parse([*argv, "--max-migrations", "0"])
+    assert 'must be "auto" or an integer >= 1' in capsys.readouterr().err

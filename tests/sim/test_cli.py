@@ -96,10 +96,12 @@ def test_out_writes_results_tables_and_summary(
         (["--modes", "bogus"], "unknown mode 'bogus'"),
         (["--instances", "x"], "expected comma-separated integers"),
         (["--set", "nope=1"], "unknown simulator field"),
-        (["--set", "planner.theta=abc"], "expected float"),
+        (["--set", "planner.theta=abc"], "planner.theta='abc': expected a number"),
         (["--tables", "other"], "expected bins, interval"),
         (["--workload", "/no/such.json"], "neither a file nor one of"),
-        (["--set", "planner.max_migrations=lots"], "expected 'auto' or an integer >= 0"),
+        (["--set", "planner.max_migrations=lots"], 'expected "auto" or an integer'),
+        (["--set", "planner.max_migrations=0"], 'must be "auto" or an integer >= 1'),
+        (["--set", "migration_latency_s=-0.5"], "must be >= 0"),
     ],
 )
 def test_bad_arguments_fail_with_one_line(

@@ -371,13 +371,16 @@ def test_length_only_file_workloads_are_sampled_at_the_configured_rate() -> None
     ("changes", "message"),
     [
         ({"mode": "bins:3"}, "bins takes 2, 4 or 6"),
-        ({"workload": "lmsys"}, "expected one of sharegpt, alpaca"),
-        ({"tick_s": 0.0}, "tick_s=0.0: must be a finite number > 0"),
-        ({"dispatch": "random"}, "expected one of round-robin"),
-        ({"dispatch_charge": "flat"}, "expected one of expected, prompt"),
+        ({"workload": "lmsys"}, "must be one of sharegpt, alpaca"),
+        ({"tick_s": 0.0}, "tick_s=0.0: must be > 0"),
+        ({"dispatch": "random"}, "must be one of round-robin"),
+        ({"dispatch_charge": "flat"}, "must be one of expected, prompt"),
         ({"warmup_s": 5000.0}, "must be below duration_s"),
-        ({"migration_latency_s": -1.0}, "migration_latency_s=-1.0: must be a finite number >= 0"),
-        ({"kv_block_tokens": 0}, "kv_block_tokens=0: must be >= 1"),
+        ({"migration_latency_s": -1.0}, "migration_latency_s=-1.0: must be >= 0"),
+        ({"kv_block_tokens": 0}, "kv_block_tokens=0: must be > 0"),
+        ({"duration_s": float("inf")}, "duration_s=inf: must be > 0 \\(a finite number\\)"),
+        ({"predict_every": 2.5}, "predict_every=2.5: expected an integer"),
+        ({"planner": PlannerParams(max_migrations=0)}, "max_migrations=0: must be"),
     ],
 )
 def test_config_errors_quote_the_bad_value(changes: dict[str, Any], message: str) -> None:
