@@ -17,6 +17,9 @@ are left out, and counted (``ramp_excluded``, ``drain_excluded``). Per
   resampled within each seed (the same pairs for both arms), B =
   :data:`BOOTSTRAP` times. ``significant`` is False whenever the interval
   holds 1.0.
+- ``p99_ttft_ratio`` likewise for TTFT, over every pair both arms completed
+  (``pooled_p99_ttft_ms``, ``baseline_p99_ttft_ms``; ``p99_ttft_ms`` is the
+  mean of the cells' own P99s).
 - ``preemptions`` and ``migrations_completed`` summed over seeds (vLLM's
   counter; RESUMED moves, refused decisions apart in ``decisions``);
   ``baseline_preemptions`` over the seeds the mode ran, so a mode with fewer
@@ -53,6 +56,7 @@ class Arm:
     sent_s: Mapping[int, float]  # every request, served or not
     lengths: Mapping[int, int]  # completed requests only
     tpot_ms: Mapping[int, float]
+    ttft_ms: Mapping[int, float]  # completed requests only
     met: Mapping[int, bool]  # every request: completed within both SLOs
     preemptions: int
     migrations: int
@@ -74,6 +78,7 @@ class Arm:
         sent: dict[int, float] = {}
         lengths: dict[int, int] = {}
         tpot: dict[int, float] = {}
+        ttfts: dict[int, float] = {}
         met: dict[int, bool] = {}
         for r in requests:
             i = int(r["index"])
@@ -84,7 +89,7 @@ class Arm:
             lengths[i] = int(r["output_tokens"])
             raw = r.get("tpot_s")
             tpot[i] = float(raw) * 1e3 if raw not in (None, "") else math.nan
-            ttft = float(r.get("ttft_s") or 0.0) * 1e3
+            ttft = ttfts[i] = float(r.get("ttft_s") or 0.0) * 1e3
             met[i] = ttft <= slo_ms[0] and (math.isnan(tpot[i]) or tpot[i] <= slo_ms[1])
         inside, ramp, drain = _window(sent)
         return cls(
@@ -92,6 +97,7 @@ class Arm:
             sent_s=sent,
             lengths=lengths,
             tpot_ms=tpot,
+            ttft_ms=ttfts,
             met=met,
             preemptions=int(row.get("preemptions") or 0),
             migrations=_completed(row),
@@ -132,6 +138,8 @@ def compare(
     seeds = sorted(a.seed for a in arm if a.seed in by_seed)
     b_parts: list[npt.NDArray[np.float64]] = []
     a_parts: list[npt.NDArray[np.float64]] = []
+    b_first: list[npt.NDArray[np.float64]] = []  # TTFT, every pair both arms completed
+    a_first: list[npt.NDArray[np.float64]] = []
     compared = same = ramp = drain = 0
     for s in seeds:
         b, a = by_seed[s], next(x for x in arm if x.seed == s)
@@ -142,6 +150,8 @@ def compare(
         paired = [i for i in both if not (math.isnan(b.tpot_ms[i]) or math.isnan(a.tpot_ms[i]))]
         b_parts.append(np.array([b.tpot_ms[i] for i in paired], dtype=float))
         a_parts.append(np.array([a.tpot_ms[i] for i in paired], dtype=float))
+        b_first.append(np.array([b.ttft_ms[i] for i in both], dtype=float))
+        a_first.append(np.array([a.ttft_ms[i] for i in both], dtype=float))
     match = same / compared if compared else math.nan
     b_all = np.concatenate(b_parts) if b_parts else np.empty(0)
     a_all = np.concatenate(a_parts) if a_parts else np.empty(0)
@@ -157,9 +167,15 @@ def compare(
         "p99_tpot_ratio": None,
         "p99_tpot_ratio_low": None,
         "p99_tpot_ratio_high": None,
+        "p99_ttft_ratio": None,
+        "p99_ttft_ratio_low": None,
+        "p99_ttft_ratio_high": None,
         "significant": None,
         "note": "",
     }
+    if b_first:
+        out["pooled_p99_ttft_ms"] = _p99(np.concatenate(a_first))
+        out["baseline_p99_ttft_ms"] = _p99(np.concatenate(b_first))
     if not seeds or not b_all.size:
         out["note"] = "no paired requests"
         return out
@@ -169,15 +185,8 @@ def compare(
             f"(at least {LENGTH_MATCH_MIN:.0%} needed): the arms did not serve the same work"
         )
         return out
-    ratio = arm_p99 / base_p99 if base_p99 > 0 else math.nan
     rng = np.random.default_rng(seed)
-    ratios = np.empty(bootstrap)
-    for k in range(bootstrap):
-        picks = [rng.integers(0, p.size, p.size) for p in b_parts]
-        rb = _p99(np.concatenate([p[i] for p, i in zip(b_parts, picks, strict=True)]))
-        ra = _p99(np.concatenate([p[i] for p, i in zip(a_parts, picks, strict=True)]))
-        ratios[k] = ra / rb if rb > 0 else math.nan
-    low, high = (float(x) for x in np.nanpercentile(ratios, [2.5, 97.5]))
+    ratio, low, high = paired_p99_ratio(b_parts, a_parts, rng, bootstrap)
     holds_one = low <= 1.0 <= high
     out.update(
         p99_tpot_ratio=ratio,
@@ -186,7 +195,30 @@ def compare(
         significant=not holds_one,
         note="not significant (the interval holds 1.0)" if holds_one else "",
     )
+    first = paired_p99_ratio(b_first, a_first, rng, bootstrap)
+    out.update(p99_ttft_ratio=first[0], p99_ttft_ratio_low=first[1], p99_ttft_ratio_high=first[2])
     return out
+
+
+def paired_p99_ratio(
+    base: Sequence[npt.NDArray[np.float64]],
+    arm: Sequence[npt.NDArray[np.float64]],
+    rng: np.random.Generator,
+    bootstrap: int,
+) -> tuple[float, float, float]:
+    """P99 of ``arm`` / P99 of ``base``, each pooled over seeds (one array per seed, paired
+    index by index), with a 95 % bootstrap interval: pairs resampled within each seed, the
+    same picks for both arms."""
+    b_p99 = _p99(np.concatenate(base))
+    ratio = _p99(np.concatenate(arm)) / b_p99 if b_p99 > 0 else math.nan
+    ratios = np.empty(bootstrap)
+    for k in range(bootstrap):
+        picks = [rng.integers(0, p.size, p.size) for p in base]
+        rb = _p99(np.concatenate([p[i] for p, i in zip(base, picks, strict=True)]))
+        ra = _p99(np.concatenate([p[i] for p, i in zip(arm, picks, strict=True)]))
+        ratios[k] = ra / rb if rb > 0 else math.nan
+    low, high = (float(x) for x in np.nanpercentile(ratios, [2.5, 97.5]))
+    return ratio, low, high
 
 
 def capacity(points: Sequence[tuple[float, float]]) -> tuple[float | None, str]:
@@ -353,6 +385,7 @@ def comparison_table(rows_in: Sequence[Mapping[str, Any]]) -> str:
         "P99 TPOT ms (pooled)",
         "× no-mig. [95 % CI]",
         "predicted P99 ms",
+        "P99 TTFT × no-mig. [95 % CI]",
         "SLO met",
         "capacity req/s",
         "× no-mig. [95 % CI]",
@@ -378,6 +411,7 @@ def comparison_table(rows_in: Sequence[Mapping[str, Any]]) -> str:
                 _f(r.get("p99_tpot_ms")),
                 _ratio(r, "p99_tpot_ratio"),
                 _f(r.get("predicted_p99_tpot_ms")),
+                _ratio(r, "p99_ttft_ratio"),
                 _pct(r.get("slo_attainment")),
                 _capacity(r),
                 _ratio(r, "capacity_goodput_ratio"),

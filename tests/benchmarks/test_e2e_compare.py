@@ -169,6 +169,17 @@ def test_rows_count_completed_migrations_apart_from_decisions() -> None:
     assert "| 6 / 10 |" in text
 
 
+def test_p99_ttft_is_compared_pair_by_pair_like_tpot() -> None:
+    base = [Arm.from_cell(_row("x", s), _requests(_tpots(s), ttft_s=0.2), SLO) for s in (1, 2)]
+    quick = [Arm.from_cell(_row("x", s), _requests(_tpots(s), ttft_s=0.1), SLO) for s in (1, 2)]
+    out = compare(base, quick, bootstrap=50)
+    assert out["p99_ttft_ratio"] == pytest.approx(0.5)
+    assert out["p99_ttft_ratio_low"] == pytest.approx(0.5)
+    assert out["p99_ttft_ratio_high"] == pytest.approx(0.5)
+    assert (out["baseline_p99_ttft_ms"], out["pooled_p99_ttft_ms"]) == pytest.approx((200, 100))
+    assert out["p99_tpot_ratio"] == pytest.approx(1.0)
+
+
 def test_baseline_preemptions_count_only_the_seeds_a_mode_ran() -> None:
     cells = []
     for seed, preemptions in ((1, 81), (2, 120), (3, 117)):
