@@ -1,0 +1,300 @@
+"""Each value rule once (issue 29 item 2): one table, every surface.
+
+A setting's rule (``star.settings.RULES``: its type, Literal choices or declared
+:class:`~star.settings.Bound`) is the only rule of every place the value can be
+given: the settings file, its ``STAR_*`` variable, ``--set area.key=``, the
+planner's parameters (``PlannerParams`` through ``validate_params``, and
+STATE.json / ``star plan --set`` through ``params_from_dict``), the simulator's
+``SimConfig``, ``star simulate --set`` and the ``star simulate`` flag that
+mirrors it. The cases come from the rule's metadata (just inside, just
+outside, not finite, the wrong type), and every surface must accept and refuse
+exactly the same ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import typing
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+import pytest
+
+from star.cli.simulate import MIRRORED, _apply_settings, apply_sets, build_base, register
+from star.planner.state import params_from_dict
+from star.planner.types import PARAM_RULES, PlannerParams, validate_params
+from star.settings import RULES, Bound, Rule, env_key, load_settings, migrations, planner_mode
+from star.sim.config import RULES_BY_FIELD, SimConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Counterpart:
+    """Where setting ``key`` can also be given."""
+
+    planner: str | None = None  # a PlannerParams field
+    sim: str | None = None  # a SimConfig field, or planner.FIELD (SimConfig.planner's)
+    flag: str | None = None  # a star simulate flag
+    scale: float = 1.0  # planner value = setting value x scale (a unit)
+
+
+COUNTERPARTS: dict[str, Counterpart] = {
+    "scheduler.mode": Counterpart(planner="mode", sim="mode"),
+    "scheduler.dispatch": Counterpart(sim="dispatch", flag="--dispatch"),
+    "proxy.dispatch": Counterpart(sim="dispatch", flag="--dispatch"),
+    "proxy.dispatch_charge": Counterpart(sim="dispatch_charge"),
+    "scheduler.horizon": Counterpart(planner="horizon", sim="planner.horizon"),
+    "scheduler.delta": Counterpart(planner="delta", sim="planner.delta"),
+    "scheduler.beta_decay": Counterpart(planner="beta_decay", sim="planner.beta_decay"),
+    "scheduler.theta": Counterpart(planner="theta", sim="planner.theta"),
+    "scheduler.min_gain": Counterpart(planner="min_gain", sim="planner.min_gain"),
+    "scheduler.max_migrations": Counterpart(
+        planner="max_migrations", sim="planner.max_migrations", flag="--max-migrations"
+    ),
+    "scheduler.transfer_budget_s": Counterpart(
+        planner="transfer_budget_s", sim="planner.transfer_budget_s"
+    ),
+    "scheduler.bandwidth_gbps": Counterpart(
+        planner="bandwidth_bytes_per_s", sim="bandwidth_gbps", scale=1e9 / 8
+    ),
+    "scheduler.handoff_latency_s": Counterpart(
+        planner="handoff_latency_s", sim="handoff_latency_s"
+    ),
+    "simulator.duration_s": Counterpart(sim="duration_s", flag="--duration"),
+    "simulator.rate_per_8": Counterpart(sim="rate_per_8", flag="--rate-per-8"),
+    "simulator.bandwidth_gbps": Counterpart(sim="bandwidth_gbps", flag="--bandwidth-gbps"),
+    "simulator.tick_s": Counterpart(sim="tick_s", flag="--tick"),
+    "predictor.every_k": Counterpart(sim="predict_every", flag="--predict-every"),
+}
+# scheduler.bins_scale_tokens is no counterpart of PlannerParams.bins_scale_tokens
+# by design: the setting's 0 means worker.max_model_len, resolved by
+# PlannerParams.from_settings (test_bins_scale_tokens_zero_is_resolved_not_passed).
+NOT_SAME_RULE = {
+    "bins_scale_tokens",
+    "default_step_time_s",
+}  # planner fields with a rule of their own
+
+
+# -- the cases, from a rule's metadata ------------------------------------------
+
+
+def cases(rule: Rule) -> list[tuple[Any, bool]]:
+    """(a typed value, whether the rule accepts it): its edges and the wrong types."""
+    tp, check = rule.tp, rule.check
+    if check is planner_mode:
+        return [
+            ("predicted", True),
+            ("bins:2", True),
+            ("bins:6", True),
+            ("no-migration", True),
+            ("bins:3", False),
+            ("bogus", False),
+            ("", False),
+            (3, False),
+        ]
+    if check is migrations:
+        return [
+            ("auto", True),
+            (1, True),
+            (7, True),
+            (0, False),
+            (-1, False),
+            ("lots", False),
+            (1.5, False),
+            (True, False),
+        ]
+    if typing.get_origin(tp) is Literal:
+        return [*((w, True) for w in typing.get_args(tp)), ("bogus", False), (1, False)]
+    if isinstance(check, Bound) and tp in (int, float):
+        step: float = 1 if tp is int else 1e-6
+        out: list[tuple[Any, bool]] = [("abc", False), (True, False)]
+        if check.gt is not None:
+            out += [(tp(check.gt + step), True), (tp(check.gt), False)]
+        if check.ge is not None:
+            out += [(tp(check.ge), True), (tp(check.ge - step), False)]
+        if check.le is not None:
+            out += [(tp(check.le), True), (tp(check.le + step), False)]
+        inside = tp((check.gt if check.gt is not None else check.ge) + 1)
+        out.append((inside, check.le is None or inside <= check.le))
+        if tp is float:
+            out += [(math.inf, False), (-math.inf, False), (math.nan, False)]
+        else:
+            out += [(1.5, False)]
+        return out
+    raise AssertionError(f"no cases for {rule.key}: give it a Bound or Literal, or cases here")
+
+
+def text(value: Any) -> str:
+    """A value as it is typed in the environment or on a command line."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def toml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, float) and math.isnan(value):
+        return "nan"
+    if isinstance(value, float) and math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return repr(value)
+
+
+# -- the surfaces: each says whether it takes the value ---------------------------
+
+
+def refuses(call: Callable[[], object]) -> bool:
+    try:
+        call()
+    except (ValueError, SystemExit):  # SettingsError, ConfigError, StateError: ValueErrors
+        return True
+    return False
+
+
+def file_takes(key: str, value: Any, tmp_path: Path) -> bool:
+    area, name = key.split(".")
+    path = tmp_path / "star.toml"
+    path.write_text(f"[{area}]\n{name} = {toml(value)}\n")
+    return not refuses(lambda: load_settings(config=path, env={}))
+
+
+def env_takes(key: str, value: Any) -> bool:
+    return not refuses(lambda: load_settings(env={env_key(key): text(value)}))
+
+
+def set_takes(key: str, value: Any) -> bool:
+    return not refuses(lambda: load_settings(env={}, overrides={key: text(value)}))
+
+
+def scaled(value: Any, scale: float) -> Any:
+    if scale == 1.0 or isinstance(value, bool) or not isinstance(value, int | float):
+        return value
+    return value * scale
+
+
+def planner_surfaces(field: str, value: Any, scale: float) -> dict[str, bool]:
+    value = scaled(value, scale)
+    out = {
+        # STATE.json's params (a JSON value) and star plan --set (text)
+        "planner json": not refuses(lambda: params_from_dict({field: value})),
+        "planner text": not refuses(lambda: params_from_dict({field: text(value)})),
+    }
+    if field != "mode":  # PlannerParams.mode holds a parsed Mode
+        params = dataclasses.replace(PlannerParams(), **{field: value})
+        out["PlannerParams"] = not refuses(lambda: validate_params(params))
+    return out
+
+
+def sim_config(field: str, value: Any) -> SimConfig:
+    if field.startswith("planner."):
+        planner = dataclasses.replace(PlannerParams(), **{field.removeprefix("planner."): value})
+        return SimConfig(planner=planner)
+    return SimConfig(**{field: value})
+
+
+def simulate_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["simulate", *argv])
+    _apply_settings(args)
+    return args
+
+
+def sim_surfaces(field: str | None, flag: str | None, value: Any) -> dict[str, bool]:
+    out: dict[str, bool] = {}
+    if field is not None:
+        out["SimConfig"] = not refuses(lambda: sim_config(field, value))
+        out["simulate --set"] = not refuses(
+            lambda: apply_sets(SimConfig(), [f"{field}={text(value)}"])
+        )
+    if flag is not None:
+        out[f"simulate {flag}"] = not refuses(
+            lambda: build_base(simulate_args([f"{flag}={text(value)}"]))
+        )
+    return out
+
+
+# -- the table ---------------------------------------------------------------------
+
+
+ROWS = [
+    pytest.param(key, value, accepted, id=f"{key}={value!r}")
+    for key in COUNTERPARTS
+    for value, accepted in cases(RULES[key])
+]
+
+
+@pytest.mark.parametrize(("key", "value", "accepted"), ROWS)
+def test_every_surface_accepts_and_refuses_the_same(
+    key: str, value: Any, accepted: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in [n for n in os.environ if n.startswith("STAR_")]:
+        monkeypatch.delenv(name)  # star simulate reads the settings for its defaults
+    where = COUNTERPARTS[key]
+    seen = {
+        "file": file_takes(key, value, tmp_path),
+        "env": env_takes(key, value),
+        "--set": set_takes(key, value),
+    }
+    if where.planner is not None:
+        seen |= planner_surfaces(where.planner, value, where.scale)
+    seen |= sim_surfaces(where.sim, where.flag, value)
+    assert seen == dict.fromkeys(seen, accepted), f"{key}={value!r}"
+
+
+ALL_CHECKED = [
+    key
+    for key, rule in RULES.items()
+    if isinstance(rule.check, Bound)
+    or rule.check in (migrations, planner_mode)
+    or typing.get_origin(rule.tp) is Literal
+]
+
+
+@pytest.mark.parametrize("key", ALL_CHECKED)
+def test_every_bounded_setting_reads_alike_from_file_env_and_flag(key: str, tmp_path: Path) -> None:
+    for value, accepted in cases(RULES[key]):
+        seen = {
+            "file": file_takes(key, value, tmp_path),
+            "env": env_takes(key, value),
+            "--set": set_takes(key, value),
+        }
+        assert seen == dict.fromkeys(seen, accepted), f"{key}={value!r}"
+
+
+def test_the_table_names_every_counterpart() -> None:
+    # A planner parameter, simulator field or star simulate flag that follows a
+    # setting's rule must be in COUNTERPARTS, or it escapes the table.
+    by_rule = {id(rule): key for key, rule in RULES.items()}
+    planner = {field for field, rule in PARAM_RULES.items() if id(rule) in by_rule}
+    assert planner == {c.planner for c in COUNTERPARTS.values() if c.planner} - {"mode"}
+    assert set(PARAM_RULES) - planner == NOT_SAME_RULE
+    sim = {field for field, rule in RULES_BY_FIELD.items() if id(rule) in by_rule}
+    for field in sim:
+        key = by_rule[id(RULES_BY_FIELD[field])]
+        assert COUNTERPARTS[key].sim == field, key
+    flags = {flag: key for flag, key, _, _ in MIRRORED}
+    for flag, key in flags.items():
+        assert key in COUNTERPARTS and COUNTERPARTS[key].flag == flag, flag
+    assert {c.flag for c in COUNTERPARTS.values() if c.flag} == set(flags)
+    # Every setting with a bound or choices has its cases (no rule left to a surface).
+    assert set(COUNTERPARTS) <= set(ALL_CHECKED)
+
+
+def test_bins_scale_tokens_zero_is_resolved_not_passed() -> None:
+    # The setting's 0 means "the served model's length"; the planner gets that.
+    settings = load_settings(env={"STAR_SCHEDULER_BINS_SCALE_TOKENS": "0"})
+    assert PlannerParams.from_settings(settings).bins_scale_tokens == 4096
+    assert refuses(lambda: params_from_dict({"bins_scale_tokens": 0}))
+    assert refuses(lambda: load_settings(env={"STAR_SCHEDULER_BINS_SCALE_TOKENS": "-1"}))
+
+
+def test_simulate_set_takes_a_migration_latency() -> None:
+    # Its default is None (the handoff's); --set once failed with "expected NoneType".
+    assert apply_sets(SimConfig(), ["migration_latency_s=0.01"]).migration_latency_s == 0.01
