@@ -39,8 +39,8 @@ import numpy as np
 
 from benchmarks.common import bench_main, text_table
 from star.planner import Instance, Mode, PlannerParams, Request, plan
-from star.planner.core import max_migrations_arg
 from star.planner.trace import instance_traces
+from star.settings import add_setting_flag
 
 REFERENCE = Path(__file__).resolve().parents[1] / "tests" / "planner" / "reference.py"
 DEFAULT_SIZES = (8, 16, 32, 64, 128, 256, 1024)
@@ -245,8 +245,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="comma-separated decode instance counts (default %(default)s)",
     )
     parser.add_argument("--requests", type=int, default=64, help="running requests per instance")
-    parser.add_argument("--horizon", type=int, default=64, help="H, future grid points")
-    parser.add_argument("--mode", default="predicted", help="planner mode (default predicted)")
+    # The planner's knobs, as the settings describe and check them.
+    add_setting_flag(parser, "--horizon", "scheduler.horizon", metavar="H")
+    add_setting_flag(parser, "--mode", "scheduler.mode", metavar="MODE")
     parser.add_argument("--ticks", type=int, default=300, help="timed ticks per size")
     parser.add_argument(
         "--naive-ticks",
@@ -262,14 +263,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="time the naive reference only up to N instances (default %(default)s: "
         "with several moves per tick it takes ~30 s a tick at 256 and grows as n^3)",
     )
-    parser.add_argument(
-        "--max-migrations",
-        type=max_migrations_arg,
-        default=PlannerParams().max_migrations,
-        metavar="M",
-        help="migrations per tick: auto (up to one per overloaded instance) or an integer, "
-        "1 being the paper's rule (default %(default)s)",
-    )
+    add_setting_flag(parser, "--max-migrations", "scheduler.max_migrations", metavar="M")
     parser.add_argument(
         "--worker-traces",
         action="store_true",

@@ -32,6 +32,7 @@ from star.fleet import (
     restore_sigterm,
 )
 from star.redact import redact_url
+from star.settings import add_setting_flag
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -49,8 +50,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
     parser.add_argument("--decode", type=int, default=3, help="decode workers (default 3)")
     parser.add_argument("--model", help="model directory (default: the tiny demo model)")
-    parser.add_argument("--port", type=int, help="proxy port (default proxy.port = 8000)")
-    parser.add_argument("--mode", help="scheduler mode (default scheduler.mode)")
+    # Overrides of two settings: parsed and checked by their rules, the file and STAR_* below them.
+    add_setting_flag(parser, "--port", "proxy.port", metavar="PORT", from_settings=True)
+    add_setting_flag(parser, "--mode", "scheduler.mode", metavar="MODE", from_settings=True)
     parser.add_argument("--run-dir", help="where logs go (default: a new temporary directory)")
     parser.add_argument(
         "--ready-timeout", type=float, default=600.0, help="seconds to wait for readiness"

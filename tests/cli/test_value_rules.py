@@ -72,10 +72,8 @@ COUNTERPARTS: dict[str, Counterpart] = {
 # scheduler.bins_scale_tokens is no counterpart of PlannerParams.bins_scale_tokens
 # by design: the setting's 0 means worker.max_model_len, resolved by
 # PlannerParams.from_settings (test_bins_scale_tokens_zero_is_resolved_not_passed).
-NOT_SAME_RULE = {
-    "bins_scale_tokens",
-    "default_step_time_s",
-}  # planner fields with a rule of their own
+# The planner fields with a rule of their own.
+NOT_SAME_RULE = {"bins_scale_tokens", "default_step_time_s"}
 
 
 # -- the cases, from a rule's metadata ------------------------------------------
@@ -298,3 +296,43 @@ def test_bins_scale_tokens_zero_is_resolved_not_passed() -> None:
 def test_simulate_set_takes_a_migration_latency() -> None:
     # Its default is None (the handoff's); --set once failed with "expected NoneType".
     assert apply_sets(SimConfig(), ["migration_latency_s=0.01"]).migration_latency_s == 0.01
+
+
+def _up_parser() -> argparse.ArgumentParser:
+    from star.cli import up
+
+    parser = argparse.ArgumentParser()
+    up.register(parser.add_subparsers())
+    return parser
+
+
+def _bench_parser() -> argparse.ArgumentParser:
+    from benchmarks import planner
+
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers()
+    planner.configure(sub.add_parser("planner"))
+    return parser
+
+
+# Other commands' flags made from a setting (star.settings.add_setting_flag).
+OTHER_FLAGS = [
+    ("proxy.port", _up_parser, ["up"], "--port"),
+    ("scheduler.mode", _up_parser, ["up"], "--mode"),
+    ("scheduler.horizon", _bench_parser, ["planner"], "--horizon"),
+    ("scheduler.mode", _bench_parser, ["planner"], "--mode"),
+    ("scheduler.max_migrations", _bench_parser, ["planner"], "--max-migrations"),
+]
+
+
+@pytest.mark.parametrize(
+    ("key", "parser", "argv", "flag"), OTHER_FLAGS, ids=[f"{a[2][0]} {a[3]}" for a in OTHER_FLAGS]
+)
+def test_star_up_and_bench_flags_follow_the_setting(
+    key: str, parser: Callable[[], argparse.ArgumentParser], argv: list[str], flag: str
+) -> None:
+    p = parser()
+    for value, accepted in cases(RULES[key]):
+        given = [*argv, f"{flag}={text(value)}"]
+        takes = not refuses(lambda: p.parse_args(given))  # noqa: B023 (called at once)
+        assert takes == accepted == set_takes(key, value), f"{flag} {value!r}"
