@@ -91,17 +91,18 @@ class PlannerParams:
     C_mig(r) = KV bytes of r / ``bandwidth_bytes_per_s`` + ``handoff_latency_s``.
     """
 
-    mode: Mode = Mode(ModeKind.PREDICTED)  # noqa: RUF009 (Mode is frozen)
-    horizon: int = 64
-    delta: int = 32
-    beta_decay: float = 0.95
-    theta: float = 0.1
-    min_gain: float = 0.0
-    max_migrations: int | Literal["auto"] = "auto"
-    bandwidth_bytes_per_s: float = 25e9 / 8
-    handoff_latency_s: float = 0.025
+    # The [scheduler] settings' defaults, declared once there (star.settings).
+    mode: Mode = Mode.parse(RULES["scheduler.mode"].default)  # noqa: RUF009 (Mode is frozen)
+    horizon: int = RULES["scheduler.horizon"].default
+    delta: int = RULES["scheduler.delta"].default
+    beta_decay: float = RULES["scheduler.beta_decay"].default
+    theta: float = RULES["scheduler.theta"].default
+    min_gain: float = RULES["scheduler.min_gain"].default
+    max_migrations: int | Literal["auto"] = RULES["scheduler.max_migrations"].default
+    bandwidth_bytes_per_s: float = RULES["scheduler.bandwidth_gbps"].default * 1e9 / 8
+    handoff_latency_s: float = RULES["scheduler.handoff_latency_s"].default
     default_step_time_s: float = 0.02
-    transfer_budget_s: float = 0.0
+    transfer_budget_s: float = RULES["scheduler.transfer_budget_s"].default
     # The length scale of ``bins:K`` edges: the paper's edges (up to 32,768
     # tokens, its models' context) times bins_scale_tokens / 32768. The
     # simulator models the paper's lengths and keeps 32768; the live scheduler

@@ -336,3 +336,16 @@ def test_star_up_and_bench_flags_follow_the_setting(
         given = [*argv, f"{flag}={text(value)}"]
         takes = not refuses(lambda: p.parse_args(given))  # noqa: B023 (called at once)
         assert takes == accepted == set_takes(key, value), f"{flag} {value!r}"
+
+
+def test_planner_and_simulator_defaults_are_the_settings() -> None:
+    # Defaults are values too: PlannerParams and SimConfig take the settings'
+    # (bins_scale_tokens: the paper's 32768, where the setting's 0 = max_model_len).
+    defaults = load_settings(env={})
+    live = PlannerParams.from_settings(defaults)
+    assert dataclasses.replace(live, bins_scale_tokens=32768) == PlannerParams()
+    sim = SimConfig()
+    for key, where in COUNTERPARTS.items():
+        if where.sim is not None and not where.sim.startswith("planner."):
+            area, name = key.split(".")
+            assert getattr(sim, where.sim) == getattr(getattr(defaults, area), name), key
