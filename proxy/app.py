@@ -39,6 +39,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 
 from proxy.backend import Backend, BackendError, TokenBatch
+from proxy.fanout import FanIn, children
 from proxy.http import (
     HttpError,
     HttpServer,
@@ -267,7 +268,7 @@ class ProxyApp:
         stream: AsyncIterator[TokenBatch] | None = None
         handed_over = False
         try:
-            stream = self.backend.generate(gen)
+            stream = self._open(parsed)
             if not gen.stream:
                 await self._collect(relay, stream, timing)
                 self._done(relay, timing, "finished")
@@ -306,6 +307,13 @@ class ProxyApp:
             if not handed_over and stream is not None:
                 await _aclose(stream)
 
+    def _open(self, parsed: ParsedRequest) -> AsyncIterator[TokenBatch]:
+        """The backend's stream for the request: one upstream request per choice."""
+        reqs = children(parsed)
+        if len(reqs) == 1:
+            return self.backend.generate(reqs[0])
+        return FanIn([self.backend.generate(r) for r in reqs])
+
     async def _collect(
         self, relay: Relay, stream: AsyncIterator[TokenBatch], timing: _Timing
     ) -> None:
@@ -314,6 +322,7 @@ class ProxyApp:
             relay.feed(batch)
             if relay.cut:
                 break  # a stop string matched: closing the stream aborts upstream
+            await _drop_if_cut(relay, stream, batch)
 
     async def _relay(
         self, relay: Relay, stream: AsyncIterator[TokenBatch], first: TokenBatch, timing: _Timing
@@ -330,6 +339,7 @@ class ProxyApp:
                     yield out
                 if relay.cut:
                     break  # a stop string matched: closing the stream aborts upstream
+                await _drop_if_cut(relay, stream, batch)
                 batch = await anext(stream, None)
             outcome = "finished"
             yield relay.end()
@@ -357,7 +367,8 @@ class ProxyApp:
             "request_id": gen.request_id,
             "kind": gen.kind,
             "stream": gen.stream,
-            "prompt_tokens": len(gen.prompt_token_ids),
+            "prompt_tokens": relay.prompt_tokens,
+            "choices": len(relay.choices),
             "completion_tokens": relay.completion_tokens,
             "finish_reason": [c.finish_reason for c in relay.choices],
             "migratable": gen.migratable,
@@ -400,6 +411,12 @@ def _upstream_error(request_id: str) -> HttpError:
         f"the inference backend failed the request (request id {request_id})",
         code="upstream_error",
     )
+
+
+async def _drop_if_cut(relay: Relay, stream: AsyncIterator[TokenBatch], batch: TokenBatch) -> None:
+    """One choice of several cut by a stop string: abort its request, the others go on."""
+    if isinstance(stream, FanIn) and relay.choices[batch.index].cut:
+        await stream.drop(batch.index)
 
 
 async def _aclose(stream: AsyncIterator[Any]) -> None:

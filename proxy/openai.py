@@ -11,6 +11,7 @@ or the final response object. Shapes follow the OpenAI API reference for
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -28,6 +29,8 @@ from proxy.validate import Fields, parse_object
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_N = 128
+# Choices (prompts x n) per request: each is a request of its own upstream.
+MAX_CHOICES = 128
 MAX_STOP = 16  # stop strings per request (OpenAI allows 4; vLLM has no cap)
 # Characters per stop string: matching holds back and rescans up to this much
 # text per token (docs/operations.md, "HTTP limits").
@@ -46,11 +49,30 @@ class TextOptions:
 
 @dataclass(frozen=True, slots=True)
 class ParsedRequest:
-    """A validated request: what the backend gets and what the proxy keeps."""
+    """A validated request: what the backend gets and what the proxy keeps.
+
+    ``gen`` is the request as the client sent it (its first prompt, ``n`` in
+    its sampling); ``prompts`` holds every prompt of a batched completion
+    (empty: ``gen``'s alone). Choice ``k`` belongs to prompt ``k // n``, as
+    in vLLM. ``echo`` holds each prompt's text when the client asked for it
+    back (``echo: true``), else is empty.
+    """
 
     gen: GenerationRequest
     text: TextOptions
     card: ModelCard
+    prompts: tuple[list[int], ...] = ()
+    echo: tuple[str, ...] = ()
+
+    @property
+    def batch(self) -> tuple[list[int], ...]:
+        """Every prompt of the request, in order."""
+        return self.prompts or (self.gen.prompt_token_ids,)
+
+    @property
+    def num_choices(self) -> int:
+        """Choices in the response: ``n`` per prompt."""
+        return len(self.batch) * self.gen.n
 
 
 # -- request parsing ----------------------------------------------------------------
@@ -78,14 +100,24 @@ def find_model(models: Mapping[str, ModelCard], name: Any) -> ModelCard:
 
 
 def parse_completion(body: bytes, models: Mapping[str, ModelCard]) -> ParsedRequest:
-    """Validate a ``/v1/completions`` body."""
+    """Validate a ``/v1/completions`` body (one prompt or a batch of them)."""
     f = Fields(parse_object(body))
     card = find_model(models, f.raw("model"))
-    prompt = _completion_prompt(f, card)
-    f.reject_truthy("echo", "'echo' is not supported")
+    prompts = _completion_prompts(f, card)
     f.reject_truthy("suffix", "'suffix' is not supported")
     f.reject_present("logprobs", "'logprobs' are not supported by this server")
-    return _finish_parse(f, card, prompt, "completion", "cmpl-", COMPLETION_DEFAULT_MAX_TOKENS)
+    parsed = _finish_parse(f, card, prompts, "completion", "cmpl-", COMPLETION_DEFAULT_MAX_TOKENS)
+    if not f.bool_("echo", False):
+        return parsed
+    # vLLM echoes a text prompt as sent and a token-id prompt decoded, special
+    # tokens included (its renderer's tokenizer.decode).
+    raw = f.raw("prompt")
+    sent = [raw] if isinstance(raw, str) or _is_token_ids(raw) else raw
+    echo = tuple(
+        p if isinstance(p, str) else card.tokenizer.decode(ids, skip_special_tokens=False)
+        for p, ids in zip(sent, prompts, strict=True)
+    )
+    return dataclasses.replace(parsed, echo=echo)
 
 
 def parse_chat(body: bytes, models: Mapping[str, ModelCard]) -> ParsedRequest:
@@ -118,10 +150,11 @@ def parse_chat(body: bytes, models: Mapping[str, ModelCard]) -> ParsedRequest:
     if "max_completion_tokens" in f.data and f.raw("max_completion_tokens") is not None:
         f.data["max_tokens"] = f.data["max_completion_tokens"]
         f.param_alias["max_tokens"] = "max_completion_tokens"
-    return _finish_parse(f, card, prompt, "chat", "chatcmpl-", None)
+    return _finish_parse(f, card, [prompt], "chat", "chatcmpl-", None)
 
 
-def _completion_prompt(f: Fields, card: ModelCard) -> list[int]:
+def _completion_prompts(f: Fields, card: ModelCard) -> list[list[int]]:
+    """The prompt as token ids: a string, token ids, or a batch of either (vLLM's forms)."""
     prompt = f.raw("prompt")
     if prompt is None:
         raise HttpError(
@@ -130,43 +163,58 @@ def _completion_prompt(f: Fields, card: ModelCard) -> list[int]:
             param="prompt",
             code="missing_required_parameter",
         )
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        try:
-            ids = card.encode(prompt)
-        except PromptTooLong as exc:
-            raise _size_error(card, exc, "completion") from None
-    elif isinstance(prompt, list) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in prompt
+    if isinstance(prompt, str) or _is_token_ids(prompt):
+        batch = [prompt]
+    elif (
+        isinstance(prompt, list)
+        and prompt
+        and (all(isinstance(p, str) for p in prompt) or all(_is_token_ids(p) for p in prompt))
     ):
-        ids = list(prompt)
-        vocab = card.tokenizer.get_vocab_size(with_added_tokens=True)
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise HttpError(
-                400,
-                f"token id {bad} in 'prompt' is outside the vocabulary (0..{vocab - 1})",
-                param="prompt",
-                code="invalid_value",
-            )
-    elif isinstance(prompt, list) and all(isinstance(p, str | list) for p in prompt):
-        raise HttpError(
-            400,
-            "batched prompts are not supported; send one prompt per request",
-            param="prompt",
-            code="invalid_value",
-        )
+        batch = prompt
     else:
         raise HttpError(
             400,
-            "'prompt' must be a string or a list of token ids",
+            "'prompt' must be a string, a list of token ids, or a list of either",
             param="prompt",
             code="invalid_type",
         )
-    if not ids:
-        raise HttpError(400, "'prompt' is empty", param="prompt", code="invalid_value")
-    return ids
+    n = f.int_("n", 1, lo=1, hi=MAX_N)
+    if len(batch) * n > MAX_CHOICES:
+        raise HttpError(
+            400,
+            f"'prompt' has {len(batch)} prompts and n is {n}: at most {MAX_CHOICES} choices "
+            "(prompts x n) per request",
+            param="prompt",
+            code="invalid_value",
+        )
+    vocab = card.tokenizer.get_vocab_size(with_added_tokens=True)
+    out = []
+    for p in batch:
+        if isinstance(p, str):
+            try:
+                ids = card.encode(p)
+            except PromptTooLong as exc:
+                raise _size_error(card, exc, "completion") from None
+        else:
+            ids = list(p)
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise HttpError(
+                    400,
+                    f"token id {bad} in 'prompt' is outside the vocabulary (0..{vocab - 1})",
+                    param="prompt",
+                    code="invalid_value",
+                )
+        if not ids:
+            raise HttpError(400, "'prompt' is empty", param="prompt", code="invalid_value")
+        out.append(ids)
+    return out
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    )
 
 
 def _messages(f: Fields) -> list[dict[str, Any]]:
@@ -227,7 +275,7 @@ def _text_parts(parts: list[Any], where: str) -> str:
 def _finish_parse(
     f: Fields,
     card: ModelCard,
-    prompt: list[int],
+    prompts: list[list[int]],
     kind: RequestKind,
     id_prefix: str,
     default_max_tokens: int | None,
@@ -242,12 +290,13 @@ def _finish_parse(
             code="invalid_value",
         )
     include_usage = bool(options and options.get("include_usage"))
-    room = card.max_model_len - len(prompt)
+    longest = max(len(p) for p in prompts)  # every prompt gets the same budget
+    room = card.max_model_len - longest
     if room <= 0:
-        raise _context_error(card, len(prompt), 0, kind)
+        raise _context_error(card, longest, 0, kind)
     max_tokens = f.int_("max_tokens", default_max_tokens or room, lo=1)
     if max_tokens > room:
-        raise _context_error(card, len(prompt), max_tokens, kind)
+        raise _context_error(card, longest, max_tokens, kind)
     sampling = _sampling(f, card, max_tokens)
     stop = f.str_list("stop", MAX_STOP, MAX_STOP_CHARS)
     text = TextOptions(
@@ -258,16 +307,17 @@ def _finish_parse(
     gen = GenerationRequest(
         request_id=id_prefix + uuid.uuid4().hex,
         model=card.name,
-        prompt_token_ids=prompt,
+        prompt_token_ids=prompts[0],
         sampling=sampling,
         kind=kind,
         stop=tuple(s for s in stop if s),
         stream=stream,
         include_usage=include_usage,
-        migratable=is_migratable(sampling),
+        # n > 1 goes upstream as n single requests (proxy.fanout): each child's answer
+        migratable=is_migratable({k: v for k, v in sampling.items() if k != "n"}),
         arrival_s=time.monotonic(),
     )
-    return ParsedRequest(gen, text, card)
+    return ParsedRequest(gen, text, card, tuple(prompts) if len(prompts) > 1 else ())
 
 
 def _context_error(
@@ -420,26 +470,34 @@ class Relay:
     text is held back), :meth:`end` the closing chunks, usage and ``[DONE]``.
     Not streaming: feed, then :meth:`response`. Chunks are rendered from
     per-request byte templates so that only the new text is JSON-encoded per
-    token (this is the proxy's hot path).
+    token (this is the proxy's hot path). A batch's ``index`` is its choice
+    (prompt ``index // n``); usage counts each prompt once, as vLLM does.
     """
 
     def __init__(self, parsed: ParsedRequest, created: int | None = None) -> None:
         gen, text = parsed.gen, parsed.text
         self.req = gen
         self.created = int(time.time()) if created is None else created
+        batch, n = parsed.batch, gen.n
+        count = parsed.num_choices
+        self.prompt_tokens = sum(len(p) for p in batch)
         self.choices = [
             TextStream(
                 parsed.card.tokenizer,
-                gen.prompt_token_ids,
+                batch[k // n],
                 gen.stop,
                 text.include_stop_str_in_output,
                 text.skip_special_tokens,
                 text.min_tokens,
             )
-            for _ in range(gen.n)
+            for k in range(count)
         ]
-        self._texts: list[list[str]] = [[] for _ in range(gen.n)]
-        self._open = gen.n  # choices not yet finished
+        # echo: each choice's first text is its prompt's (then done: None).
+        self._echo: list[str | None] = (
+            [parsed.echo[k // n] for k in range(count)] if parsed.echo else [None] * count
+        )
+        self._texts: list[list[str]] = [[] for _ in range(count)]
+        self._open = count  # choices not yet finished
         self._started = False
         self._stream = gen.stream
         chat = gen.kind == "chat"
@@ -451,7 +509,7 @@ class Relay:
         self._tail = b',"logprobs":null,"finish_reason":'
         self._end = b"}]" + (b',"usage":null' if gen.include_usage else b"") + b"}"
         self._pre = [
-            b"data: " + self._head + str(i).encode() + self._text_key for i in range(gen.n)
+            b"data: " + self._head + str(i).encode() + self._text_key for i in range(count)
         ]
         self._post = self._text_end + self._tail + b"null" + self._end + b"\n\n"
 
@@ -481,6 +539,10 @@ class Relay:
         text = choice.feed(batch.token_ids)
         if choice.finish_reason is None and batch.finish_reason is not None:
             text += choice.finish(batch.finish_reason, batch.stop_reason)
+        echo = self._echo[index]
+        if echo is not None:  # the choice's first chunk: the prompt, then its first text
+            self._echo[index] = None
+            text = echo + text
         finish = choice.finish_reason
         if finish is not None:
             self._open -= 1
@@ -499,7 +561,7 @@ class Relay:
             raise RuntimeError("backend stream ended before every choice finished")
         out = b"" if self._started else self._start()
         if self.req.include_usage:
-            u = usage(len(self.req.prompt_token_ids), self.completion_tokens)
+            u = usage(self.prompt_tokens, self.completion_tokens)
             head = self._head[: self._head.rindex(b'"choices"')]
             out += sse.event(head + b'"choices":[],"usage":' + _j(u) + b"}")
         return out + sse.DONE
@@ -526,7 +588,7 @@ class Relay:
             "created": self.created,
             "model": self.req.model,
             "choices": choices,
-            "usage": usage(len(self.req.prompt_token_ids), self.completion_tokens),
+            "usage": usage(self.prompt_tokens, self.completion_tokens),
         }
 
     def error_event(self, error: HttpError) -> bytes:

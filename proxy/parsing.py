@@ -99,8 +99,8 @@ class Parsing:
                 param=result.param,
                 code=result.code,
             )
-        gen, text = result
-        return ParsedRequest(gen, text, self.models[gen.model])
+        gen, text, prompts, echo = result
+        return ParsedRequest(gen, text, self.models[gen.model], prompts, echo)
 
 
 # -- the process-wide pool ------------------------------------------------------------
@@ -165,7 +165,7 @@ def _exit_when_orphaned(parent: int) -> None:
 
 def _parse_in_worker(
     parse: Parser, body: bytes, shipped: bytes
-) -> tuple[GenerationRequest, TextOptions] | _Refused:
+) -> tuple[GenerationRequest, TextOptions, tuple[list[int], ...], tuple[str, ...]] | _Refused:
     models = _loaded.get(shipped)
     if models is None:
         if len(_loaded) >= _WORKER_MODEL_SETS:
@@ -176,7 +176,7 @@ def _parse_in_worker(
         parsed = parse(body, models)
     except HttpError as exc:
         return _Refused(exc.status, exc.message, exc.type, exc.param, exc.code)
-    return parsed.gen, parsed.text
+    return parsed.gen, parsed.text, parsed.prompts, parsed.echo  # the card stays here
 
 
 def start() -> list[Future[int]]:
