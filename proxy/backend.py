@@ -68,7 +68,8 @@ class GenerationRequest:
 
     @property
     def n(self) -> int:
-        """Number of choices the backend produces (``TokenBatch.index`` ranges over them)."""
+        """Choices asked for; the front end fans ``n > 1`` out (:mod:`proxy.fanout`), so a
+        backend is sent ``n = 1`` requests only."""
         return int(self.sampling.get("n", 1))
 
 
@@ -80,7 +81,7 @@ class TokenBatch:
     tokens too): ``"stop"`` (EOS or a stop token id, then ``stop_reason`` is
     that id or None), ``"length"`` (``max_tokens`` reached) or ``"abort"``
     (the engine gave up on the request). ``index`` selects the choice when
-    ``n > 1``.
+    several are merged into one stream (:class:`proxy.fanout.FanIn` sets it).
     """
 
     token_ids: list[int]

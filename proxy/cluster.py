@@ -297,7 +297,7 @@ class ClusterBackend:
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[TokenBatch]:
         if req.n != 1:
-            raise RequestRejected("n > 1 is not supported by this proxy yet")
+            raise RequestRejected("n > 1 reaches a backend fanned out (proxy.fanout), never as one")
         sampling = dict(req.sampling)
         sampling.pop("n", None)
         kv_params = await self._prefill_or_local(req, sampling)
