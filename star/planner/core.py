@@ -10,7 +10,7 @@ exact). :func:`decide` is the one entry, on arrays: Algorithm 1
 :func:`plan` takes :class:`~star.planner.Instance` values (the live
 scheduler, ``star plan``) and calls it on arrays built from them. The algebra that makes each Delta-V O(1) is
 in :mod:`star.planner.arrays`; ``explain=True`` lists every candidate with
-its verdict, computed here with numpy from the same prefix tables.
+its verdict, from the search's own kernels (:mod:`star.planner.kernels`).
 """
 
 from __future__ import annotations
@@ -88,109 +88,22 @@ def max_migrations_arg(text: str) -> int | Literal["auto"]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-@dataclass(slots=True)
-class _Prefix:
-    """Per-instance prefix tables over the cut-off k = 0..H + 1."""
-
-    b0: FloatArray  # sum_{j<k} beta_j
-    b1: FloatArray  # sum_{j<k} beta_j tau_j
-    b2: FloatArray  # sum_{j<k} beta_j tau_j^2
-    x: FloatArray  # (i, k): sum_{j<k} beta_j L_i(tau_j)
-    y: FloatArray  # (i, k): sum_{j<k} beta_j tau_j L_i(tau_j)
-    slack: FloatArray  # (i, k): largest N a request with cut-off k may have to fit on i
-
-    @classmethod
-    def build(
-        cls, traces: FloatArray, beta: FloatArray, tau: FloatArray, cap: FloatArray
-    ) -> _Prefix:
-        """Tables from traces of shape (n, H + 1) and capacities of shape (n,)."""
-        n, points = traces.shape
-
-        def prefix(v: FloatArray) -> FloatArray:
-            # Along the last, contiguous axis: numpy's cumsum is ~3x slower
-            # across rows.
-            out = np.zeros((*v.shape[:-1], points + 1))
-            np.cumsum(v, axis=-1, out=out[..., 1:])
-            return out
-
-        bl = traces * beta
-        # max_j (L_t + c) <= C splits at the cut-off k: for j < k the request
-        # adds N + tau_j, so N <= C - max_{j<k}(L_t + tau_j); for j >= k it
-        # adds nothing, but L_t itself must stay within C.
-        head = np.empty((n, points + 1))
-        head[:, 0] = -np.inf
-        np.maximum.accumulate(traces + tau, axis=1, out=head[:, 1:])
-        tail = np.empty((n, points + 1))
-        tail[:, points] = -np.inf
-        np.maximum.accumulate(traces[:, ::-1], axis=1, out=tail[:, points - 1 :: -1])
-        capc = cap[:, None]
-        slack = capc - head
-        slack[tail > capc] = -np.inf
-        return cls(
-            b0=prefix(beta),
-            b1=prefix(beta * tau),
-            b2=prefix(beta * tau * tau),
-            x=prefix(bl),
-            y=prefix(bl * tau),
-            slack=slack,
-        )
-
-    def own(self, tokens: FloatArray, k: IntArray, source: IntArray) -> FloatArray:
-        """a_r: the part of (n/2) Delta-V that does not depend on the target."""
-        out: FloatArray = (
-            tokens * tokens * self.b0[k]
-            + 2.0 * tokens * self.b1[k]
-            + self.b2[k]
-            - tokens * self.x[source, k]
-            - self.y[source, k]
-        )
-        return out
-
-    def own_magnitude(self, tokens: FloatArray, k: IntArray, source: IntArray) -> FloatArray:
-        """sum_{j<k} beta_j c_j (c_j + L_s): the source's share of a candidate's term size."""
-        out: FloatArray = (
-            tokens * tokens * self.b0[k]
-            + 2.0 * tokens * self.b1[k]
-            + self.b2[k]
-            + tokens * self.x[source, k]
-            + self.y[source, k]
-        )
-        return out
-
-    def raw(
-        self, own: FloatArray, tokens: FloatArray, k: IntArray, source: IntArray, targets: IntArray
-    ) -> tuple[FloatArray, BoolArray]:
-        """(n/2) Delta-V and capacity feasibility for each request x target.
-
-        Summed in the same order as the search's lower bound, which keeps the
-        bound <= the value after rounding.
-        """
-        rows = k[:, None]
-        cols = targets[None, :]
-        tok = tokens[:, None]
-        vals: FloatArray = own[:, None] + tok * self.x[cols, rows] + self.y[cols, rows]
-        feasible: BoolArray = (tok <= self.slack[cols, rows]) & (cols != source[:, None])
-        return vals, feasible
-
-    def values(
-        self, own: FloatArray, tokens: FloatArray, k: IntArray, source: IntArray, targets: IntArray
-    ) -> FloatArray:
-        """(n/2) Delta-V for each request x target, +inf where infeasible."""
-        vals, feasible = self.raw(own, tokens, k, source, targets)
-        out: FloatArray = np.where(feasible, vals, np.inf)
-        return out
-
-
 def _explain(
     instances: Sequence[Instance],
     over: BoolArray,
     under: BoolArray,
-    pre: _Prefix,
+    tables: tuple[FloatArray, FloatArray, FloatArray, FloatArray, FloatArray, FloatArray],
     params: PlannerParams,
     tau: FloatArray,
     moves: Sequence[Move],
 ) -> tuple[Candidate, ...]:
-    """Every (r, s, t) of O x U (t != s) with its Delta-V and verdict, in (s, t, r) order."""
+    """Every (r, s, t) of O x U (t != s) with its Delta-V and verdict, in (s, t, r) order.
+
+    The values come from the search's own functions
+    (:func:`star.planner.kernels.candidate_values` on :func:`~star.planner.kernels.prefix_tables`).
+    """
+    from star.planner import kernels
+
     n = len(instances)
     threshold = -params.min_gain * n / 2.0
     noise = noise_floor(tau.size)
@@ -205,12 +118,7 @@ def _explain(
         tokens = np.array([r.tokens for r in reqs], dtype=np.float64)
         remaining = remaining_array(reqs, params.mode, params.bins_scale_tokens)
         k = cutoffs(remaining, tau)
-        source = np.full(len(reqs), s)
-        own = pre.own(tokens, k, source)
-        unscaled, feasible = pre.raw(own, tokens, k, source, targets)
-        size = pre.own_magnitude(tokens, k, source)[:, None]
-        size = size + tokens[:, None] * pre.x[targets[None, :], k[:, None]]
-        size += pre.y[targets[None, :], k[:, None]]
+        unscaled, feasible, size = kernels.candidate_values(tokens, k, int(s), targets, tables)
         gain = unscaled < threshold - noise * size
         step = src.step_time_s if src.step_time_s > 0 else params.default_step_time_s
         short = too_short(
@@ -380,9 +288,11 @@ def plan_on(
     ):
         tau = grid(params)
         cap = np.array([inst.capacity_tokens for inst in explain], dtype=np.float64)
-        pre = _Prefix.build(decided.traces, weights(params), tau, cap)
+        from star.planner import kernels
+
+        tables = kernels.prefix_tables(decided.traces, weights(params), tau, cap, over, under)[:6]
         balance = [m for m in moves if m.reason == BALANCE]
-        candidates = _explain(explain, over, under, pre, params, tau, balance)
+        candidates = _explain(explain, over, under, tables, params, tau, balance)
     return Plan(
         moves=tuple(moves),
         workloads=dict(zip(ids, decided.workloads.tolist(), strict=True)),

@@ -144,6 +144,154 @@ def variance_after(
 
 
 @jit
+def prefix_tables(
+    traces: FloatArray,
+    beta: FloatArray,
+    tau: FloatArray,
+    capacity: FloatArray,
+    sources: BoolArray,
+    targets: BoolArray,
+) -> tuple[
+    FloatArray, FloatArray, FloatArray, FloatArray, FloatArray, FloatArray, FloatArray, FloatArray
+]:  # pragma: no cover - compiled
+    """The prefix tables every Delta-V of a tick is read from (docs/plan-state.md).
+
+    Over the cut-off k = 0..H + 1: b0, b1, b2 = sum_{j<k} beta_j (1, tau_j,
+    tau_j^2); per instance among ``sources`` or ``targets``, x and y = sum_{j<k}
+    beta_j L_i(tau_j) (1, tau_j); per target, slack = the largest N a request
+    with cut-off k may have to fit (-inf: none); x_min, y_min = the least x and
+    y over the targets (the search's lower bound).
+    """
+    n, points = traces.shape
+    width = points + 1
+    b0 = np.zeros(width)
+    b1 = np.zeros(width)
+    b2 = np.zeros(width)
+    for j in range(points):
+        b0[j + 1] = b0[j] + beta[j]
+        b1[j + 1] = b1[j] + beta[j] * tau[j]
+        b2[j + 1] = b2[j] + beta[j] * tau[j] * tau[j]
+    x = np.zeros((n, width))
+    y = np.zeros((n, width))
+    slack = np.full((n, width), -np.inf)
+    x_min = np.full(width, np.inf)
+    y_min = np.full(width, np.inf)
+    for i in range(n):
+        if not (sources[i] or targets[i]):
+            continue
+        for j in range(points):
+            bl = traces[i, j] * beta[j]
+            x[i, j + 1] = x[i, j] + bl
+            y[i, j + 1] = y[i, j] + bl * tau[j]
+        if not targets[i]:
+            continue
+        # max_j (L_t + c) <= C splits at the cut-off k: for j < k the request
+        # adds N + tau_j, so N <= C - max_{j<k}(L_t + tau_j); for j >= k it
+        # adds nothing, but L_t itself must stay within C.
+        cap = capacity[i]
+        tail = -np.inf
+        ok = np.empty(width, dtype=np.bool_)
+        ok[points] = True
+        for j in range(points - 1, -1, -1):
+            tail = max(tail, traces[i, j])
+            ok[j] = tail <= cap
+        head = -np.inf
+        for kk in range(width):
+            if kk > 0:
+                head = max(head, traces[i, kk - 1] + tau[kk - 1])
+            if ok[kk]:
+                slack[i, kk] = cap - head
+        for kk in range(width):
+            x_min[kk] = min(x_min[kk], x[i, kk])
+            y_min[kk] = min(y_min[kk], y[i, kk])
+    return b0, b1, b2, x, y, slack, x_min, y_min
+
+
+@jit
+def outlasts_move(
+    remaining: FloatArray | float,
+    tokens: FloatArray | float,
+    bytes_per_token: FloatArray | float,
+    step: FloatArray | float,
+    bandwidth: float,
+    latency: float,
+) -> BoolArray | bool:  # pragma: no cover - compiled
+    """Algorithm 1 line 20: R-hat(r) > C_mig(r) / T_exec, the migration cost C_mig(r) =
+    KV bytes of r / bandwidth + the fixed handoff latency. Scalars or arrays alike."""
+    return remaining > (tokens * bytes_per_token / bandwidth + latency) / step
+
+
+@jit
+def own_value(
+    tok: float,
+    kq: int,
+    s: int,
+    b0: FloatArray,
+    b1: FloatArray,
+    b2: FloatArray,
+    x: FloatArray,
+    y: FloatArray,
+) -> float:  # pragma: no cover - compiled
+    """a_r: the part of (n/2) Delta-V of moving r (N = ``tok``, cut-off ``kq``) off ``s``
+    that does not depend on the target."""
+    return tok * tok * b0[kq] + 2.0 * tok * b1[kq] + b2[kq] - tok * x[s, kq] - y[s, kq]  # type: ignore[no-any-return]
+
+
+@jit
+def target_value(
+    a: float, tok: float, kq: int, t: int, x: FloatArray, y: FloatArray
+) -> float:  # pragma: no cover
+    """(n/2) Delta-V of the move onto ``t``: a_r + N X_t[k] + Y_t[k]."""
+    return a + tok * x[t, kq] + y[t, kq]  # type: ignore[no-any-return]
+
+
+@jit
+def term_size(
+    tok: float,
+    kq: int,
+    s: int,
+    t: int,
+    b0: FloatArray,
+    b1: FloatArray,
+    b2: FloatArray,
+    x: FloatArray,
+    y: FloatArray,
+) -> float:  # pragma: no cover - compiled
+    """sum_{j<k} beta_j c_j (c_j + L_s + L_t): the size of a candidate's terms, which the
+    rounding noise of its Delta-V scales with."""
+    size = tok * tok * b0[kq] + 2.0 * tok * b1[kq] + b2[kq] + tok * x[s, kq] + y[s, kq]
+    return size + (tok * x[t, kq] + y[t, kq])  # type: ignore[no-any-return]
+
+
+@jit
+def candidate_values(
+    tokens: FloatArray,
+    k: IntArray,
+    s: int,
+    targets: IntArray,
+    tables: tuple[FloatArray, FloatArray, FloatArray, FloatArray, FloatArray, FloatArray],
+) -> tuple[FloatArray, BoolArray, FloatArray]:  # pragma: no cover - compiled
+    """For each request of source ``s`` (``tokens``, cut-offs ``k``) x ``targets``: its
+    (n/2) Delta-V, whether it fits (and t != s), and its term size; ``tables`` are
+    :func:`prefix_tables`' b0, b1, b2, x, y, slack. What ``star plan --explain`` lists,
+    from the same functions the search uses."""
+    b0, b1, b2, x, y, slack = tables
+    values = np.empty((tokens.size, targets.size))
+    fits = np.empty((tokens.size, targets.size), dtype=np.bool_)
+    sizes = np.empty((tokens.size, targets.size))
+    for i in range(tokens.size):
+        tok = tokens[i]
+        kq = k[i]
+        a = own_value(tok, kq, s, b0, b1, b2, x, y)
+        for j in range(targets.size):
+            t = targets[j]
+            values[i, j] = target_value(a, tok, kq, t, x, y)
+            fits[i, j] = t != s and tok <= slack[t, kq]
+            sizes[i, j] = term_size(tok, kq, s, t, b0, b1, b2, x, y)
+    return values, fits, sizes
+
+
+@jit
 def _best_target(
     s: int,
     tok: float,
@@ -164,7 +312,7 @@ def _best_target(
     for t in dst:
         if t == s or not free[t] or not tok <= slack[t, kq]:
             continue
-        v = a + tok * x[t, kq] + y[t, kq]
+        v = target_value(a, tok, kq, t, x, y)
         if v < best:
             best = v
             best_t = t
@@ -215,49 +363,10 @@ def select(
     re-evaluated when it reaches the top (it can only grow). So the picks
     are exactly those of repeating the full enumeration after each move.
     """
-    n, points = traces.shape
-    width = points + 1
-    b0 = np.zeros(width)
-    b1 = np.zeros(width)
-    b2 = np.zeros(width)
-    for j in range(points):
-        b0[j + 1] = b0[j] + beta[j]
-        b1[j + 1] = b1[j] + beta[j] * tau[j]
-        b2[j + 1] = b2[j] + beta[j] * tau[j] * tau[j]
-    x = np.zeros((n, width))
-    y = np.zeros((n, width))
-    slack = np.full((n, width), -np.inf)
-    x_min = np.full(width, np.inf)
-    y_min = np.full(width, np.inf)
-    for i in range(n):
-        if not (sources[i] or targets[i]):
-            continue
-        for j in range(points):
-            bl = traces[i, j] * beta[j]
-            x[i, j + 1] = x[i, j] + bl
-            y[i, j + 1] = y[i, j] + bl * tau[j]
-        if not targets[i]:
-            continue
-        # max_j (L_t + c) <= C splits at the cut-off k: for j < k the request
-        # adds N + tau_j, so N <= C - max_{j<k}(L_t + tau_j); for j >= k it
-        # adds nothing, but L_t itself must stay within C.
-        cap = capacity[i]
-        tail = -np.inf
-        ok = np.empty(width, dtype=np.bool_)
-        ok[points] = True
-        for j in range(points - 1, -1, -1):
-            tail = max(tail, traces[i, j])
-            ok[j] = tail <= cap
-        head = -np.inf
-        for kk in range(width):
-            if kk > 0:
-                head = max(head, traces[i, kk - 1] + tau[kk - 1])
-            if ok[kk]:
-                slack[i, kk] = cap - head
-        for kk in range(width):
-            x_min[kk] = min(x_min[kk], x[i, kk])
-            y_min[kk] = min(y_min[kk], y[i, kk])
-
+    b0, b1, b2, x, y, slack, x_min, y_min = prefix_tables(
+        traces, beta, tau, capacity, sources, targets
+    )
+    n = traces.shape[0]
     total = tokens.size
     cand = np.empty(total, dtype=np.intp)
     own = np.empty(total)
@@ -271,11 +380,12 @@ def select(
             if not eligible[q]:
                 continue
             tok = tokens[q]
-            c_mig = tok * bytes_per_token[s] / bandwidth + latency
-            if not remaining[q] > c_mig / step_time[s]:
+            if not outlasts_move(
+                remaining[q], tok, bytes_per_token[s], step_time[s], bandwidth, latency
+            ):
                 continue
             kq = k[q]
-            a = tok * tok * b0[kq] + 2.0 * tok * b1[kq] + b2[kq] - tok * x[s, kq] - y[s, kq]
+            a = own_value(tok, kq, s, b0, b1, b2, x, y)
             low = a + tok * x_min[kq] + y_min[kq]
             if low < threshold:
                 cand[m] = q
@@ -321,10 +431,7 @@ def select(
                 heapq.heappush(heap, (v, q, t, c))
             continue
         tok = tokens[q]
-        kq = k[q]
-        size = tok * tok * b0[kq] + 2.0 * tok * b1[kq] + b2[kq] + tok * x[s, kq] + y[s, kq]
-        size += tok * x[t, kq] + y[t, kq]
-        if not v < threshold - noise * size:
+        if not v < threshold - noise * term_size(tok, k[q], s, t, b0, b1, b2, x, y):
             break  # the best is noise, and so is everything above it
         rows[done] = q
         picked[done] = t

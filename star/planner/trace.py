@@ -100,9 +100,7 @@ def bin_value(predicted: float, bins: int, scale: float = PAPER_SCALE_TOKENS) ->
     return (edges[i] + edges[i + 1]) / 2.0
 
 
-def _bin_values(
-    predicted: FloatArray, bins: int, scale: float = PAPER_SCALE_TOKENS
-) -> FloatArray:
+def _bin_values(predicted: FloatArray, bins: int, scale: float = PAPER_SCALE_TOKENS) -> FloatArray:
     edges = np.asarray(bin_edges(bins, scale), dtype=np.float64)
     mids = (edges[:-1] + edges[1:]) / 2.0
     # Inner edges only: everything below the second edge is bin 0, everything
@@ -208,8 +206,18 @@ def too_short(
     True where a request would end before its move does (``bpt``: the source's
     KV bytes per token; ``step``: its decode step time in seconds).
     """
-    c_mig = tokens * bpt / params.bandwidth_bytes_per_s + params.handoff_latency_s
-    out: BoolArray = ~(remaining > c_mig / step)
+    from star.planner.kernels import outlasts_move  # the search's own rule (numba)
+
+    out: BoolArray = ~np.asarray(
+        outlasts_move(
+            np.asarray(remaining, dtype=np.float64),
+            np.asarray(tokens, dtype=np.float64),
+            np.asarray(bpt, dtype=np.float64),
+            np.asarray(step, dtype=np.float64),
+            float(params.bandwidth_bytes_per_s),
+            float(params.handoff_latency_s),
+        )
+    )
     return out
 
 
