@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import tomllib
 import types
@@ -29,11 +28,10 @@ from typing import Any, Literal
 from urllib.parse import SplitResult, unquote, urlsplit
 
 from star.redact import MASK, redact_url, url_secrets
+from star.rules import Check, Rule, fraction, non_negative, one_of, port, positive
 
 ENV_PREFIX = "STAR_"
 CONFIG_ENV = "STAR_CONFIG"
-
-Check = Callable[[Any], str | None]
 
 
 class SettingsError(ValueError):
@@ -41,45 +39,6 @@ class SettingsError(ValueError):
 
 
 # -- validators: each returns an error message or None ---------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Bound:
-    """A numeric bound declared once, as data: ``gt`` / ``ge`` / ``le``, and finite.
-
-    Called as a check (an error message or None). The planner's parameters, the
-    simulator's config and ``star simulate``'s flags reach the same objects
-    through :func:`rule`, so a bound is never restated.
-    """
-
-    says: str
-    gt: float | None = None
-    ge: float | None = None
-    le: float | None = None
-
-    def __call__(self, value: Any) -> str | None:
-        if not math.isfinite(value):
-            return f"{self.says} (a finite number)"
-        if (
-            (self.gt is not None and not value > self.gt)
-            or (self.ge is not None and not value >= self.ge)
-            or (self.le is not None and not value <= self.le)
-        ):
-            return self.says
-        return None
-
-
-positive = Bound("must be > 0", gt=0)
-non_negative = Bound("must be >= 0", ge=0)
-fraction = Bound("must be in (0, 1]", gt=0, le=1)
-port = Bound("must be a TCP port in 0..65535 (0 = pick a free one)", ge=0, le=65535)
-
-
-def one_of(*choices: str) -> Check:
-    def check(value: Any) -> str | None:
-        return None if value in choices else f"must be one of {', '.join(choices)}"
-
-    return check
 
 
 def redis_url(value: Any) -> str | None:
@@ -405,123 +364,6 @@ _AREA_TYPES: dict[str, type[Any]] = {
 
 def _field_types(area: str) -> dict[str, Any]:
     return typing.get_type_hints(_AREA_TYPES[area])
-
-
-def _parse_bool(text: str) -> bool:
-    low = text.strip().lower()
-    if low in {"1", "true", "yes", "on"}:
-        return True
-    if low in {"0", "false", "no", "off"}:
-        return False
-    raise ValueError("expected true/false")
-
-
-_NOUNS: dict[Any, str] = {int: "an integer", float: "a number", str: "a string"}
-
-
-def _coerce(tp: Any, value: Any, from_text: bool) -> Any:
-    """Convert ``value`` to ``tp``; strings from env/flags are parsed, TOML values checked."""
-    origin = typing.get_origin(tp)
-    if origin is tuple:
-        (item_tp, _) = typing.get_args(tp)
-        if from_text and isinstance(value, str):
-            text = value.strip()
-            if text.startswith("["):
-                value = json.loads(text)
-            else:
-                value = [part.strip() for part in text.split(",") if part.strip()]
-        if not isinstance(value, list | tuple):
-            raise ValueError("expected a list")
-        return tuple(_coerce(item_tp, item, from_text) for item in value)
-    if origin in {types.UnionType, typing.Union}:
-        # A type or words: int | Literal["auto"].
-        args = typing.get_args(tp)
-        words = [w for a in args if typing.get_origin(a) is Literal for w in typing.get_args(a)]
-        rest = [a for a in args if typing.get_origin(a) is not Literal]
-        if not words or len(rest) != 1:
-            raise TypeError(f"unsupported settings type {tp}")
-        if isinstance(value, str) and value.strip() in words:
-            return value.strip()
-        try:
-            return _coerce(rest[0], value, from_text)
-        except ValueError:
-            quoted = " or ".join(json.dumps(w) for w in words)
-            raise ValueError(f"expected {quoted} or {_NOUNS.get(rest[0], rest[0])}") from None
-    if origin is Literal:  # its words are the rule's check (Rule.check)
-        return _coerce(str, value, from_text)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if from_text and isinstance(value, str):
-            return _parse_bool(value)
-        raise ValueError("expected true or false")
-    if tp is int:
-        if isinstance(value, bool):
-            raise ValueError("expected an integer")
-        if isinstance(value, int):
-            return value
-        if from_text and isinstance(value, str):
-            try:
-                return int(value.strip().replace("_", ""))
-            except ValueError:
-                pass
-        raise ValueError("expected an integer")
-    if tp is float:
-        if isinstance(value, bool):
-            raise ValueError("expected a number")
-        if isinstance(value, int | float):
-            return float(value)
-        if from_text and isinstance(value, str):
-            try:
-                return float(value.strip())
-            except ValueError:
-                pass
-        raise ValueError("expected a number")
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise ValueError("expected a string")
-    raise TypeError(f"unsupported settings type {tp}")
-
-
-@dataclass(frozen=True, slots=True)
-class Rule:
-    """The value rule of one setting: the type :func:`_coerce` converts to, and its check.
-
-    The one place a value is judged: :func:`load_settings` (file, environment,
-    ``--set``), the planner's parameters (``star.planner.types.PARAM_RULES``), the
-    simulator's config (``star.sim.config``) and the flags :func:`add_setting_flag`
-    makes all call :meth:`parse` or :meth:`problem` of the same :data:`RULES` entry.
-    """
-
-    key: str
-    tp: Any
-    check: Check | None = None
-    default: Any = None
-    help: str = ""
-
-    def convert(self, raw: Any, *, from_text: bool = True) -> Any:
-        """``raw`` as this rule's type (text parsed when ``from_text``); ValueError if it is not one."""
-        try:
-            return _coerce(self.tp, raw, from_text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(str(exc)) from None
-
-    def parse(self, raw: Any, *, from_text: bool = True) -> Any:
-        """``raw`` converted and checked; ValueError saying why it is refused."""
-        value = self.convert(raw, from_text=from_text)
-        problem = None if self.check is None or value is None else self.check(value)
-        if problem:
-            raise ValueError(problem)
-        return value
-
-    def problem(self, value: Any) -> str | None:
-        """Why ``value``, a typed value (never parsed from text), breaks the rule; None if it does not."""
-        try:
-            self.parse(value, from_text=False)
-        except ValueError as exc:
-            return str(exc)
-        return None
 
 
 def _rules() -> dict[str, Rule]:

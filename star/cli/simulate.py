@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from star.planner.types import PARAM_RULES, Mode, PlannerParams
-from star.settings import Rule, add_setting_flag, load_settings
+from star.rules import Rule
+from star.settings import add_setting_flag, load_settings
 from star.sim import report
 from star.sim.config import PREDICTORS, RULES_BY_FIELD, ConfigError, SimConfig
 from star.sim.metrics import ROW_KEYS, SimResult

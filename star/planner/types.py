@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from star.planner.modes import Mode, ModeKind
-from star.settings import RULES, Rule, Settings, positive
+from star.rules import Rule, positive
+from star.settings import RULES, Settings
 
 __all__ = [
     "AUTO",

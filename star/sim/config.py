@@ -16,7 +16,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from star.planner.types import Mode, ModeKind, PlannerParams, validate_params
-from star.settings import RULES, Check, Rule, non_negative, one_of, positive
+from star.rules import Check, Rule, non_negative, one_of, positive
+from star.settings import RULES
 from star.sim.predictor import PREDICT_LATENCY_S
 from star.sim.workload import MAX_OUTPUT_TOKENS, SYNTHETIC
 

@@ -27,7 +27,8 @@ import pytest
 from star.cli.simulate import MIRRORED, _apply_settings, apply_sets, build_base, register
 from star.planner.state import params_from_dict
 from star.planner.types import PARAM_RULES, PlannerParams, validate_params
-from star.settings import RULES, Bound, Rule, env_key, load_settings, migrations, planner_mode
+from star.rules import Bound, Rule
+from star.settings import RULES, env_key, load_settings, migrations, planner_mode
 from star.sim.config import RULES_BY_FIELD, SimConfig
 
 
