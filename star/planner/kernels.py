@@ -478,4 +478,11 @@ def warm() -> float:
         1,
         np.inf,
     )
+    one_f = np.ones(1)
+    outlasts_move(one_f, one_f, one_f, one_f, 1e9, 0.0)  # --explain's arrays
+    outlasts_move(one_f, one_f, np.asarray(1.0), np.asarray(0.02), 1e9, 0.0)  # drain's
+    tables = prefix_tables(
+        traces, beta, tau, np.full(2, 1e6), np.ones(2, np.bool_), np.ones(2, np.bool_)
+    )
+    candidate_values(tokens, k, 0, np.array([1], dtype=np.intp), tables[:6])
     return time.perf_counter() - start
