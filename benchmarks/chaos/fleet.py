@@ -240,6 +240,30 @@ class NetFleet:
             if child.name == name and child.proc is not None:
                 child.proc.poll()
 
+    def terminate(self, name: str, timeout_s: float) -> float | None:
+        """SIGTERM ``name``'s process group, as ``systemctl stop`` (or a rolling restart) does.
+
+        Returns how long the group took to exit, or None if it was still there
+        after ``timeout_s`` (then it is SIGKILLed, as systemd's
+        ``TimeoutStopSec`` would).
+        """
+        pid = self.pid(name)
+        started = time.monotonic()
+        try:
+            os.killpg(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return 0.0
+        while group_members({pid}):
+            if time.monotonic() - started > timeout_s:
+                self.kill(name)
+                return None
+            time.sleep(0.05)
+        took = time.monotonic() - started
+        for child in self.launcher.children:
+            if child.name == name and child.proc is not None:
+                child.proc.poll()
+        return took
+
     def stop(self, timeout_s: float = 20.0) -> None:
         self.launcher.stop(timeout_s)
 

@@ -28,8 +28,10 @@ from star.wire import Event, EventKind
 
 _NOT_MOVED = {EventKind.REFUSED, EventKind.FINISHED, EventKind.ABORTED, EventKind.EXPIRED}
 PARTITION_S = 10.0  # how long a partition lasts
+LONG_PARTITION_S = 60.0  # a partition past TCP's retransmission backoff
 SHAPED_S = 15.0  # how long a link stays delayed or lossy
 REDIS_DOWN_S = 3.0  # how long Redis stays dead before it is started again
+DRAIN_BOUND_S = 40.0  # proxy.drain_timeout_s (30 s) and 10 s to exit, then SIGKILL
 LEADER_WAIT_S = 10.0  # how long a scheduler fault waits for a leader to strike
 
 
@@ -286,6 +288,20 @@ async def proxy_kill(ctx: Ctx) -> None:
     ctx.restart("proxy")
 
 
+async def proxy_restart(ctx: Ctx) -> None:
+    """SIGTERM the proxy mid-load, as a rolling restart does; started again once it exits.
+
+    The proxy stops taking requests and finishes its open streams within
+    ``proxy.drain_timeout_s`` (30 s) before it exits; ``proxy_exit_s`` is how
+    long that took (None: still there at the bound + 10 s, then SIGKILLed).
+    """
+    ctx.fault()
+    took = await asyncio.to_thread(ctx.fleet.terminate, "proxy", DRAIN_BOUND_S)
+    ctx.extra["proxy_exit_s"] = None if took is None else round(took, 1)
+    ctx.healed()
+    ctx.restart("proxy")
+
+
 async def scheduler_kill(ctx: Ctx) -> None:
     """SIGKILL the scheduler leader; the standby takes over."""
     leader = await ctx.leader_to_strike()
@@ -326,6 +342,34 @@ async def partition_worker_redis(ctx: Ctx) -> None:
 async def partition_proxy_decode(ctx: Ctx) -> None:
     """The proxy cut from decode-0 for 10 s, mid-stream."""
     await _partition(ctx, "proxy", "d0")
+
+
+async def partition_proxy_decode_long(ctx: Ctx) -> None:
+    """The proxy cut from decode-0 for 60 s, past TCP's retransmission backoff, mid-stream."""
+    await _partition(ctx, "proxy", "d0", LONG_PARTITION_S)
+
+
+async def redis_oom(ctx: Ctx) -> None:
+    """Redis full for 10 s (``maxmemory`` set to what it holds: every write gets OOM)."""
+    import redis.asyncio as aioredis
+
+    client = aioredis.Redis.from_url(ctx.fleet.redis_url, socket_timeout=5)
+    try:
+        used = int((await client.info("memory"))["used_memory"])
+        await client.config_set("maxmemory-policy", "noeviction")
+        await client.config_set("maxmemory", str(max(1, used // 2)))
+        ctx.fault()
+        try:
+            await client.xadd(b"chaos:probe", {b"x": b"1"})
+            ctx.extra["oom"] = "no"  # the write went through: the fault did not take
+        except aioredis.ResponseError as exc:
+            ctx.extra["oom"] = "yes" if "maxmemory" in str(exc) else str(exc)[:60]
+        await asyncio.sleep(PARTITION_S)
+        await client.config_set("maxmemory", "0")
+        ctx.healed()
+    finally:
+        await client.aclose()
+    ctx.extra["reports_resumed_s"] = await ctx.reports_resumed(ctx.fleet.worker_names)
 
 
 async def partition_decode_pull(ctx: Ctx) -> None:
@@ -375,10 +419,10 @@ async def _shaped(ctx: Ctx, delay_ms: float = 0.0, loss_pct: float = 0.0) -> Non
     ctx.healed()
 
 
-async def _partition(ctx: Ctx, a: str, b: str) -> None:
+async def _partition(ctx: Ctx, a: str, b: str, seconds: float = PARTITION_S) -> None:
     ctx.fleet.net.partition(a, b)
     ctx.fault()
-    await asyncio.sleep(PARTITION_S)
+    await asyncio.sleep(seconds)
     ctx.fleet.net.heal()
     ctx.healed()
 
@@ -390,11 +434,14 @@ SCENARIOS: dict[str, tuple[Scenario, bool]] = {
     "decode-kill-mid-handoff": (decode_kill_mid_handoff, False),
     "prefill-kill": (prefill_kill, False),
     "proxy-kill": (proxy_kill, False),
+    "proxy-restart": (proxy_restart, False),
     "scheduler-kill": (scheduler_kill, True),
     "redis-kill": (redis_kill, False),
     "redis-kill-persistent": (redis_kill_persistent, False),
     "partition-worker-redis": (partition_worker_redis, False),
     "partition-proxy-decode": (partition_proxy_decode, True),
+    "partition-proxy-decode-long": (partition_proxy_decode_long, False),
+    "redis-oom": (redis_oom, False),
     "partition-decode-pull": (partition_decode_pull, False),
     "partition-scheduler-redis": (partition_scheduler_redis, False),
     "link-delay-50ms": (link_delay, False),
