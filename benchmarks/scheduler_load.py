@@ -57,7 +57,14 @@ from star.bus import Bus
 from star.logs import stdout_to_stderr
 from star.ports import free_port
 from star.process import set_gc_gen0_threshold
-from star.settings import BusSettings, RedisSettings, Settings, load_settings, parse_assignment
+from star.settings import (
+    BusSettings,
+    RedisSettings,
+    Settings,
+    add_setting_flag,
+    load_settings,
+    parse_assignment,
+)
 from star.wire import Report
 
 FloatArray = npt.NDArray[np.float64]
@@ -585,10 +592,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=25.0,
         help="mean decode step time; sets the report rate with worker.report_every_steps / report_interval_s",
     )
-    parser.add_argument("--mode", help="scheduler mode (default scheduler.mode)")
-    parser.add_argument(
-        "--interval", type=float, help="scheduler tick interval (default scheduler.interval_s)"
-    )
+    add_setting_flag(parser, "--mode", "scheduler.mode", metavar="MODE", from_settings=True)
+    add_setting_flag(parser, "--interval", "scheduler.interval_s", metavar="S", from_settings=True)
     parser.add_argument(
         "--scheduler-set",
         action="append",

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from benchmarks.common import bench_main, text_table
+from star.settings import add_setting_flag
 from star.sim import SimConfig, simulate
 
 DEFAULT_SIZES = (8, 16, 32, 64, 128, 256)
@@ -64,12 +65,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default="no-migration,current,predicted,oracle",
         help="comma-separated modes (default %(default)s)",
     )
-    parser.add_argument(
-        "--duration",
-        type=float,
-        default=2000.0,
-        help="simulated seconds per run (default %(default)s)",
-    )
+    add_setting_flag(parser, "--duration", "simulator.duration_s", metavar="S")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", action="store_true", help="print rows as a JSON list")
 

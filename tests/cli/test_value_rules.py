@@ -308,11 +308,13 @@ def _up_parser() -> argparse.ArgumentParser:
 
 
 def _bench_parser() -> argparse.ArgumentParser:
-    from benchmarks import planner
+    from benchmarks import planner, scheduler_load, simulator
 
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers()
     planner.configure(sub.add_parser("planner"))
+    simulator.configure(sub.add_parser("simulator"))
+    scheduler_load.configure(sub.add_parser("scheduler"))
     return parser
 
 
@@ -323,6 +325,9 @@ OTHER_FLAGS = [
     ("scheduler.horizon", _bench_parser, ["planner"], "--horizon"),
     ("scheduler.mode", _bench_parser, ["planner"], "--mode"),
     ("scheduler.max_migrations", _bench_parser, ["planner"], "--max-migrations"),
+    ("simulator.duration_s", _bench_parser, ["simulator"], "--duration"),
+    ("scheduler.mode", _bench_parser, ["scheduler"], "--mode"),
+    ("scheduler.interval_s", _bench_parser, ["scheduler"], "--interval"),
 ]
 
 
