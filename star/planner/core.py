@@ -15,11 +15,9 @@ its verdict, from the search's own kernels (:mod:`star.planner.kernels`).
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import repeat
-from typing import Literal
 
 import numpy as np
 
@@ -54,7 +52,6 @@ from star.planner.types import (
     Verdict,
     validate_params,
 )
-from star.settings import RULES
 
 _VERDICTS = tuple(Verdict)
 _CODE = {v: i for i, v in enumerate(_VERDICTS)}
@@ -63,29 +60,9 @@ __all__ = [
     "CLASSIFY_RTOL",
     "TickMoves",
     "decide",
-    "max_migrations_arg",
     "noise_floor",
-    "parse_max_migrations",
     "plan",
 ]
-
-
-def parse_max_migrations(text: str) -> int | Literal["auto"]:
-    """``max_migrations`` as typed on a command line, by scheduler.max_migrations's rule."""
-    try:
-        value: int | Literal["auto"] = RULES["scheduler.max_migrations"].parse(text)
-    except ValueError as exc:
-        raise ValueError(f"max_migrations {text!r}: {exc}") from None
-    return value
-
-
-def max_migrations_arg(text: str) -> int | Literal["auto"]:
-    """:func:`parse_max_migrations` as an argparse ``type`` (``--max-migrations`` of
-    ``star simulate`` and ``star bench planner``): its message, not argparse's."""
-    try:
-        return parse_max_migrations(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _explain(
