@@ -89,6 +89,7 @@ class Directory:
         self.charge = charge
         self.outputs = OutputMean()
         self._reports: dict[str, tuple[float, Report]] = {}
+        self._running: dict[str, frozenset[str]] = {}  # instance -> request ids it reported
         self._load: dict[str, tuple[float, Member]] = {}
         # Tokens this proxy dispatched to each instance since its view was taken
         # (dropped when its view or report changes).
@@ -106,8 +107,21 @@ class Directory:
         async for entry in Subscriber(self.bus, "reports", Report, start=start):
             report = entry.msg
             assert isinstance(report, Report)
-            self._reports[report.instance] = (time.monotonic(), report)
-            self._pending.pop(report.instance, None)
+            self.note_report(report)
+
+    def note_report(self, report: Report) -> None:
+        """Take a worker's report as its instance's latest."""
+        self._reports[report.instance] = (time.monotonic(), report)
+        self._running[report.instance] = frozenset(r.id for r in report.requests)
+        self._pending.pop(report.instance, None)
+
+    def running_on(self, request_id: str) -> str | None:
+        """The instance whose fresh report lists ``request_id`` (None: none does)."""
+        now = time.monotonic()
+        for instance, ids in self._running.items():
+            if request_id in ids and now - self._reports[instance][0] <= self.staleness_s:
+                return instance
+        return None
 
     async def poll_load(self, interval_s: float = 0.25) -> None:
         outage = Outage("dispatch_view_unreadable", "dispatch_view_readable_again")
@@ -275,7 +289,9 @@ class ClusterBackend:
         self.prefill_fallbacks = 0
         self._episode: int | None = None
         self.runs: dict[str, DecodeRun] = {}  # request id -> its decode run
-        self.migrator = Migrator(self.runs, self.decode_address, self._emit, origin)
+        self.migrator = Migrator(
+            self.runs, self.decode_address, self._emit, origin, self.directory.running_on
+        )
 
     def health(self) -> dict[str, Any]:
         prefill = self.directory.members("prefill")

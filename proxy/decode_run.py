@@ -292,11 +292,15 @@ class Migrator:
         address_of: Callable[[str], str | None],
         emit: Callable[[Event], None],
         origin: str,
+        running_on: Callable[[str], str | None] = lambda _request: None,
     ) -> None:
         self.runs = runs
         self.address_of = address_of
         self.emit = emit
         self.origin = origin
+        # Where a request runs as the workers' latest reports have it: with
+        # several proxies, one this proxy runs none of is another proxy's.
+        self.running_on = running_on
         self.finished: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     def finished_request(self, request_id: str) -> None:
@@ -308,12 +312,19 @@ class Migrator:
         """Hand ``decision`` to its run, or refuse it; why not (None: handed on).
 
         Every refusal is the machine's (:func:`~proxy.migration.refused`), as a
-        ``refused`` event: the run's own, or for a request this proxy runs none of.
+        ``refused`` event: the run's own, or for a request this proxy runs none of
+        and no worker reports running. A request a worker reports but this proxy
+        does not run is another proxy's to move or refuse: nothing is said.
         """
         run = self.runs.get(decision.request)
         if run is not None:
             return run.migrate(decision, self.address_of(decision.target))
-        no = refused(None, decision, decision.request in self.finished, None)
+        finished = decision.request in self.finished
+        elsewhere = None if finished else self.running_on(decision.request)
+        if elsewhere is not None:
+            log.debug("decision_for_another_proxy", decision=decision.id, instance=elsewhere)
+            return f"another proxy's request (on {elsewhere})"
+        no = refused(None, decision, finished, None)
         assert no is not None  # there is no run to start it
         self.emit(event(no, self.origin, decision.request))
         return no.detail

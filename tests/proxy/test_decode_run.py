@@ -405,6 +405,26 @@ async def test_decisions_come_through_the_migrator_on_their_own_channel() -> Non
     ]
 
 
+def test_a_request_another_proxy_runs_is_left_to_it() -> None:
+    """With several proxies every one reads every decision: one for a request a worker
+    reports running but this proxy does not run is another proxy's (no event); one that
+    no worker reports is refused as unknown, and one this proxy finished as finished."""
+    fleet = FakeFleet("d0", "d1")
+    reported = {"r": "d0"}
+    migrator = Migrator({}, {"d1": "h:1"}.get, fleet.emit_event, fleet.origin, reported.get)
+    assert migrator.apply(decision("d1")) == "another proxy's request (on d0)"
+    assert fleet.events == []
+    reported.clear()
+    assert migrator.apply(decision("d1")) == "unknown request"
+    reported["r"] = "d0"  # the report still lists a request this proxy saw finish
+    migrator.finished_request("r")
+    assert migrator.apply(decision("d1")) == "finished"
+    assert [k[:2] for k in fleet.kinds()] == [
+        ("refused", "unknown request"),
+        ("refused", "finished"),
+    ]
+
+
 async def test_an_engine_error_ends_the_stream_with_an_error() -> None:
     fleet = FakeFleet("d0")
     _, client = await started(fleet)
