@@ -10,7 +10,9 @@ the links too (namespaces share memory, and UCX would otherwise move the
 blocks through shared memory, past every network fault).
 
 Hosts: ``redis``, ``sched0``, ``sched1`` (two schedulers, one leader),
-``proxy``, ``p0`` (prefill-0), ``d0``.. (decode-0..). Every process can be
+``proxy`` and ``proxy1``.. (the proxies ``proxy``, ``proxy-1``..: clients
+spread over them, as behind a load balancer), ``p0`` (prefill-0), ``d0``..
+(decode-0..). Every process can be
 SIGKILLed (:meth:`NetFleet.kill`) and started again with the same argv and
 address (:meth:`NetFleet.restart`), as systemd's ``Restart=always`` would.
 """
@@ -40,12 +42,13 @@ PROXY_PORT = 8000
 REDIS_PORT = 6379
 
 
-def host_names(decode: int, schedulers: int = 2) -> list[str]:
+def host_names(decode: int, schedulers: int = 2, proxies: int = 1) -> list[str]:
     """The namespaces a fleet of ``decode`` decode workers needs."""
     return [
         "redis",
         *(f"sched{i}" for i in range(schedulers)),
         "proxy",
+        *(f"proxy{i}" for i in range(1, proxies)),
         "p0",
         *(f"d{i}" for i in range(decode)),
     ]
@@ -66,6 +69,7 @@ class NetFleet:
         *,
         decode: int = 2,
         schedulers: int = 2,
+        proxies: int = 1,
         env: dict[str, str] | None = None,
         worker_args: list[str] | None = None,
         persist: bool = False,
@@ -74,6 +78,7 @@ class NetFleet:
         self.run_dir = run_dir
         self.decode = decode
         self.schedulers = schedulers
+        self.proxy_names = ["proxy", *(f"proxy-{i}" for i in range(1, proxies))]
         self.persist = persist
         self.password = secrets.token_hex(16)
         base = dict(os.environ if env is None else env)
@@ -99,8 +104,16 @@ class NetFleet:
 
     @property
     def url(self) -> str:
-        """The proxy's base URL (reachable from the root namespace)."""
-        return f"http://{self.ip('proxy')}:{PROXY_PORT}"
+        """The first proxy's base URL (reachable from the root namespace)."""
+        return self.urls[0]
+
+    @property
+    def urls(self) -> list[str]:
+        """Every proxy's base URL, the first proxy's first."""
+        return [self.url_of(name) for name in self.proxy_names]
+
+    def url_of(self, proxy: str) -> str:
+        return f"http://{self.ip(self.host_of(proxy))}:{PROXY_PORT}"
 
     @property
     def decode_names(self) -> list[str]:
@@ -121,6 +134,8 @@ class NetFleet:
             return name[0] + name.split("-")[1]
         if name.startswith("scheduler-"):
             return "sched" + name.split("-")[1]
+        if name.startswith("proxy-"):
+            return "proxy" + name.split("-")[1]
         return name
 
     # -- processes ------------------------------------------------------------
@@ -162,13 +177,14 @@ class NetFleet:
                 f"scheduler-{i}",
                 [*star, "scheduler", "--node", f"scheduler-{i}", "--metrics-port", "0"],
             )
-        self._spawn(
-            "proxy",
-            [
-                *star, "proxy", "--host", self.ip("proxy"), "--port", str(PROXY_PORT),
-                "--served-model-name", MODEL,
-            ],
-        )  # fmt: skip
+        for name in self.proxy_names:
+            self._spawn(
+                name,
+                [
+                    *star, "proxy", "--host", self.ip(self.host_of(name)), "--port",
+                    str(PROXY_PORT), "--served-model-name", MODEL,
+                ],
+            )  # fmt: skip
 
     def _spawn(self, name: str, argv: list[str], extra: dict[str, str] | None = None) -> Child:
         self._argv[name] = (argv, dict(extra or {}))
@@ -276,19 +292,24 @@ class NetFleet:
 
     # -- readiness ------------------------------------------------------------
 
-    def health(self) -> dict[str, Any] | None:
+    def health(self, url: str | None = None) -> dict[str, Any] | None:
+        """``/health`` of the proxy at ``url`` (default: the first)."""
         try:
-            with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
+            with urllib.request.urlopen((url or self.url) + "/health", timeout=2) as resp:
                 doc = json.loads(resp.read())
                 return doc if isinstance(doc, dict) else None
         except (OSError, ValueError):
             return None
 
     def ready(self) -> bool:
-        health = self.health()
-        if not health or not health.get("ok"):
-            return False
-        return len(health.get("prefill", [])) >= 1 and len(health.get("decode", [])) >= self.decode
+        """Every proxy sees the prefill worker and every decode worker."""
+        for url in self.urls:
+            health = self.health(url)
+            if not health or not health.get("ok"):
+                return False
+            if len(health.get("prefill", [])) < 1 or len(health.get("decode", [])) < self.decode:
+                return False
+        return True
 
     def wait_ready(self, timeout_s: float) -> float:
         """Wait until the proxy sees every worker; raise (naming a dead process) if not."""

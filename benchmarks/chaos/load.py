@@ -99,16 +99,21 @@ async def stream(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: i
 
 
 async def run_load(
-    url: str, texts: list[str], max_tokens: int, spread_s: float = 1.0, timeout_s: float = 180.0
+    urls: list[str],
+    texts: list[str],
+    max_tokens: int,
+    spread_s: float = 1.0,
+    timeout_s: float = 180.0,
 ) -> list[Stream]:
-    """Every prompt streamed at once (starts spread over ``spread_s``)."""
+    """Every prompt streamed at once (starts spread over ``spread_s``), client i through
+    proxy ``urls[i % len(urls)]`` (a load balancer's spread)."""
     limits = httpx.Limits(max_connections=len(texts) + 8, max_keepalive_connections=0)
     timeout = httpx.Timeout(timeout_s, connect=10.0)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
 
         async def one(i: int, text: str) -> Stream:
             await asyncio.sleep(spread_s * i / max(len(texts), 1))
-            return await stream(client, url, text, max_tokens)
+            return await stream(client, urls[i % len(urls)], text, max_tokens)
 
         return list(await asyncio.gather(*(one(i, t) for i, t in enumerate(texts))))
 
@@ -152,6 +157,19 @@ def compare(tokens: Tokens, got: Stream, ref: str) -> Compared:
         if op in ("insert", "replace"):
             duplicated += j2 - j1
     return Compared(lost, duplicated, got.text == ref)
+
+
+async def stream_any(
+    client: httpx.AsyncClient, urls: list[str], prompt: str, max_tokens: int
+) -> Stream:
+    """One stream through the first proxy that takes it, as a load balancer that skips a
+    proxy refusing connections would; what the last one tried gave if none did."""
+    got = Stream(prompt, cut="no proxy")
+    for url in urls:
+        got = await stream(client, url, prompt, max_tokens)
+        if got.outcome == "ok" or got.chunks:
+            return got  # served, or cut mid-stream: not the balancer's to retry
+    return got
 
 
 def summary(streams: list[Stream], refs: dict[str, str], tokens: Tokens) -> dict[str, Any]:

@@ -80,6 +80,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--decode", type=int, default=2, help="decode workers (default 2)")
     parser.add_argument(
+        "--proxies",
+        type=int,
+        default=2,
+        help="proxies, the clients spread over them (default 2; faults strike the first)",
+    )
+    parser.add_argument(
         "--out", type=Path, help="write the rows here as JSON (and the logs beside)"
     )
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
@@ -144,7 +150,7 @@ async def _scenario(
         async with httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=5.0)) as client:
             while not stop.is_set():
                 t0 = time.monotonic()
-                got = await load.stream(client, fleet.url, "probe", 4)
+                got = await load.stream_any(client, fleet.urls, "probe", 4)
                 probes.append((t0, time.monotonic(), got.outcome == "ok"))
                 if got.outcome != "ok" and not probe_errors and t0 >= ctx.fault_at > 0:
                     probe_errors.append(f"{got.outcome}: {got.error or got.cut}"[:160])
@@ -152,7 +158,7 @@ async def _scenario(
                     async with deadline(0.5):
                         await stop.wait()
 
-    running = asyncio.create_task(load.run_load(fleet.url, list(refs), args.tokens))
+    running = asyncio.create_task(load.run_load(fleet.urls, list(refs), args.tokens))
     probing = asyncio.create_task(prober())
     await asyncio.sleep(args.fault_after_s)
     failure = ""
@@ -225,11 +231,12 @@ async def _main(args: argparse.Namespace, names: list[str], run_dir: Path) -> li
         "STAR_SCHEDULER_STALENESS_S": "15",
         "STAR_LOG_LEVEL": "info",
     }
-    with Network(host_names(args.decode), shaped={"proxy"}) as net:
+    with Network(host_names(args.decode, proxies=args.proxies), shaped={"proxy"}) as net:
         fleet = NetFleet(
             net,
             run_dir,
             decode=args.decode,
+            proxies=args.proxies,
             env=env,
             worker_args=["--engine-arg", f"kv_transfer_config={ttl}"],
         )
@@ -243,7 +250,7 @@ async def _main(args: argparse.Namespace, names: list[str], run_dir: Path) -> li
                 f"fleet ready in {took:.0f} s; reference load ({args.streams} x {args.tokens} tokens)"
             )
             texts = load.prompts(args.streams)
-            ref = await load.run_load(fleet.url, texts, args.tokens)
+            ref = await load.run_load(fleet.urls, texts, args.tokens)
             bad = [s for s in ref if s.outcome != "ok"]
             if bad:
                 raise RuntimeError(
@@ -274,6 +281,8 @@ def run(args: argparse.Namespace) -> int:
     if reason is not None:
         _note(f"skipped: {reason}")
         return 2
+    if args.proxies < 1 or args.decode < 1:
+        raise SystemExit("bench chaos: --proxies and --decode must be at least 1")
     names = _chosen(args)
     run_dir = args.out.parent / (args.out.stem + "-logs") if args.out else None
     if run_dir is not None:

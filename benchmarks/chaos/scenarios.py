@@ -195,8 +195,9 @@ class Ctx:
         async def serving() -> bool:
             if name in self.fleet.worker_names:
                 return await self.reported_since([name], since)
-            if name == "proxy":
-                return await asyncio.to_thread(self.fleet.health) is not None
+            if name in self.fleet.proxy_names:
+                url = self.fleet.url_of(name)
+                return await asyncio.to_thread(self.fleet.health, url) is not None
             return True
 
         async def back() -> None:
@@ -207,7 +208,7 @@ class Ctx:
                         return
                 await asyncio.sleep(0.5)
 
-        if name in self.fleet.worker_names or name == "proxy":
+        if name in self.fleet.worker_names or name in self.fleet.proxy_names:
             self.background.append(asyncio.create_task(back()))
 
 
