@@ -48,6 +48,7 @@ from proxy.migration import (
 from proxy.upstream import ConnectionLost
 from star.aio import deadline
 from star.bus import Bus, Subscriber
+from star.decisions import DecisionGate, report_drop
 from star.wire import Abort, Decision, Error, Event, Handoff, Message, Release, Tokens
 
 log = structlog.get_logger(__name__)
@@ -330,14 +331,26 @@ class Migrator:
         return no.detail
 
 
-async def follow_decisions(bus: Bus, migrator: Migrator, start: str = "$") -> None:
-    """Read ``star:decisions`` in order and apply each (runs until cancelled)."""
+async def follow_decisions(
+    bus: Bus, migrator: Migrator, max_age_s: float, start: str = "$"
+) -> None:
+    """Read ``star:decisions`` in order and apply each once (runs until cancelled).
+
+    A decision seen before, older than ``max_age_s`` or from a deposed leader is
+    dropped (:class:`star.decisions.DecisionGate`), so a stream read again from
+    the start re-applies nothing and refuses nothing.
+    """
     # Through a Redis outage the iteration waits (and logs it once): streams go
     # on without migrations until Redis is back, then reading resumes after the
     # last decision seen.
+    gate = DecisionGate(max_age_s)
     async for entry in Subscriber(bus, "decisions", Decision, start=start):
         decision = entry.msg
         assert isinstance(decision, Decision)
+        why = gate.admit(decision, time.time())
+        if why is not None:
+            report_drop(log, gate, why, decision)
+            continue
         try:
             migrator.apply(decision)
         except Exception:  # a bug here must not stop the following of decisions

@@ -78,7 +78,8 @@ class ProxyService(Service):
         self.spawn(self.directory.poll_load(), "load")
         self.spawn(self._publish_events(), "events")
         assert self.bus is not None and self.backend is not None
-        self.spawn(follow_decisions(self.bus, self.backend.migrator), "decisions")
+        max_age_s = self.settings.scheduler.decision_timeout_s
+        self.spawn(follow_decisions(self.bus, self.backend.migrator, max_age_s), "decisions")
         await self.wait_exit()
 
     async def _publish_events(self) -> None:

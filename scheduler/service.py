@@ -24,6 +24,7 @@ from scheduler.leader import Leadership
 from scheduler.metrics import SchedulerMetrics
 from scheduler.view import ClusterView, Snapshot, decision_for, rebuild
 from star.bus import TRANSIENT, Bus, BusUnavailable, GroupReader, Outage, Subscriber
+from star.decisions import DecisionGate, report_drop
 from star.planner.core import plan_on
 from star.planner.types import ModeKind, Plan, PlannerParams
 from star.predictor.live import AccuracyTracker
@@ -168,10 +169,15 @@ class SchedulerService(Service):
         """Book every decision on the stream: a standby's view (and manual
         `star migrate` decisions) must count in-flight moves like the leader's."""
         assert self.bus is not None
+        gate = DecisionGate(self.settings.scheduler.decision_timeout_s)
         async for entry in Subscriber(self.bus, "decisions", Decision, start="$"):
-            assert isinstance(entry.msg, Decision)
-            if entry.msg.id not in self.view.in_flight:
-                self.view.book(entry.msg, time.monotonic())
+            decision = entry.msg
+            assert isinstance(decision, Decision)
+            why = gate.admit(decision, time.time())
+            if why is not None:  # a replayed stream books nothing again (star.decisions)
+                report_drop(log, gate, why, decision)
+            elif decision.id not in self.view.in_flight:
+                self.view.book(decision, time.monotonic())
 
     async def _leader(self) -> None:
         assert self.leadership is not None and self.bus is not None
