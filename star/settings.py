@@ -406,7 +406,6 @@ def add_setting_flag(
     key: str,
     *,
     metavar: str | None = None,
-    default: Any = None,
     from_settings: bool = False,
     **kwargs: Any,
 ) -> None:
@@ -422,8 +421,7 @@ def add_setting_flag(
     if from_settings:
         default, tail = None, f"default: {key} = {shown}"
     else:
-        default = rule.default if default is None else default
-        tail = f"as {key}; default %(default)s"
+        default, tail = rule.default, f"as {key}; default %(default)s"
     if typing.get_origin(rule.tp) is Literal:
         kwargs["choices"] = typing.get_args(rule.tp)
     parser.add_argument(
@@ -431,7 +429,7 @@ def add_setting_flag(
         type=setting_arg(key),
         default=default,
         metavar=metavar,
-        help=f"{rule.help} ({tail})",
+        help=f"{rule.help.replace('%', '%%')} ({tail})",
         **kwargs,
     )
 
