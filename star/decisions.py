@@ -12,7 +12,11 @@ with the new leader's. :class:`DecisionGate` lets each decision through once:
   clock;
 - **fenced**: a scheduler's decision whose fence is below the highest fence
   seen, i.e. from a leader that has been replaced (docs/design.md §4.2).
-  Manual decisions (``star migrate``, fence 0) are not fenced.
+  Manual decisions (``star migrate``, fence 0) are not fenced. The highest
+  fence holds for ``max_age_s`` after its leader's newest decision: a Redis
+  that lost its data while every scheduler restarted counts fences from 1
+  again, and a lower fence after that long is that new leader's, not a
+  deposed one's (moves pause for at most ``max_age_s``, never for good).
 
 Sans IO: the caller passes the time; :func:`report_drop` is its log line.
 """
@@ -38,6 +42,7 @@ class DecisionGate:
     max_age_s: float
     capacity: int = CAPACITY
     highest_fence: int = 0
+    highest_ts: float = 0.0  # the newest decision's ts under the highest fence
     dropped: collections.Counter[str] = field(default_factory=collections.Counter)
     _seen: collections.OrderedDict[str, None] = field(default_factory=collections.OrderedDict)
 
@@ -48,7 +53,9 @@ class DecisionGate:
             self.dropped[why] += 1
             return why
         if decision.origin == "scheduler":
-            self.highest_fence = max(self.highest_fence, decision.fence)
+            if decision.fence != self.highest_fence:  # a newer leader, or a new count
+                self.highest_fence, self.highest_ts = decision.fence, decision.ts
+            self.highest_ts = max(self.highest_ts, decision.ts)
         return None
 
     def _why(self, decision: Decision, now: float) -> str | None:
@@ -59,7 +66,11 @@ class DecisionGate:
             self._seen.popitem(last=False)
         if now - decision.ts > self.max_age_s:
             return STALE
-        if decision.origin == "scheduler" and decision.fence < self.highest_fence:
+        if (
+            decision.origin == "scheduler"
+            and decision.fence < self.highest_fence
+            and decision.ts <= self.highest_ts + self.max_age_s
+        ):
             return FENCED
         return None
 

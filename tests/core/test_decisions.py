@@ -36,6 +36,18 @@ def test_the_gate(stream: list[Decision], expected: list[str | None]) -> None:
     assert sum(gate.dropped.values()) == sum(e is not None for e in expected)
 
 
+def test_a_lower_fence_long_after_the_highest_is_a_new_count() -> None:
+    """Redis lost its data and every scheduler restarted: fences count from 1 again.
+    Dropped while the old leader's newest decision is younger than max_age_s, then taken."""
+    gate = DecisionGate(max_age_s=15.0)
+    old = decision("a", 3, age_s=20.0)  # fence 3's newest decision, 20 s ago
+    assert gate.admit(old, NOW - 20.0) is None
+    assert gate.admit(decision("b", 1, age_s=10.0), NOW - 10.0) == FENCED  # 10 s after it
+    assert gate.admit(decision("c", 1), NOW) is None  # 20 s after it: the new count
+    assert gate.highest_fence == 1
+    assert gate.admit(decision("d", 3), NOW) is None  # and a higher one wins again
+
+
 def test_memory_is_bounded_and_forgets_the_oldest_first() -> None:
     gate = DecisionGate(max_age_s=15.0, capacity=3)
     for i in range(5):

@@ -40,7 +40,7 @@ async def test_a_replayed_stream_applies_nothing_twice(bus: Bus) -> None:
     follower = asyncio.create_task(follow_decisions(bus, migrator, 15.0, start="0-0"))
     try:
         deadline = time.monotonic() + 10
-        while len(migrator.applied) < 3 and time.monotonic() < deadline:
+        while len(migrator.applied) < 3 and time.monotonic() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(0.05)
         await asyncio.sleep(0.3)  # whatever else was coming has come
     finally:
