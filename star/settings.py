@@ -407,15 +407,19 @@ def add_setting_flag(
     *,
     metavar: str | None = None,
     from_settings: bool = False,
+    note: str = "",
     **kwargs: Any,
 ) -> None:
     """Add ``flag`` to an argparse ``parser``, mirroring setting ``key``: its type,
     check, choices and help come from the settings, its default is the setting's
     default. With ``from_settings`` the flag defaults to None and the command fills
     it from :func:`load_settings` (so the file and STAR_* environment apply).
+    ``note`` is said after the setting's help: what the flag adds to it.
     """
     rule = RULES[key]
-    shown = render(rule.default, False).strip('"')
+    shown = render(rule.default, False)
+    if shown != '""':  # an empty default stays visible as ""
+        shown = shown.strip('"')
     if isinstance(rule.default, float):
         shown = f"{rule.default:g}"
     if from_settings:
@@ -424,12 +428,13 @@ def add_setting_flag(
         default, tail = rule.default, f"as {key}; default %(default)s"
     if typing.get_origin(rule.tp) is Literal:
         kwargs["choices"] = typing.get_args(rule.tp)
+    said = f"{rule.help}. {note}" if note else rule.help
     parser.add_argument(
         flag,
         type=setting_arg(key),
         default=default,
         metavar=metavar,
-        help=f"{rule.help.replace('%', '%%')} ({tail})",
+        help=f"{said.replace('%', '%%')} ({tail})",
         **kwargs,
     )
 

@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from star.fleet.errors import FleetError
 from star.redact import redact_url
-from star.settings import Settings, SettingsError, load_settings, parse_assignment
+from star.settings import (
+    Settings,
+    SettingsError,
+    add_setting_flag,
+    load_settings,
+    parse_assignment,
+)
 
 
 def add_settings_args(parser: argparse.ArgumentParser) -> None:
@@ -28,6 +35,33 @@ def add_settings_args(parser: argparse.ArgumentParser) -> None:
         metavar="AREA.KEY=VALUE",
         help="override one setting, e.g. --set scheduler.interval_s=0.5 (repeatable)",
     )
+
+
+@dataclass(frozen=True)
+class Mirror:
+    """A command's flag that mirrors setting ``key``: made from the setting's rule
+    (:func:`star.settings.add_setting_flag`; type, check, choices, help), None unless
+    given, so that the file and STAR_* environment apply below it."""
+
+    flag: str
+    key: str
+    metavar: str | None = None
+    note: str = ""
+
+    @property
+    def dest(self) -> str:
+        return self.flag.lstrip("-").replace("-", "_")
+
+
+def add_mirrors(parser: argparse.ArgumentParser, mirrors: Sequence[Mirror]) -> None:
+    """Add each of ``mirrors`` to ``parser``."""
+    for m in mirrors:
+        add_setting_flag(parser, m.flag, m.key, metavar=m.metavar, from_settings=True, note=m.note)
+
+
+def mirrored(args: argparse.Namespace, mirrors: Sequence[Mirror]) -> dict[str, Any]:
+    """``area.key`` -> the value given to its flag (None: not given), for :func:`settings_from_args`."""
+    return {m.key: getattr(args, m.dest) for m in mirrors}
 
 
 def settings_from_args(

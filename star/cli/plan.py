@@ -20,6 +20,7 @@ from star.planner import Instance, Plan, PlannerParams, Verdict, plan, remaining
 from star.planner.state import instances_from_state, params_from_dict
 from star.planner.trace import instance_traces
 from star.planner.types import ModeKind, Request
+from star.settings import add_setting_flag
 
 _VERDICT_ORDER = {v: i for i, v in enumerate(Verdict)}
 
@@ -56,9 +57,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         metavar="PATH",
         help="STAR TOML config (with --from-redis; default $STAR_CONFIG)",
     )
-    p.add_argument(
+    # scheduler.mode's flag: parsed and checked by the setting's rule, as star scheduler's.
+    add_setting_flag(
+        p,
         "--mode",
-        help="planner mode: no-migration, current, predicted, oracle, bins:2|4|6",
+        "scheduler.mode",
+        metavar="MODE",
+        from_settings=True,
+        note="Overrides the state's params.mode (--from-redis: the settings'), which overrides the default",
     )
     p.add_argument(
         "--set",

@@ -7,12 +7,34 @@ import socket
 
 import structlog
 
-from star.cli.common import CliError, add_settings_args, guarded, settings_from_args
+from star.cli.common import (
+    CliError,
+    Mirror,
+    add_mirrors,
+    add_settings_args,
+    guarded,
+    mirrored,
+    settings_from_args,
+)
 from star.logs import configure_logging
 from star.settings import secret_values
 
 CMDLINE_KEY_WARNING = (
     "--api-key is visible to local users in the process list; use STAR_PROXY_API_KEY"
+)
+
+# The flags that mirror a setting, made from its rule (star.cli.common.Mirror).
+# --model is not one: it names the tokenizer, worker.model when not given.
+MIRRORS = (
+    Mirror("--host", "proxy.host", "ADDR"),
+    Mirror("--port", "proxy.port", "PORT"),
+    Mirror(
+        "--api-key",
+        "proxy.api_key",
+        "KEY",
+        note="Deprecated: a command line is visible to every local user in the process list; "
+        "set STAR_PROXY_API_KEY in the environment (or proxy.api_key in the --config file) instead",
+    ),
 )
 
 
@@ -40,15 +62,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.add_argument(
         "--served-model-name", help="model name clients use (default: the --model value)"
     )
-    parser.add_argument("--host", help="listen address (proxy.host)")
-    parser.add_argument("--port", type=int, help="listen port (proxy.port)")
-    parser.add_argument(
-        "--api-key",
-        metavar="KEY",
-        help="require this bearer token (proxy.api_key). Deprecated: a command line is "
-        "visible to every local user in the process list; set STAR_PROXY_API_KEY in the "
-        "environment (or proxy.api_key in the --config file) instead",
-    )
+    add_mirrors(parser, MIRRORS)
     parser.add_argument(
         "--fd",
         type=int,
@@ -62,9 +76,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    settings = settings_from_args(
-        args, {"proxy.host": args.host, "proxy.port": args.port, "proxy.api_key": args.api_key}
-    )
+    settings = settings_from_args(args, mirrored(args, MIRRORS))
     from proxy.service import ProxyService
     from star.model import tiny_model_path
 

@@ -4,9 +4,23 @@ from __future__ import annotations
 
 import argparse
 
-from star.cli.common import add_settings_args, guarded, settings_from_args
+from star.cli.common import (
+    Mirror,
+    add_mirrors,
+    add_settings_args,
+    guarded,
+    mirrored,
+    settings_from_args,
+)
 from star.logs import configure_logging
 from star.settings import secret_values
+
+# The flags that mirror a setting, made from its rule (star.cli.common.Mirror).
+MIRRORS = (
+    Mirror("--mode", "scheduler.mode", "MODE"),
+    Mirror("--interval", "scheduler.interval_s", "S"),
+    Mirror("--metrics-port", "scheduler.metrics_port", "PORT"),
+)
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -22,25 +36,18 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         ),
         epilog="example: star scheduler --mode current --interval 0.5",
     )
-    parser.add_argument("--mode", help="no-migration, current, predicted, oracle or bins:K (scheduler.mode)")
-    parser.add_argument("--interval", type=float, help="tick interval in seconds (scheduler.interval_s)")
+    add_mirrors(parser, MIRRORS)
     parser.add_argument("--node", help="this node's name (default: <hostname>-<pid>)")
-    parser.add_argument("--metrics-port", type=int, help="port of /metrics, 0 = off (scheduler.metrics_port)")
     add_settings_args(parser)
     parser.set_defaults(func=guarded(run))
 
 
 def run(args: argparse.Namespace) -> int:
-    settings = settings_from_args(
-        args,
-        {
-            "scheduler.mode": args.mode,
-            "scheduler.interval_s": args.interval,
-            "scheduler.metrics_port": args.metrics_port,
-        },
-    )
+    settings = settings_from_args(args, mirrored(args, MIRRORS))
     from scheduler.service import SchedulerService
 
     service = SchedulerService(settings, node=args.node)
-    configure_logging(settings.log, secrets=secret_values(settings), role="scheduler", node=service.node)
+    configure_logging(
+        settings.log, secrets=secret_values(settings), role="scheduler", node=service.node
+    )
     return service.run()

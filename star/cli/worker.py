@@ -5,9 +5,27 @@ from __future__ import annotations
 import argparse
 import json
 
-from star.cli.common import add_settings_args, guarded, settings_from_args
+from star.cli.common import (
+    Mirror,
+    add_mirrors,
+    add_settings_args,
+    guarded,
+    mirrored,
+    settings_from_args,
+)
 from star.logs import configure_logging
 from star.settings import secret_values
+
+# The flags that mirror a setting, made from its rule (star.cli.common.Mirror).
+# --engine-arg is not one: it is repeatable, one KEY=VALUE each (a value may
+# hold a comma), where worker.engine_args as a flag value would be a list.
+MIRRORS = (
+    Mirror("--role", "worker.role"),
+    Mirror("--model", "worker.model", "PATH"),
+    Mirror("--instance", "worker.instance", "ID"),
+    Mirror("--host", "worker.host", "ADDR"),
+    Mirror("--port", "worker.port", "PORT"),
+)
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -22,13 +40,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         ),
         epilog="example: star worker --role decode --instance decode-0 --model ./my-model --engine-arg enforce_eager=true",
     )
-    parser.add_argument("--role", choices=["prefill", "decode"], help="worker.role (default decode)")
-    parser.add_argument("--model", help="model directory or name (default: the tiny demo model)")
-    parser.add_argument("--instance", help="instance id on the bus (default <role>-<host>-<port>)")
-    parser.add_argument("--host", help="token protocol address (worker.host)")
-    parser.add_argument("--port", type=int, help="token protocol port, 0 = free (worker.port)")
+    add_mirrors(parser, MIRRORS)
     parser.add_argument(
-        "--engine-arg", action="append", default=None, metavar="KEY=VALUE",
+        "--engine-arg",
+        action="append",
+        default=None,
+        metavar="KEY=VALUE",
         help="extra vLLM engine argument (repeatable), e.g. --engine-arg block_size=16",
     )
     add_settings_args(parser)
@@ -36,21 +53,17 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    engine_args = json.dumps(args.engine_arg) if args.engine_arg else None
     settings = settings_from_args(
-        args,
-        {
-            "worker.role": args.role,
-            "worker.model": args.model,
-            "worker.instance": args.instance,
-            "worker.host": args.host,
-            "worker.port": args.port,
-            "worker.engine_args": json.dumps(args.engine_arg) if args.engine_arg else None,
-        },
+        args, {**mirrored(args, MIRRORS), "worker.engine_args": engine_args}
     )
     from workers.service import WorkerService
 
     service = WorkerService(settings)
     configure_logging(
-        settings.log, secrets=secret_values(settings), role=settings.worker.role, instance=service.instance
+        settings.log,
+        secrets=secret_values(settings),
+        role=settings.worker.role,
+        instance=service.instance,
     )
     return service.run()

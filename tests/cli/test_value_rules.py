@@ -5,8 +5,9 @@ A setting's rule (``star.settings.RULES``: its type, Literal choices or declared
 given: the settings file, its ``STAR_*`` variable, ``--set area.key=``, the
 planner's parameters (``PlannerParams`` through ``validate_params``, and
 STATE.json / ``star plan --set`` through ``params_from_dict``), the simulator's
-``SimConfig``, ``star simulate --set`` and the ``star simulate`` flag that
-mirrors it. The cases come from the rule's metadata (just inside, just
+``SimConfig``, ``star simulate --set`` and the flag that mirrors it (``star
+simulate``, ``star up``, ``star bench``, ``star plan --mode`` and the services':
+``star scheduler``, ``star worker``, ``star proxy``). The cases come from the rule's metadata (just inside, just
 outside, not finite, the wrong type), and every surface must accept and refuse
 exactly the same ones.
 """
@@ -24,6 +25,10 @@ from typing import Any, Literal
 
 import pytest
 
+from star.cli import proxy as proxy_cli
+from star.cli import scheduler as scheduler_cli
+from star.cli import worker as worker_cli
+from star.cli.common import Mirror, mirrored, settings_from_args
 from star.cli.simulate import MIRRORED, _apply_settings, apply_sets, build_base, register
 from star.planner.state import params_from_dict
 from star.planner.types import PARAM_RULES, PlannerParams, validate_params
@@ -116,13 +121,17 @@ def cases(rule: Rule) -> list[tuple[Any, bool]]:
             out += [(tp(check.ge), True), (tp(check.ge - step), False)]
         if check.le is not None:
             out += [(tp(check.le), True), (tp(check.le + step), False)]
-        inside = tp((check.gt if check.gt is not None else check.ge) + 1)
+        low = check.gt if check.gt is not None else check.ge
+        assert low is not None, rule.key
+        inside = tp(low + 1)
         out.append((inside, check.le is None or inside <= check.le))
         if tp is float:
             out += [(math.inf, False), (-math.inf, False), (math.nan, False)]
         else:
             out += [(1.5, False)]
         return out
+    if tp is str and check is None:  # any text (a host, a model path, an id, a key)
+        return [("127.0.0.1", True), ("decode-7", True), ("", True)]
     raise AssertionError(f"no cases for {rule.key}: give it a Bound or Literal, or cases here")
 
 
@@ -318,8 +327,31 @@ def _bench_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _parser(command: str) -> Callable[[], argparse.ArgumentParser]:
+    """A parser of ``star COMMAND`` alone."""
+
+    def make() -> argparse.ArgumentParser:
+        import importlib
+
+        parser = argparse.ArgumentParser()
+        importlib.import_module(f"star.cli.{command}").register(parser.add_subparsers())
+        return parser
+
+    return make
+
+
+# The services' flags that mirror a setting (star.cli.common.Mirror), every one.
+MIRRORS_OF: dict[str, tuple[Mirror, ...]] = {
+    "scheduler": scheduler_cli.MIRRORS,
+    "worker": worker_cli.MIRRORS,
+    "proxy": proxy_cli.MIRRORS,
+}
+SERVICE_MIRRORS = [(command, m) for command, mirrors in MIRRORS_OF.items() for m in mirrors]
+
 # Other commands' flags made from a setting (star.settings.add_setting_flag).
 OTHER_FLAGS = [
+    *((m.key, _parser(command), [command], m.flag) for command, m in SERVICE_MIRRORS),
+    ("scheduler.mode", _parser("plan"), ["plan"], "--mode"),
     ("proxy.port", _up_parser, ["up"], "--port"),
     ("scheduler.mode", _up_parser, ["up"], "--mode"),
     ("scheduler.horizon", _bench_parser, ["planner"], "--horizon"),
@@ -334,7 +366,7 @@ OTHER_FLAGS = [
 @pytest.mark.parametrize(
     ("key", "parser", "argv", "flag"), OTHER_FLAGS, ids=[f"{a[2][0]} {a[3]}" for a in OTHER_FLAGS]
 )
-def test_star_up_and_bench_flags_follow_the_setting(
+def test_other_commands_flags_follow_the_setting(
     key: str, parser: Callable[[], argparse.ArgumentParser], argv: list[str], flag: str
 ) -> None:
     p = parser()
@@ -342,6 +374,34 @@ def test_star_up_and_bench_flags_follow_the_setting(
         given = [*argv, f"{flag}={text(value)}"]
         takes = not refuses(lambda: p.parse_args(given))  # noqa: B023 (called at once)
         assert takes == accepted == set_takes(key, value), f"{flag} {value!r}"
+
+
+@pytest.mark.parametrize(
+    ("command", "mirror"), SERVICE_MIRRORS, ids=[f"{c} {m.flag}" for c, m in SERVICE_MIRRORS]
+)
+def test_a_service_flag_sets_its_setting_over_the_environment(
+    command: str, mirror: Mirror, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What the command runs with (star.cli.common.mirrored): the flag's value as
+    # the setting reads it, above STAR_*; not given, the environment's, else the default.
+    for name in [n for n in os.environ if n.startswith("STAR_")]:
+        monkeypatch.delenv(name)
+    rule, p = RULES[mirror.key], _parser(command)()
+    area, name = mirror.key.split(".")
+    mirrors = MIRRORS_OF[command]
+
+    def runs_with(argv: list[str]) -> Any:
+        args = p.parse_args([command, *argv])
+        return getattr(getattr(settings_from_args(args, mirrored(args, mirrors)), area), name)
+
+    assert runs_with([]) == rule.default
+    taken = [rule.parse(text(v)) for v, accepted in cases(rule) if accepted]
+    env = next(v for v in taken if v != rule.default)
+    monkeypatch.setenv(env_key(mirror.key), text(env))
+    assert runs_with([]) == env
+    assert any(v != env for v in taken)
+    for value in taken:
+        assert runs_with([f"{mirror.flag}={text(value)}"]) == value, value
 
 
 def test_planner_and_simulator_defaults_are_the_settings() -> None:

@@ -124,8 +124,11 @@ def test_params_from_strings_and_json_values() -> None:
 def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
     parser = argparse.ArgumentParser()
     plan_cli.register(parser.add_subparsers())
-    args = parser.parse_args(["plan", *argv])
-    code = args.func(args)
+    try:
+        args = parser.parse_args(["plan", *argv])
+        code = args.func(args)
+    except SystemExit as exc:  # argparse refused a flag (--mode: scheduler.mode's rule)
+        code = int(exc.code or 0)
     out, err = capsys.readouterr()
     return code, out, err
 
