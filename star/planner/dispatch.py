@@ -42,9 +42,17 @@ from star.planner.trace import (
     weights,
 )
 from star.planner.types import Instance, Mode, ModeKind, PlannerParams
-from star.settings import DISPATCH_CHARGES, DISPATCH_POLICIES
+from star.settings import DISPATCH_POLICIES, RULES
 
 POLICIES: tuple[str, ...] = DISPATCH_POLICIES  # the settings validate against the same tuple
+
+
+def _refused(what: str, key: str, value: object) -> ValueError:
+    """A value the callers should have checked by setting ``key``'s rule (the
+    settings, the simulator's config, a proxy on a published policy), refused in
+    that rule's words; "not handled here" if the rule takes it (a new choice
+    without its branch below)."""
+    return ValueError(f"{what} {value!r}: {RULES[key].problem(value) or 'not handled here'}")
 
 
 def _future_params(params: PlannerParams) -> PlannerParams:
@@ -131,7 +139,7 @@ def choose_on_view(
     if policy == "predicted":
         score = load if work is None else work
         return _least(score, load + new_tokens <= capacity)
-    raise ValueError(f"unknown dispatch policy {policy!r}; expected one of {', '.join(POLICIES)}")
+    raise _refused("dispatch policy", "proxy.dispatch", policy)
 
 
 def least_loaded(load: FloatArray, capacity: FloatArray, new_tokens: float) -> int:
@@ -194,6 +202,4 @@ def booking(new_tokens: float, charge: str, mean_output: float) -> float:
         return new_tokens + mean_output
     if charge == "prompt":
         return new_tokens
-    raise ValueError(
-        f"unknown dispatch charge {charge!r}; expected one of {', '.join(DISPATCH_CHARGES)}"
-    )
+    raise _refused("dispatch charge", "proxy.dispatch_charge", charge)

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from star.planner import Mode, PlannerParams
-from star.planner.dispatch import POLICIES, choose_decode, choose_on_view
+from star.planner.dispatch import POLICIES, booking, choose_decode, choose_on_view
+from star.settings import RULES
 from tests.planner.helpers import inst, req
 
 P = PlannerParams(horizon=4, delta=500, beta_decay=1.0)
@@ -58,8 +59,12 @@ def test_load_aware_policies_pass_over_instances_that_cannot_hold_the_request() 
     assert choose_decode("current-load", [roomy, small], 10**10, None, P, 0) == "small"
 
 
+# The settings' rule refuses it, in its words (star.settings.RULES["proxy.dispatch"]).
+REFUSED = "dispatch policy 'least-loaded': must be one of round-robin, current-load, predicted"
+
+
 def test_bad_policy_is_quoted() -> None:
-    with pytest.raises(ValueError, match="unknown dispatch policy 'least-loaded'"):
+    with pytest.raises(ValueError, match=REFUSED):
         choose_decode("least-loaded", [NOW], 1, None, P, 0)
 
 
@@ -100,7 +105,16 @@ def test_on_a_view_ties_go_to_the_first_instance() -> None:
 
 def test_on_a_view_a_bad_policy_is_quoted_and_no_instances_an_error() -> None:
     one = np.ones(1)
-    with pytest.raises(ValueError, match="unknown dispatch policy 'least-loaded'"):
+    with pytest.raises(ValueError, match=REFUSED):
         choose_on_view("least-loaded", one, one, 1, 0)
     with pytest.raises(ValueError, match="no decode instances"):
         choose_on_view("current-load", np.zeros(0), np.zeros(0), 1, 0)
+
+
+def test_booking_by_charge_and_a_bad_charge_in_the_settings_words() -> None:
+    assert booking(100, "expected", 40.5) == 140.5
+    assert booking(100, "prompt", 40.5) == 100
+    said = RULES["proxy.dispatch_charge"].problem("all")
+    assert said == "must be one of expected, prompt"
+    with pytest.raises(ValueError, match=f"^dispatch charge 'all': {said}$"):
+        booking(100, "all", 0.0)
