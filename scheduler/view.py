@@ -21,8 +21,10 @@ Time is passed in (``now``, monotonic seconds); nothing here does IO.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import numpy as np
 
@@ -31,7 +33,7 @@ from star.planner.flight import Booking, book
 from star.planner.trace import IntArray, grid
 from star.planner.types import Instance, ModeKind, Move, PlannerParams, Request
 from star.settings import SchedulerSettings
-from star.wire import Decision, Event, EventKind, LoadEntry, Report, RequestLoad, slot_builder
+from star.wire import Decision, Event, EventKind, LoadEntry, Report, RequestLoad
 
 # Events that end a migration, and whether it moved the request.
 TERMINAL: dict[EventKind, str] = {
@@ -474,21 +476,38 @@ def rebuild(
     return view
 
 
-# Request(id, tokens, predicted_remaining, true_remaining, generated, migratable),
-# without its frozen __init__'s object.__setattr__ per field.
-_request = slot_builder(Request)
+# A frozen dataclass's __init__ sets each field through object.__setattr__
+# (~2.5x the cost); ~130k Requests a second are built here (a 64-request
+# report: 66 -> 25 us), so to_request fills their slots directly.
+_REQUEST_FIELDS = (
+    "id",
+    "tokens",
+    "predicted_remaining",
+    "true_remaining",
+    "generated",
+    "migratable",
+)
+_SLOTS: list[Any] = [getattr(Request, name, None) for name in _REQUEST_FIELDS]
+if tuple(f.name for f in fields(Request)) != _REQUEST_FIELDS or not all(
+    isinstance(s, types.MemberDescriptorType) for s in _SLOTS
+):  # a field to_request would leave unset, or no slots to set
+    raise TypeError("scheduler.view.to_request does not match star.planner.types.Request")
+_new = object.__new__
+_set_id, _set_tokens, _set_predicted, _set_true, _set_generated, _set_migratable = (
+    s.__set__ for s in _SLOTS
+)
 
 
 def to_request(r: RequestLoad, busy: bool = False) -> Request:
-    """A reported request as the planner's :class:`Request`."""
-    return _request(
-        r.id,
-        r.tokens,
-        r.predicted_remaining,
-        r.true_remaining,
-        r.generated,
-        r.migratable and not busy,
-    )
+    """A reported request as the planner's :class:`Request` (what its constructor builds)."""
+    req: Request = _new(Request)
+    _set_id(req, r.id)
+    _set_tokens(req, r.tokens)
+    _set_predicted(req, r.predicted_remaining)
+    _set_true(req, r.true_remaining)
+    _set_generated(req, r.generated)
+    _set_migratable(req, r.migratable and not busy)
+    return req
 
 
 def decision_for(

@@ -21,6 +21,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "migration": ("benchmarks.migration", "D->D handoff stall as the client sees it, KV bytes moved, co-running slowdown"),
     "scheduler": ("benchmarks.scheduler_load", "a real star scheduler + redis-server fed by N emulated decode workers: tick p50/p99, report lag, Redis CPU/memory"),
     "chaos": ("benchmarks.chaos.run", "faults injected into a fleet spread over network namespaces, under load: tokens lost/duplicated, KV leaked, recovery (root)"),
+    "wire": ("benchmarks.wire", "star.wire encode and decode time per message kind (a 64-request Report, the bus messages, the frames)"),
     "e2e": ("benchmarks.e2e", "STAR vs static P->D dispatch on a real fleet: modes x rates x seeds, two regimes (paper Fig. 9-11)"),
 }
 

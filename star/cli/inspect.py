@@ -10,6 +10,8 @@ import enum
 import json
 from typing import Any
 
+import msgspec
+
 from star.bus import STREAMS, Bus, BusUnavailable, Entry, Subscriber, first_stream_rows, parse_dead
 from star.cli.common import CliError, add_settings_args, guarded, settings_from_args
 from star.settings import Settings
@@ -49,11 +51,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def to_jsonable(value: Any) -> Any:
+    if isinstance(value, Message):  # its kind, then its fields (``v`` is the stream's, not shown)
+        names = (f for f in value.__struct_fields__ if f != "v")
+        return {"kind": value.KIND, **{f: to_jsonable(getattr(value, f)) for f in names}}
+    if isinstance(value, msgspec.Struct):
+        return {f: to_jsonable(getattr(value, f)) for f in value.__struct_fields__}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        out = {f.name: to_jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
-        if isinstance(value, Message):
-            out = {"kind": value.KIND, **out}
-        return out
+        return {f.name: to_jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, enum.Enum):
         return value.value
     if isinstance(value, bytes):

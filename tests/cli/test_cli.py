@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import msgspec
 
 from star.bus import Bus
 from star.ports import listen
@@ -95,7 +96,7 @@ async def test_inspect_prints_decoded_entries_and_dead_letters(redis_server: Red
 async def test_status_shows_a_draining_instance(redis_server: RedisServer) -> None:
     bs = bus_settings()
     bus = Bus.from_settings(redis_settings(redis_server), bs)
-    await bus.publish("reports", dataclasses.replace(report("decode-0"), draining=True))
+    await bus.publish("reports", msgspec.structs.replace(report("decode-0"), draining=True))
     await bus.publish("reports", report("decode-1"))
     await bus.close()
     env = {"STAR_REDIS_URL": redis_server.url, "STAR_BUS_PREFIX": bs.prefix}
@@ -117,7 +118,7 @@ async def test_status_shows_a_draining_instance(redis_server: RedisServer) -> No
 async def test_status_shows_refused_token_protocol_peers(redis_server: RedisServer) -> None:
     bs = bus_settings()
     bus = Bus.from_settings(redis_settings(redis_server), bs)
-    await bus.publish("reports", dataclasses.replace(report("decode-0"), refused_peers=3))
+    await bus.publish("reports", msgspec.structs.replace(report("decode-0"), refused_peers=3))
     await bus.publish("reports", report("decode-1"))
     await bus.close()
     env = {"STAR_REDIS_URL": redis_server.url, "STAR_BUS_PREFIX": bs.prefix}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import os
 import re
@@ -14,6 +13,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from star.bus import Bus
@@ -31,11 +31,13 @@ async def publish_fleet(bus: Bus) -> None:
     running = [RequestLoad("cmpl-a", 1500, 40), RequestLoad("cmpl-c", 1000, 9)]
     await bus.publish(
         "reports",
-        dataclasses.replace(
+        msgspec.structs.replace(
             report("decode-0", used=2500, requests=running), waiting=1, preemptions=2
         ),
     )
-    await bus.publish("reports", dataclasses.replace(report("decode-1", used=7500), draining=True))
+    await bus.publish(
+        "reports", msgspec.structs.replace(report("decode-1", used=7500), draining=True)
+    )
     await bus.publish("reports", report("prefill-0", role="prefill", used=100))
     await bus.publish(
         "decisions",

@@ -1,14 +1,14 @@
-"""Hypothesis strategies for STAR's wire messages, built from the schema in star.wire."""
+"""Hypothesis strategies for STAR's wire messages, built from the schema in star.wire
+(its msgspec types and ``Meta`` bounds, read through ``msgspec.inspect``)."""
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-import types
-import typing
+import datetime as dt
+import math
 from typing import Any
 
-import msgpack
+import msgspec
+import msgspec.inspect as mi
 from hypothesis import strategies as st
 
 from star import wire
@@ -23,8 +23,8 @@ _SCALARS = (
     | st.text(max_size=20)
     | st.binary(max_size=20)
     # msgpack extension types: an application one, and the timestamp (code -1).
-    | st.builds(msgpack.ExtType, st.integers(0, 127), st.binary(max_size=8))
-    | st.builds(msgpack.Timestamp, st.integers(0, 2**34 - 1), st.integers(0, 999_999_999))
+    | st.builds(msgspec.msgpack.Ext, st.integers(0, 127), st.binary(max_size=8))
+    | st.datetimes(timezones=st.just(dt.UTC))
 )
 ANY_VALUE: st.SearchStrategy[Any] = st.recursive(
     _SCALARS,
@@ -38,49 +38,93 @@ ANY_VALUE: st.SearchStrategy[Any] = st.recursive(
 ALL_KINDS: tuple[type[Message], ...] = (*wire.BUS_MESSAGES, *wire.FRAMES)
 
 
-def plain_for(tp: Any) -> st.SearchStrategy[Any]:
-    """Plain (msgpack-ready) values that are valid for the schema type ``tp``."""
-    if tp is Any:
+def _bounds(t: Any, low: Any, high: Any) -> tuple[Any, Any]:
+    """The closed range of a msgspec int or float type's ``Meta`` bounds within ``low``..``high``."""
+    lo = t.ge if t.ge is not None else (t.gt + 1 if t.gt is not None else low)
+    hi = t.le if t.le is not None else (t.lt - 1 if t.lt is not None else high)
+    return lo, hi
+
+
+def plain_for(t: Any, *, nan: bool = True) -> st.SearchStrategy[Any]:
+    """Plain (msgpack-ready) values valid for the msgspec type ``t`` (``msgspec.inspect``)."""
+    if isinstance(t, mi.AnyType):
         return ANY_VALUE
-    origin = typing.get_origin(tp)
-    if origin in {types.UnionType, typing.Union}:
-        return st.one_of([plain_for(a) for a in typing.get_args(tp)])
-    if tp is type(None):
+    if isinstance(t, mi.UnionType):
+        return st.one_of([plain_for(a, nan=nan) for a in t.types])
+    if isinstance(t, mi.NoneType):
         return st.none()
-    if origin is list:
-        (item,) = typing.get_args(tp)
-        return st.lists(plain_for(item), max_size=5)
-    if origin is dict:
-        key, value = typing.get_args(tp)
-        return st.dictionaries(plain_for(key), plain_for(value), max_size=4)
-    if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        return st.sampled_from([m.value for m in tp])
-    if dataclasses.is_dataclass(tp):
-        return plain_map(tp)  # type: ignore[arg-type]
-    if tp is float:
-        return st.floats(allow_nan=False) | st.integers(-(2**31), 2**31)
-    if tp is int:
-        return st.integers(min_value=-(2**63), max_value=2**64 - 1)
-    if tp is str:
+    if isinstance(t, mi.ListType):
+        return st.lists(plain_for(t.item_type, nan=nan), max_size=5)
+    if isinstance(t, mi.DictType):
+        return st.dictionaries(plain_for(t.key_type), plain_for(t.value_type, nan=nan), max_size=4)
+    if isinstance(t, mi.EnumType):
+        return st.sampled_from([m.value for m in t.cls])
+    if isinstance(t, mi.StructType):
+        return plain_map(t.cls)
+    if isinstance(t, mi.FloatType):  # an int is a valid float
+        lo, hi = _bounds(t, None, None)
+        ints = st.integers(
+            -(2**31) if lo is None else math.ceil(lo), 2**31 if hi is None else math.floor(hi)
+        )
+        return st.floats(lo, hi, allow_nan=nan and lo is None and hi is None) | ints
+    if isinstance(t, mi.IntType):
+        return st.integers(*_bounds(t, -(2**63), 2**64 - 1))
+    if isinstance(t, mi.StrType):
         return st.text(max_size=30)
-    if tp is bool:
+    if isinstance(t, mi.BoolType):
         return st.booleans()
-    if tp is bytes:
+    if isinstance(t, mi.BytesType):
         return st.binary(max_size=40)
-    raise TypeError(f"no strategy for {tp!r}")
+    raise TypeError(f"no strategy for {t!r}")
+
+
+def _fields(cls: type[Any]) -> tuple[mi.Field, ...]:
+    """The fields of Struct ``cls`` a message map carries besides its header (``v``, ``k``)."""
+    info = mi.type_info(cls)
+    assert isinstance(info, mi.StructType)
+    return tuple(f for f in info.fields if f.name != "v")
 
 
 def plain_map(cls: type[Any]) -> st.SearchStrategy[dict[str, Any]]:
-    """A valid plain map of dataclass ``cls``: every required field, some optional ones."""
-    hints = typing.get_type_hints(cls)
-    required: dict[str, st.SearchStrategy[Any]] = {}
-    optional: dict[str, st.SearchStrategy[Any]] = {}
-    for f in dataclasses.fields(cls):
-        has_default = (
-            f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
-        )
-        (optional if has_default else required)[f.name] = plain_for(hints[f.name])
+    """A valid plain map of Struct ``cls``: every required field, some optional ones."""
+    required = {f.name: plain_for(f.type) for f in _fields(cls) if f.required}
+    optional = {f.name: plain_for(f.type) for f in _fields(cls) if not f.required}
     return st.fixed_dictionaries(required, optional=optional)
+
+
+def message(cls: type[Any]) -> st.SearchStrategy[Any]:
+    """Messages (Structs) of ``cls`` with every field drawn; no NaN, so they compare equal."""
+    return st.builds(cls, **{f.name: _value(f.type) for f in _fields(cls)})
+
+
+def _value(t: Any) -> st.SearchStrategy[Any]:
+    if isinstance(t, mi.StructType):
+        return message(t.cls)
+    if isinstance(t, mi.EnumType):
+        return st.sampled_from(list(t.cls))
+    if isinstance(t, mi.ListType):
+        return st.lists(_value(t.item_type), max_size=5)
+    if isinstance(t, mi.UnionType):
+        return st.one_of([_value(a) for a in t.types])
+    if isinstance(t, mi.FloatType):
+        return st.floats(*_bounds(t, None, None), allow_nan=False, allow_infinity=False)
+    if isinstance(t, mi.AnyType | mi.DictType):
+        return st.dictionaries(st.text(max_size=8), _PLAIN, max_size=4)
+    return plain_for(t, nan=False)
+
+
+# Any values that round-trip as equal Python objects (no NaN, no extension types).
+_PLAIN: st.SearchStrategy[Any] = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**62), 2**62)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=20),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=20), inner, max_size=4)
+    ),
+    max_leaves=10,
+)
 
 
 def message_map(cls: type[Message]) -> st.SearchStrategy[dict[str, Any]]:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from types import SimpleNamespace
 from typing import Any
 
+import msgspec
 import pytest
 
 from proxy.backend import BackendUnavailable
@@ -103,7 +103,7 @@ async def test_stale_reports_are_tried_when_nothing_is_fresh() -> None:
 
 async def test_a_draining_instance_gets_no_new_streams_nor_migrations() -> None:
     # decode-0 is the least loaded and reachable, but its worker is stopping.
-    draining = dataclasses.replace(report("decode-0", address="h:1"), draining=True)
+    draining = msgspec.structs.replace(report("decode-0", address="h:1"), draining=True)
     b, pool = backend([draining, report("decode-1", address="h:2", used=900)], dead=set())
     assert (await b.pick_reachable("decode", "current-load", 10)).instance == "decode-1"
     assert pool.tried == ["h:2"]

@@ -9,7 +9,6 @@ publish them: in ``oracle`` mode only some requests carry ``true_remaining``
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import subprocess
 import time
@@ -17,6 +16,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from star.bus import Bus, Subscriber
@@ -60,7 +60,7 @@ async def publish_forever(bus: Bus, reports: list[Report]) -> None:
     while True:
         seq += 1
         for r in reports:
-            await bus.publish("reports", dataclasses.replace(r, seq=seq, ts=time.time()))
+            await bus.publish("reports", msgspec.structs.replace(r, seq=seq, ts=time.time()))
         await asyncio.sleep(0.2)
 
 
@@ -112,10 +112,10 @@ async def test_predicted_mode_names_instances_without_a_predictor(
     log = tmp_path / "scheduler.log"
     port = free_port()
     fleet = [
-        dataclasses.replace(report("a"), predictor=False),
-        dataclasses.replace(report("b"), predictor=True),
+        msgspec.structs.replace(report("a"), predictor=False),
+        msgspec.structs.replace(report("b"), predictor=True),
         report("c"),  # an older worker: does not say
-        dataclasses.replace(report("p", role="prefill"), predictor=None),
+        msgspec.structs.replace(report("p", role="prefill"), predictor=None),
     ]
     reporter = asyncio.create_task(publish_forever(bus, fleet))
     proc = start(

@@ -10,6 +10,8 @@ import time
 import urllib.request
 from typing import Any
 
+import msgspec
+
 from star.bus import Bus, Subscriber
 from star.wire import Decision, Event, EventKind, encode
 from tests.redis_server import free_port
@@ -242,12 +244,11 @@ async def test_plan_from_redis_sees_worker_down_draining_and_moves_in_flight(
     b, c and d are equally light; the planner breaks the tie by position, so
     without worker_down and draining honoured the move would go to b.
     """
-    import dataclasses
 
     await bus.publish("reports", report("a", HEAVY))
     for name in ("b", "c", "d"):
         r = report(name, LIGHT)
-        await bus.publish("reports", dataclasses.replace(r, draining=name == "c"))
+        await bus.publish("reports", msgspec.structs.replace(r, draining=name == "c"))
     await bus.publish("events", Event(EventKind.WORKER_DOWN, time.time(), "b", instance="b"))
     env = cluster.env(STAR_SCHEDULER_STALENESS_S="60", STAR_SCHEDULER_DECISION_TIMEOUT_S="60")
 

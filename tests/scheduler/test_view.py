@@ -6,6 +6,7 @@ import dataclasses
 import time
 from typing import Any
 
+import msgspec
 import pytest
 
 from scheduler.view import ClusterView, rebuild, to_request
@@ -43,7 +44,7 @@ def test_stale_instances_are_excluded_until_they_report_again() -> None:
 def test_late_old_report_is_ignored() -> None:
     v = view()
     v.apply_report(report("a", [10, 20], seq=5), now=0.0)
-    late = dataclasses.replace(report("a", [1], seq=4), ts=0.0)  # a reclaimed, older entry
+    late = msgspec.structs.replace(report("a", [1], seq=4), ts=0.0)  # a reclaimed, older entry
     v.apply_report(late, now=1.0)
     assert v.seen["a"].report.seq == 5
 
@@ -77,7 +78,7 @@ def test_rows_are_the_reports_requests_converted_and_bystanders_keep_theirs() ->
     v.apply_report(report("a", [1000, 200], in_flight=["a-r1"]), 0.0)
     v.apply_report(report("b", [50]), 0.0)
     c = report("c", [60])
-    c.requests.append(dataclasses.replace(c.requests[0], id="a-r0", tokens=70))  # same id
+    c.requests.append(msgspec.structs.replace(c.requests[0], id="a-r0", tokens=70))  # same id
     v.apply_report(c, 0.0)
     first = {i.id: i for i in v.instances(P)}
     r1 = first["a"].requests[1]
@@ -120,10 +121,10 @@ def test_outcome_events_resolve_and_unknown_ones_are_ignored() -> None:
 
 def test_a_resumed_move_stays_off_its_source_until_the_source_reports_again() -> None:
     v = view()
-    a1 = dataclasses.replace(report("a", [1000, 200]), ts=100.0)
+    a1 = msgspec.structs.replace(report("a", [1000, 200]), ts=100.0)
     v.apply_report(a1, 0.0)
-    v.apply_report(dataclasses.replace(report("b", [50]), ts=100.0), 0.0)
-    v.apply_report(dataclasses.replace(report("c", [60]), ts=100.0), 0.0)
+    v.apply_report(msgspec.structs.replace(report("b", [50]), ts=100.0), 0.0)
+    v.apply_report(msgspec.structs.replace(report("c", [60]), ts=100.0), 0.0)
     v.book(decision(), now=0.0)
     got = v.apply_event(Event(EventKind.RESUMED, 100.5, "proxy", request="a-r0", migration="m1"))
     assert got is not None and got[1] == "completed"
@@ -143,18 +144,18 @@ def test_a_resumed_move_stays_off_its_source_until_the_source_reports_again() ->
     planned = plan(v.instances(P), dataclasses.replace(P, mode=Mode.parse("current")))
     assert all(m.request != "a-r0" for m in planned.moves)
     # b reports it: b's own row; a reports after the resume: the move is settled.
-    b2 = dataclasses.replace(report("b", [50], seq=2), ts=100.6, used_tokens=1051)
+    b2 = msgspec.structs.replace(report("b", [50], seq=2), ts=100.6, used_tokens=1051)
     b2.requests.append(type(b2.requests[0])("a-r0", 1001, 501, 10.0))
     v.apply_report(b2, 0.6)
     assert {e.instance: e.tokens for e in v.load_entries({}, 0.0)}["b"] == 1051
     assert v.settling
-    v.apply_report(dataclasses.replace(report("a", [200], seq=2), ts=100.7), 0.7)
+    v.apply_report(msgspec.structs.replace(report("a", [200], seq=2), ts=100.7), 0.7)
     assert v.settling == {}
 
 
 def test_a_settling_move_ends_with_its_request_or_its_deadline() -> None:
     v = view()
-    v.apply_report(dataclasses.replace(report("a", [1000]), ts=100.0), 0.0)
+    v.apply_report(msgspec.structs.replace(report("a", [1000]), ts=100.0), 0.0)
     v.book(decision(), now=0.0)
     v.apply_event(Event(EventKind.RESUMED, 100.5, "proxy", request="a-r0", migration="m1"))
     v.apply_event(Event(EventKind.FINISHED, 101.0, "proxy", request="a-r0"))
@@ -164,7 +165,7 @@ def test_a_settling_move_ends_with_its_request_or_its_deadline() -> None:
     assert v.settling and v.expire(now=10.9) == []
     assert v.expire(now=11.0) == [] and v.settling == {}  # a clock skew holds it no longer
     # A source that already reported after the resume settles nothing.
-    v.apply_report(dataclasses.replace(report("a", [1000], seq=2), ts=103.0), 2.0)
+    v.apply_report(msgspec.structs.replace(report("a", [1000], seq=2), ts=103.0), 2.0)
     v.book(decision("m3", request="a-r0"), now=2.0)
     v.apply_event(Event(EventKind.RESUMED, 102.5, "proxy", request="a-r0", migration="m3"))
     assert v.settling == {}
@@ -192,7 +193,7 @@ def test_worker_trace_used_only_when_on_the_planner_grid_and_nothing_booked() ->
 
 
 def at(r: Report, ts: float) -> Report:
-    return dataclasses.replace(r, ts=ts)
+    return msgspec.structs.replace(r, ts=ts)
 
 
 # (steps, live decode instances after them). Steps: ("report", instance, seq,
@@ -321,7 +322,7 @@ def test_a_draining_instance_is_a_source_only_and_out_of_dispatch(
     params = PlannerParams(mode=Mode.parse("current"))
     v = view()
     for name, loads, draining in reports:
-        v.apply_report(dataclasses.replace(report(name, loads), draining=draining), now=0.0)
+        v.apply_report(msgspec.structs.replace(report(name, loads), draining=draining), now=0.0)
     instances = v.instances(params)
     assert sorted(i.id for i in instances) == sorted(r[0] for r in reports)  # all still planned
     assert [(m.source, m.target) for m in plan(instances, params).moves] == moves
@@ -403,12 +404,12 @@ def test_rebuild_applies_the_schedulers_rules(
 ) -> None:
     v = rebuild(
         [
-            dataclasses.replace(report(name, [100]), seq=seq, ts=ts, draining=draining)
+            msgspec.structs.replace(report(name, [100]), seq=seq, ts=ts, draining=draining)
             for name, seq, ts, draining in reports
         ],
         events,
         [
-            dataclasses.replace(decision(mid, f"{src}-r0", src, dst), ts=ts)
+            msgspec.structs.replace(decision(mid, f"{src}-r0", src, dst), ts=ts)
             for mid, src, dst, ts in decisions
         ],
         staleness_s=3.0,
@@ -426,7 +427,7 @@ def test_reported_requests_become_the_planners_requests_field_for_field() -> Non
         RequestLoad("a-r1", 60, 20, None, True),  # in flight: not migratable
         RequestLoad("a-r2", 70, 30, 3.0, False),
     ]
-    r = dataclasses.replace(report("a", [1]), requests=loads, in_flight=["a-r1"])
+    r = msgspec.structs.replace(report("a", [1]), requests=loads, in_flight=["a-r1"])
     v = view()
     v.apply_report(r, now=0.0)
     expected = tuple(
@@ -446,3 +447,15 @@ def test_reported_requests_become_the_planners_requests_field_for_field() -> Non
     assert to_request(loads[0]) == expected[0] and to_request(loads[0], busy=True) == Request(
         "a-r0", 50, 12.5, 40, 10, migratable=False
     )
+
+
+def test_to_request_builds_what_the_constructor_builds() -> None:
+    # to_request fills the slots of the frozen Request instead of calling __init__.
+    built = to_request(RequestLoad("q", 50, 10, 12.5, False, true_remaining=40))
+    want = Request(
+        "q", 50, predicted_remaining=12.5, true_remaining=40, generated=10, migratable=False
+    )
+    assert built == want and repr(built) == repr(want) and hash(built) == hash(want)
+    assert type(built) is Request
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        built.tokens = 1  # type: ignore[misc]

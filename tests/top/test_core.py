@@ -6,6 +6,7 @@ import dataclasses
 import json
 import re
 
+import msgspec
 import pytest
 
 from star.top import TopState, bar, render, render_view
@@ -19,12 +20,12 @@ ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 def rep(instance: str, used: int, *, ts: float = NOW - 0.1, **kw: object) -> Message:
     base = report(instance, used=used, capacity=10_000)
-    return dataclasses.replace(base, ts=ts, **kw)  # type: ignore[arg-type]
+    return msgspec.structs.replace(base, ts=ts, **kw)  # type: ignore[arg-type]
 
 
 def dec(mid: str, *, ts: float = NOW - 1.0, **kw: object) -> Decision:
     base = Decision(mid, f"cmpl-{mid}", "decode-0", "decode-1", 1, -1234.5, "predicted", ts)
-    return dataclasses.replace(base, **kw)  # type: ignore[arg-type]
+    return msgspec.structs.replace(base, **kw)  # type: ignore[arg-type]
 
 
 def ev(kind: EventKind, *, ts: float = NOW - 0.5, **kw: object) -> Event:
