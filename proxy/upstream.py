@@ -192,7 +192,7 @@ class WorkerClient:
     ) -> None:
         """The proxy's side of the handshake; raises :class:`AuthFailed`."""
         assert self._key is not None and self._writer is not None
-        shake = ProxyHandshake(self._key)
+        shake = ProxyHandshake(self._key, self.address)
         try:
             self._writer.write(frame(shake.on_challenge(first)))
             await self._writer.drain()
@@ -200,7 +200,8 @@ class WorkerClient:
                 accept = await next_frame("accepting")
             except ConnectionLost:
                 raise AuthFailed(
-                    f"worker {self.address} refused this proxy: is cluster.secret the same on both?"
+                    f"worker {self.address} refused this proxy: is cluster.secret the same on "
+                    "both, and is this the address the worker reports?"
                 ) from None
             shake.on_accept(accept)
         except HandshakeFailed as exc:

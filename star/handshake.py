@@ -4,9 +4,16 @@ With a cluster secret (``cluster.secret``) a connection starts with three
 frames before the worker's Hello::
 
     worker -> proxy   Challenge(nonce_w)
-    proxy  -> worker  Answer(proof_p, nonce_p)   proof_p = HMAC(secret, PROXY  | nonce_w | nonce_p)
-    worker -> proxy   Accept(proof_w)            proof_w = HMAC(secret, WORKER | nonce_w | nonce_p)
+    proxy  -> worker  Answer(proof_p, nonce_p)   proof_p = HMAC(secret, PROXY  | nonce_w | nonce_p | address)
+    worker -> proxy   Accept(proof_w)            proof_w = HMAC(secret, WORKER | nonce_w | nonce_p | address)
     worker -> proxy   Hello ...
+
+``address`` is the worker's ``host:port`` as it reports it, which is what a
+proxy dials: the proxy proves the secret for the address it dialled, the
+worker for its own. So a relay that a proxy was sent to (a forged report, a
+wrong address) and that forwards the frames to the real worker gets the
+handshake refused on both sides: it cannot recompute the proofs for its own
+address without the secret (issue 27 item 3).
 
 Each side proves the secret over a nonce the other just drew, so a recorded
 answer is useless on another connection, and the two proofs carry different
@@ -37,8 +44,8 @@ MAX_FRAME_BYTES = 256
 TIMEOUT_S = 5.0
 """How long a worker waits for an Answer, and a proxy for Challenge to Hello."""
 
-_PROXY = b"star-token-protocol/1 proxy\x00"
-_WORKER = b"star-token-protocol/1 worker\x00"
+_PROXY = b"star-token-protocol/2 proxy\x00"
+_WORKER = b"star-token-protocol/2 worker\x00"
 
 
 class HandshakeFailed(Exception):
@@ -54,9 +61,13 @@ def secret_key(secret: str) -> bytes:
     return secret.encode()
 
 
-def proof(key: bytes, label: bytes, worker_nonce: bytes, proxy_nonce: bytes) -> bytes:
-    """HMAC-SHA256 of the label and both nonces (fixed length, so unambiguous)."""
-    return hmac.new(key, label + worker_nonce + proxy_nonce, hashlib.sha256).digest()
+def proof(
+    key: bytes, label: bytes, worker_nonce: bytes, proxy_nonce: bytes, address: str = ""
+) -> bytes:
+    """HMAC-SHA256 of the label, both nonces (fixed length) and the worker's address (last,
+    so the input is unambiguous)."""
+    data = label + worker_nonce + proxy_nonce + address.encode()
+    return hmac.new(key, data, hashlib.sha256).digest()
 
 
 def _nonce_ok(nonce: bytes) -> bool:
@@ -65,9 +76,13 @@ def _nonce_ok(nonce: bytes) -> bool:
 
 @dataclass(slots=True)
 class WorkerHandshake:
-    """The worker's side: :meth:`challenge` first, then :meth:`answer` with the first frame read."""
+    """The worker's side: :meth:`challenge` first, then :meth:`answer` with the first frame read.
+
+    ``address``: the ``host:port`` this worker reports (what proxies dial).
+    """
 
     key: bytes
+    address: str = ""
     nonce: bytes = field(default_factory=lambda: secrets.token_bytes(NONCE_BYTES))
 
     def challenge(self) -> Challenge:
@@ -81,17 +96,24 @@ class WorkerHandshake:
             raise HandshakeFailed("bad_nonce", f"a nonce of {len(msg.nonce)} bytes")
         if msg.nonce == self.nonce:
             raise HandshakeFailed("reflected_nonce", "the answer echoes the challenge's nonce")
-        expected = proof(self.key, _PROXY, self.nonce, msg.nonce)
+        expected = proof(self.key, _PROXY, self.nonce, msg.nonce, self.address)
         if not hmac.compare_digest(expected, msg.proof):
-            raise HandshakeFailed("bad_proof", "the answer does not prove the cluster secret")
-        return Accept(proof(self.key, _WORKER, self.nonce, msg.nonce))
+            raise HandshakeFailed(
+                "bad_proof",
+                f"the answer does not prove the cluster secret for {self.address or 'this worker'}",
+            )
+        return Accept(proof(self.key, _WORKER, self.nonce, msg.nonce, self.address))
 
 
 @dataclass(slots=True)
 class ProxyHandshake:
-    """The proxy's side: :meth:`on_challenge`, then :meth:`on_accept`; Hello may follow."""
+    """The proxy's side: :meth:`on_challenge`, then :meth:`on_accept`; Hello may follow.
+
+    ``address``: the ``host:port`` the proxy dialled.
+    """
 
     key: bytes
+    address: str = ""
     nonce: bytes = field(default_factory=lambda: secrets.token_bytes(NONCE_BYTES))
     worker_nonce: bytes = b""
 
@@ -106,7 +128,7 @@ class ProxyHandshake:
         if not _nonce_ok(msg.nonce) or msg.nonce == self.nonce:
             raise HandshakeFailed("bad_nonce", "its challenge is not a fresh nonce")
         self.worker_nonce = msg.nonce
-        return Answer(proof(self.key, _PROXY, msg.nonce, self.nonce), self.nonce)
+        return Answer(proof(self.key, _PROXY, msg.nonce, self.nonce, self.address), self.nonce)
 
     def on_accept(self, msg: Message) -> None:
         """Check the worker's proof; raises :class:`HandshakeFailed`."""
@@ -114,7 +136,7 @@ class ProxyHandshake:
             raise HandshakeFailed("no_challenge", "an accept before any challenge")
         if not isinstance(msg, Accept):
             raise HandshakeFailed("unexpected_frame", f"expected an accept, got {msg.KIND!r}")
-        expected = proof(self.key, _WORKER, self.worker_nonce, self.nonce)
+        expected = proof(self.key, _WORKER, self.worker_nonce, self.nonce, self.address)
         if not hmac.compare_digest(expected, msg.proof):
             raise HandshakeFailed("bad_proof", "it does not prove the cluster secret")
 

@@ -145,7 +145,7 @@ class _Connection:
     async def _authenticate(self) -> bool:
         """Run the worker's side of the handshake; False (logged, counted) if the peer fails."""
         assert self.server.key is not None
-        shake = WorkerHandshake(self.server.key)
+        shake = WorkerHandshake(self.server.key, self.server.address)
         decoder = FrameDecoder(handshake.MAX_FRAME_BYTES)
         try:
             await self.send(shake.challenge())

@@ -33,6 +33,16 @@ def test_the_same_secret_passes_both_ways() -> None:
     run(WorkerHandshake(KEY), ProxyHandshake(KEY))
 
 
+def test_the_proofs_bind_the_worker_address() -> None:
+    """A proxy that dialled another address than the worker's own (a relay) is refused;
+    the same address passes."""
+    run(WorkerHandshake(KEY, "10.0.0.7:7100"), ProxyHandshake(KEY, "10.0.0.7:7100"))
+    worker, proxy = WorkerHandshake(KEY, "10.0.0.7:7100"), ProxyHandshake(KEY, "10.0.0.9:7100")
+    with pytest.raises(HandshakeFailed) as err:
+        worker.answer(proxy.on_challenge(worker.challenge()))
+    assert err.value.reason == "bad_proof"
+
+
 def test_fresh_nonces_per_connection() -> None:
     a, b = WorkerHandshake(KEY), WorkerHandshake(KEY)
     assert len(a.nonce) == NONCE_BYTES and a.nonce != b.nonce
@@ -51,7 +61,7 @@ def test_a_worker_with_the_wrong_secret_is_refused_by_the_proxy() -> None:
     # The impostor cannot check the proxy's proof; it proves the secret it has.
     impostor, proxy = WorkerHandshake(OTHER), ProxyHandshake(KEY)
     answer = proxy.on_challenge(impostor.challenge())
-    forged = Accept(proof(OTHER, b"star-token-protocol/1 worker\0", impostor.nonce, answer.nonce))
+    forged = Accept(proof(OTHER, b"star-token-protocol/2 worker\0", impostor.nonce, answer.nonce))
     with pytest.raises(HandshakeFailed) as err:
         proxy.on_accept(forged)
     assert err.value.reason == "bad_proof"
@@ -83,7 +93,7 @@ def test_the_workers_proof_cannot_be_reflected_as_the_proxys() -> None:
     answer = proxy.on_challenge(worker.challenge())
     accept = worker.answer(answer)
     with pytest.raises(HandshakeFailed):
-        WorkerHandshake(KEY, worker.nonce).answer(Answer(accept.proof, answer.nonce))
+        WorkerHandshake(KEY, nonce=worker.nonce).answer(Answer(accept.proof, answer.nonce))
 
 
 def test_an_answer_echoing_the_challenge_nonce_is_refused() -> None:

@@ -112,7 +112,7 @@ async def test_a_replayed_answer_is_refused(server: TokenServer) -> None:
     first = await Client.connect(server.address)
     challenge = await first.recv()
     assert isinstance(challenge, Challenge)
-    recorded = ProxyHandshake(secret_key(SECRET)).on_challenge(challenge)
+    recorded = ProxyHandshake(secret_key(SECRET), server.address).on_challenge(challenge)
     await first.send(recorded)
     assert isinstance(await first.recv(), Accept)
     assert await first.recv() == HELLO
@@ -220,6 +220,48 @@ async def test_the_proxy_never_sends_a_request_to_an_impostor() -> None:
     assert [type(m) for m in msgs] == [Answer]  # the answer, then nothing: no Generate
 
 
+async def test_a_relay_without_the_secret_gets_the_handshake_refused(
+    server: TokenServer,
+) -> None:
+    """A proxy sent to a relay (a forged report naming the relay's address) that forwards
+    every byte to the real worker: the proxy proves the secret for the relay's address,
+    the worker checks it for its own, and refuses; no Hello, no request."""
+    to_worker = bytearray()
+
+    async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        host, port = server.address.rsplit(":", 1)
+        up_reader, up_writer = await asyncio.open_connection(host, int(port))
+
+        async def pump(
+            src: asyncio.StreamReader, dst: asyncio.StreamWriter, log: bytearray | None
+        ) -> None:
+            while data := await src.read(4096):
+                if log is not None:
+                    log.extend(data)
+                dst.write(data)
+                await dst.drain()
+            dst.close()
+
+        await asyncio.gather(
+            pump(reader, up_writer, to_worker),
+            pump(up_reader, writer, None),
+            return_exceptions=True,
+        )
+
+    srv = await asyncio.start_server(relay, "127.0.0.1", 0)
+    address = f"127.0.0.1:{srv.sockets[0].getsockname()[1]}"
+    client = WorkerClient(address, SECRET)
+    try:
+        with pytest.raises(AuthFailed, match="refused this proxy"):
+            await client.connect()
+    finally:
+        await client.close()
+        srv.close()
+        await srv.wait_closed()
+    assert [type(m) for m in _frames(bytes(to_worker))] == [Answer]  # nothing after it
+    assert server.refused == 1
+
+
 def _frames(data: bytes) -> list[Message]:
     dec = FrameDecoder()
     dec.feed(data)
@@ -227,7 +269,7 @@ def _frames(data: bytes) -> list[Message]:
 
 
 def _worker_proof(secret: str, worker_nonce: bytes, proxy_nonce: bytes) -> bytes:
-    return proof(secret_key(secret), b"star-token-protocol/1 worker\0", worker_nonce, proxy_nonce)
+    return proof(secret_key(secret), b"star-token-protocol/2 worker\0", worker_nonce, proxy_nonce)
 
 
 async def test_a_secret_proxy_refuses_a_worker_without_one(engine: FakeEngine) -> None:
