@@ -45,6 +45,8 @@ class TextOptions:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     min_tokens: int = 0
+    # echo with max_tokens 0: the prompt alone (vLLM runs one token it does not show)
+    prompt_only: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,8 +108,11 @@ def parse_completion(body: bytes, models: Mapping[str, ModelCard]) -> ParsedRequ
     prompts = _completion_prompts(f, card)
     f.reject_truthy("suffix", "'suffix' is not supported")
     f.reject_present("logprobs", "'logprobs' are not supported by this server")
-    parsed = _finish_parse(f, card, prompts, "completion", "cmpl-", COMPLETION_DEFAULT_MAX_TOKENS)
-    if not f.bool_("echo", False):
+    echoed = f.bool_("echo", False)
+    parsed = _finish_parse(
+        f, card, prompts, "completion", "cmpl-", COMPLETION_DEFAULT_MAX_TOKENS, echoed
+    )
+    if not echoed:
         return parsed
     # vLLM echoes a text prompt as sent and a token-id prompt decoded, special
     # tokens included (its renderer's tokenizer.decode).
@@ -279,6 +284,7 @@ def _finish_parse(
     kind: RequestKind,
     id_prefix: str,
     default_max_tokens: int | None,
+    echoed: bool = False,
 ) -> ParsedRequest:
     stream = f.bool_("stream", False)
     options = f.dict_("stream_options")
@@ -294,7 +300,9 @@ def _finish_parse(
     room = card.max_model_len - longest
     if room <= 0:
         raise _context_error(card, longest, 0, kind)
-    max_tokens = f.int_("max_tokens", default_max_tokens or room, lo=1)
+    max_tokens = f.int_("max_tokens", default_max_tokens or room, lo=0 if echoed else 1)
+    prompt_only = max_tokens == 0
+    max_tokens = max(max_tokens, 1)
     if max_tokens > room:
         raise _context_error(card, longest, max_tokens, kind)
     sampling = _sampling(f, card, max_tokens)
@@ -303,6 +311,7 @@ def _finish_parse(
         include_stop_str_in_output=f.bool_("include_stop_str_in_output", False),
         skip_special_tokens=f.bool_("skip_special_tokens", True),
         min_tokens=int(sampling.get("min_tokens", 0)),
+        prompt_only=prompt_only,
     )
     gen = GenerationRequest(
         request_id=id_prefix + uuid.uuid4().hex,
@@ -496,6 +505,7 @@ class Relay:
         self._echo: list[str | None] = (
             [parsed.echo[k // n] for k in range(count)] if parsed.echo else [None] * count
         )
+        self._prompt_only = text.prompt_only
         self._texts: list[list[str]] = [[] for _ in range(count)]
         self._open = count  # choices not yet finished
         self._started = False
@@ -539,6 +549,8 @@ class Relay:
         text = choice.feed(batch.token_ids)
         if choice.finish_reason is None and batch.finish_reason is not None:
             text += choice.finish(batch.finish_reason, batch.stop_reason)
+        if self._prompt_only:
+            text = ""  # counted in usage, as vLLM counts it, but not shown
         echo = self._echo[index]
         if echo is not None:  # the choice's first chunk: the prompt, then its first text
             self._echo[index] = None

@@ -353,6 +353,33 @@ async def test_sdk_echo(make_proxy: ProxyFactory, card: ModelCard) -> None:
     assert full == {0: "ab and more", 1: "hello world and more"}
 
 
+async def test_echo_with_max_tokens_0_returns_the_prompt_alone(
+    make_proxy: ProxyFactory, card: ModelCard
+) -> None:
+    """vLLM runs such a request for one token, shows none of it, and counts it in usage."""
+    proxy = await make_proxy(Script(text=" and more"))
+    async with client(proxy) as c:
+        resp = await c.completions.create(
+            model=MODEL, prompt=["ab", "hello world"], echo=True, max_tokens=0
+        )
+        stream = await c.completions.create(
+            model=MODEL, prompt="ab", echo=True, max_tokens=0, n=2, stream=True
+        )
+        chunks = [ch async for ch in stream]
+        with pytest.raises(openai.BadRequestError):
+            await c.completions.create(model=MODEL, prompt="ab", max_tokens=0)
+    assert [(ch.text, ch.finish_reason) for ch in resp.choices] == [
+        ("ab", "length"),
+        ("hello world", "length"),
+    ]
+    assert resp.usage is not None and resp.usage.completion_tokens == 2
+    assert sorted((ch.choices[0].index, ch.choices[0].text) for ch in chunks) == [
+        (0, "ab"),
+        (1, "ab"),
+    ]
+    assert {call.req.max_tokens for call in proxy.backend.calls} == {1}
+
+
 async def test_a_stop_string_ends_only_its_own_child(make_proxy: ProxyFactory) -> None:
     def script(req: GenerationRequest) -> Script:
         if req.request_id.endswith("-0"):  # cut early while the other goes on

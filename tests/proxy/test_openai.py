@@ -34,6 +34,7 @@ def chat(card: ModelCard, **kw: Any) -> ParsedRequest:
     [
         ({"max_tokens": "16"}, "max_tokens", "invalid_type"),
         ({"max_tokens": 0}, "max_tokens", "invalid_value"),
+        ({"max_tokens": -1, "echo": True}, "max_tokens", "invalid_value"),
         ({"max_tokens": True}, "max_tokens", "invalid_type"),
         ({"temperature": 2.5}, "temperature", "invalid_value"),
         ({"temperature": "hot"}, "temperature", "invalid_type"),
