@@ -175,9 +175,16 @@ async def _migrations(bus: Bus, request: str) -> int:
 
 
 async def bench(
-    url: str, redis_url: str, trials: int, migrate_at: int, max_tokens: int, background: int
+    url: str,
+    redis_url: str,
+    trials: int,
+    migrate_at: int,
+    max_tokens: int,
+    background: int,
+    secret: str = "",
 ) -> dict[str, Any]:
-    bus = Bus.from_settings(RedisSettings(url=redis_url), BusSettings())
+    # The fleet's cluster.secret: its proxies apply only signed decisions.
+    bus = Bus.from_settings(RedisSettings(url=redis_url), BusSettings(), secret)
     try:
         bpt = {name: r.bytes_per_token for name, r in (await bus.latest_reports()).items()}
         # Warm-up: the first pull in each direction between two engines does
@@ -309,6 +316,7 @@ def run(args: argparse.Namespace) -> int:
                 args.migrate_at,
                 args.max_tokens,
                 args.background,
+                os.environ.get("STAR_CLUSTER_SECRET", ""),
             )
         )
     else:
@@ -340,6 +348,7 @@ def run(args: argparse.Namespace) -> int:
                     args.migrate_at,
                     args.max_tokens,
                     args.background,
+                    fleet.secret,
                 )
             )
     print(json.dumps(doc) if args.json else render(doc))

@@ -255,7 +255,10 @@ def start_processes(run_dir: Path, prefix: str, args: argparse.Namespace) -> Pro
     binary = shutil.which("redis-server")
     if binary is None:
         raise SystemExit("redis-server is not installed (apt-get install redis-server)")
-    launcher = Launcher(run_dir, dict(os.environ))
+    # The emulated workers write unsigned reports (their XADD pipeline is
+    # their own): a scheduler with cluster.secret would refuse every one.
+    env = {k: v for k, v in os.environ.items() if k != "STAR_CLUSTER_SECRET"}
+    launcher = Launcher(run_dir, env)
     try:
         redis, url = start_private_redis(launcher, binary, run_dir, 30.0)
     except ClusterError:

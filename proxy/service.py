@@ -16,6 +16,7 @@ from proxy.http import HttpServer
 from proxy.tokenizer import ModelCard
 from proxy.upstream import WorkerPool
 from star.bus import Bus, BusUnavailable, Outage
+from star.bus.metrics import RefusalCollector
 from star.process import Service
 from star.settings import Settings
 from star.wire import Event
@@ -50,7 +51,9 @@ class ProxyService(Service):
         card = ModelCard.load(
             self.model_path, self.served_name, max_model_len=self.settings.worker.max_model_len
         )
-        self.bus = Bus.from_settings(self.settings.redis, self.settings.bus)
+        self.bus = Bus.from_settings(
+            self.settings.redis, self.settings.bus, self.settings.cluster.secret
+        )
         await self.bus.retrying("PING", self.bus.redis.ping)
         self.directory = Directory(
             self.bus, self.settings.scheduler.staleness_s, self.settings.proxy.dispatch_charge
@@ -66,6 +69,7 @@ class ProxyService(Service):
         self.backend = backend
         app = ProxyApp(backend, [card], self.settings.proxy)
         app.metrics.registry.register(backend)  # star_proxy_prefill_fallbacks_total
+        app.metrics.registry.register(RefusalCollector(self.bus.refusals))  # star_bus_refused_total
         parsing.start()  # forking later would stall the loop: start the parse workers now
         self.server = create_server(app, self.settings.proxy, sock=self.sock)
         await self.server.start()

@@ -46,7 +46,7 @@ from redis.exceptions import ResponseError
 
 from star.bus import Bus, as_str
 from star.bus.connection import TRANSIENT
-from star.wire import Decision, encode
+from star.wire import Decision
 
 log = structlog.get_logger(__name__)
 
@@ -197,7 +197,8 @@ class Leadership:
             return None
         keys = self.bus.keys
         fields: list[Any] = []
-        for k, v in {**decision.summary(), "body": encode(decision)}.items():
+        # Signed as Bus.publish signs (with cluster.secret): the tag covers the body.
+        for k, v in self.bus.entry_fields(keys.decisions, decision).items():
             fields += [k, v]
         entry = await self._publish(
             keys=[keys.leader, keys.decisions],

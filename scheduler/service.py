@@ -24,6 +24,7 @@ from scheduler.leader import Leadership
 from scheduler.metrics import SchedulerMetrics
 from scheduler.view import ClusterView, Snapshot, decision_for, rebuild
 from star.bus import TRANSIENT, Bus, BusUnavailable, GroupReader, Outage, Subscriber
+from star.bus.metrics import RefusalCollector
 from star.decisions import DecisionGate, report_drop
 from star.planner.core import plan_on
 from star.planner.types import ModeKind, Plan, PlannerParams
@@ -83,9 +84,13 @@ class SchedulerService(Service):
         gc_thresholds = set_gc_gen0_threshold(self.settings.scheduler.gc_gen0_threshold)
         self._collector = SafePointCollector()  # collections after ticks, not inside them
         log.info("planner_kernels_ready", seconds=round(warm_s, 3))
-        self.bus = Bus.from_settings(self.settings.redis, self.settings.bus)
+        self.bus = Bus.from_settings(
+            self.settings.redis, self.settings.bus, self.settings.cluster.secret
+        )
         await self.bus.retrying("PING", self.bus.redis.ping)
         self.leadership = Leadership(self.bus, self.node, self.settings.scheduler.lock_ttl_s)
+        # star_bus_refused_total: entries refused for their signature
+        self.metrics.registry.register(RefusalCollector(self.bus.refusals))
         cfg = self.settings.scheduler
         if cfg.metrics_port:
             self._metrics_server = self.metrics.serve(cfg.metrics_host, cfg.metrics_port)
@@ -364,11 +369,14 @@ async def read_view(settings: Settings) -> ClusterView:
         return out
 
     cfg = settings.scheduler
-    bus = Bus.from_settings(settings.redis, settings.bus)
+    bus = Bus.from_settings(settings.redis, settings.bus, settings.cluster.secret)
     try:
         reports = list((await bus.latest_reports()).values())
-        events = decoded(await bus.since("events", max(cfg.staleness_s, cfg.decision_timeout_s)))
-        decisions = decoded(await bus.since("decisions", cfg.decision_timeout_s))
+        window = max(cfg.staleness_s, cfg.decision_timeout_s)
+        events = decoded(bus.signed("events", await bus.since("events", window)))
+        decisions = decoded(
+            bus.signed("decisions", await bus.since("decisions", cfg.decision_timeout_s))
+        )
     finally:
         await bus.close()
     return rebuild(

@@ -61,7 +61,9 @@ class WorkerService(Service):
 
     async def startup(self) -> None:
         cfg = self.settings.worker
-        self.bus = Bus.from_settings(self.settings.redis, self.settings.bus)
+        self.bus = Bus.from_settings(
+            self.settings.redis, self.settings.bus, self.settings.cluster.secret
+        )
         await self.bus.retrying("PING", self.bus.redis.ping)
         self.engine = await EngineHandle.start(self.spec)
         pred = self.settings.predictor

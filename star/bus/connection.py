@@ -19,6 +19,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from star.aio import raise_swallowed_cancel
+from star.bus.signing import RefusalCounter, Signer
 from star.redis_sentinel import SentinelMaster, connect_master, describe
 from star.redis_tls import tls_kwargs
 from star.settings import BusSettings, RedisSettings
@@ -230,11 +231,19 @@ class Connection:
     """One Redis client with the bus settings, and the retry loop every call goes through."""
 
     def __init__(
-        self, redis: aioredis.Redis, settings: BusSettings, redis_settings: RedisSettings
+        self,
+        redis: aioredis.Redis,
+        settings: BusSettings,
+        redis_settings: RedisSettings,
+        secret: str = "",
     ) -> None:
         self.redis = redis
         self.settings = settings
         self.redis_settings = redis_settings
+        # With cluster.secret every entry written is signed and every entry read
+        # must be (star.bus.signing); without it neither.
+        self.signer = Signer(secret) if secret else None
+        self.refusals = RefusalCounter()
         self.keys = Keys(settings.prefix)
         self._maxlen = {
             self.keys.reports: settings.maxlen_reports,
@@ -244,8 +253,11 @@ class Connection:
         }
 
     @classmethod
-    def from_settings(cls, redis_settings: RedisSettings, bus_settings: BusSettings) -> Self:
-        return cls(connect_redis(redis_settings), bus_settings, redis_settings)
+    def from_settings(
+        cls, redis_settings: RedisSettings, bus_settings: BusSettings, secret: str = ""
+    ) -> Self:
+        """A connection for one cluster; ``secret`` is ``cluster.secret`` (signing)."""
+        return cls(connect_redis(redis_settings), bus_settings, redis_settings, secret)
 
     async def close(self) -> None:
         await self.redis.aclose()

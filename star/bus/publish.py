@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 import structlog
 
 from star.bus.connection import Connection, RawRow, as_str, xrevrange
+from star.bus.signing import SIG
 from star.wire import Message, WireError, decode, encode
 
 log = structlog.get_logger(__name__)
@@ -46,8 +47,8 @@ class Publisher(Connection):
         newest entries are checked for this exact body.
         """
         key = self.keys.stream(stream)
-        body = encode(msg)
-        fields: dict[str, bytes | str] = {**msg.summary(), "body": body}
+        fields = self.entry_fields(key, msg)
+        body = fields["body"]
         attempted = False
 
         async def op() -> Any:
@@ -64,8 +65,53 @@ class Publisher(Connection):
         entry_id = await self.retrying(f"XADD {key}", op) if retry else await op()
         return as_str(entry_id)
 
-    async def dead_letter(self, stream_key: str, entry_id: str, reason: str, body: bytes) -> None:
-        """Move an undecodable entry to ``<prefix>:dead`` (once per original entry)."""
+    def entry_fields(self, key: str, msg: Message) -> dict[str, bytes | str]:
+        """The fields of ``msg``'s entry in stream ``key``: its summary, ``body`` and,
+        with a secret, ``sig`` (every publisher, the leader's fenced script too)."""
+        body = encode(msg)
+        fields: dict[str, bytes | str] = {**msg.summary(), "body": body}
+        if self.signer is not None:
+            fields[SIG] = self.signer.sign(key, body)
+        return fields
+
+    def refused(self, key: str, reason: str, entry_id: str = "") -> None:
+        """Count an entry refused for its signature; a log line per key and reason
+        at most every minute, with how many since the last."""
+        count = self.refusals.refused(key, reason)
+        if count:
+            log.warning(
+                "bus_entry_refused",
+                stream=key,
+                reason=reason,
+                refused=count,
+                entry_id=entry_id,
+                hint="written by something without this cluster.secret (or another one)",
+            )
+
+    def verified_body(self, key: str, raw: Mapping[bytes, bytes]) -> bytes | None:
+        """An entry's body if its signature holds (or no secret is set), else None (counted)."""
+        body = raw.get(b"body", b"")
+        if self.signer is not None:
+            reason = self.signer.check(key, body, raw.get(SIG.encode()))
+            if reason is not None:
+                self.refused(key, reason)
+                return None
+        return body
+
+    def signed(
+        self, stream: str, rows: list[tuple[str, dict[bytes, bytes]]]
+    ) -> list[tuple[str, dict[bytes, bytes]]]:
+        """The rows (``tail``, ``since``) whose signature holds; all without a secret."""
+        if self.signer is None:
+            return rows
+        key = self.keys.stream(stream)
+        return [(i, raw) for i, raw in rows if self.verified_body(key, raw) is not None]
+
+    async def dead_letter(
+        self, stream_key: str, entry_id: str, reason: str, body: bytes, quiet: bool = False
+    ) -> None:
+        """Move an undecodable (or unsigned) entry to ``<prefix>:dead`` (once per
+        original entry); ``quiet``: the caller logs (rate-limited)."""
         mark = f"{self.keys.dead}:seen:{stream_key}:{entry_id}"
 
         async def op() -> None:
@@ -80,6 +126,8 @@ class Publisher(Connection):
                 )
 
         await self.retrying(f"XADD {self.keys.dead}", op)
+        if quiet:
+            return
         log.warning(
             "entry_dead_lettered",
             stream=stream_key,
@@ -94,7 +142,10 @@ class Publisher(Connection):
         raw: Mapping[bytes, bytes],
         expect: type[M] | tuple[type[M], ...] | None,
     ) -> Entry:
-        """Decode one entry's fields; raises :class:`WireError` (caller dead-letters)."""
+        """Decode one entry's fields; raises :class:`WireError` (caller dead-letters).
+
+        The signature is not checked here: :meth:`decode_or_bury` checks it first.
+        """
         body = raw.get(b"body")
         if body is None:
             raise WireError("entry has no 'body' field")
@@ -103,12 +154,21 @@ class Publisher(Connection):
         return Entry(entry_id, msg, text)
 
     async def decode_or_bury(self, key: str, entries: list[RawRow], expect: Any) -> list[Entry]:
-        """Decode a batch; undecodable entries go to the dead-letter stream."""
+        """Decode a batch; undecodable entries, and with a secret unsigned or
+        badly signed ones, go to the dead-letter stream and are never returned."""
         out: list[Entry] = []
+        signer = self.signer
         for raw_id, raw in entries:
             entry_id = as_str(raw_id)
             if raw is None:  # deleted (trimmed) while pending
                 continue
+            if signer is not None:
+                body = raw.get(b"body", b"")
+                reason = signer.check(key, body, raw.get(b"sig"))
+                if reason is not None:
+                    self.refused(key, reason, entry_id)
+                    await self.dead_letter(key, entry_id, reason, body, quiet=True)
+                    continue
             try:
                 out.append(self.decode_fields(key, entry_id, raw, expect))
             except WireError as exc:

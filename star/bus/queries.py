@@ -10,6 +10,7 @@ import structlog
 
 from star.bus.connection import as_str, xrevrange
 from star.bus.publish import Publisher
+from star.bus.signing import DISPATCH_SIG, LOAD_SIG
 from star.wire import Event, LoadEntry, Report, WireError, decode, decode_as, encode
 
 log = structlog.get_logger(__name__)
@@ -52,12 +53,17 @@ class Bus(Publisher):
     async def latest_reports(self, count: int = 4096) -> dict[str, Report]:
         """The newest report of each instance among the last ``count`` entries.
 
-        Undecodable entries are skipped (a consumer group dead-letters them).
+        Undecodable and (with a secret) unsigned entries are skipped (a consumer
+        group dead-letters them).
         """
         latest: dict[str, Report] = {}
+        key = self.keys.reports
         for _entry_id, raw in await self.tail("reports", count):
+            body = self.verified_body(key, raw)
+            if body is None:
+                continue
             try:
-                report = decode_as(raw.get(b"body", b""), Report)
+                report = decode_as(body, Report)
             except WireError:
                 continue
             latest[report.instance] = report
@@ -66,12 +72,17 @@ class Bus(Publisher):
     async def request_events(self, request: str, count: int = 20_000) -> list[Event]:
         """The events of ``request`` among the last ``count`` entries, oldest first.
 
-        Undecodable entries are skipped (a consumer group dead-letters them).
+        Undecodable and (with a secret) unsigned entries are skipped (a consumer
+        group dead-letters them).
         """
         out: list[Event] = []
+        key = self.keys.events
         for _entry_id, raw in await self.tail("events", count):
+            body = self.verified_body(key, raw)
+            if body is None:
+                continue
             try:
-                msg = decode(raw.get(b"body", b""))
+                msg = decode(body)
             except WireError:
                 continue
             if isinstance(msg, Event) and msg.request == request:
@@ -85,15 +96,28 @@ class Bus(Publisher):
         in ``<prefix>:dispatch`` (same transaction, same TTL): a key beside the
         hash, not a field in it, because readers decode every field of the hash
         as a :class:`LoadEntry` (an older proxy would warn on each read).
+
+        With a secret, the hash also holds the tag of the whole view
+        (``~sig``: no entry can be added, altered or removed) and of the policy
+        (``~dispatch-sig``; the policy is read beside the hash, not atomically
+        with it). An older proxy warns about those two fields on each read.
         """
         key = self.keys.load
         ttl_ms = max(1, int(ttl_s * 1000))
+        view = {e.instance: encode(e) for e in entries}
+        mapping: dict[str, bytes | str] = dict(view)
+        if self.signer is not None:
+            mapping[LOAD_SIG] = self.signer.sign_view(
+                key, ((k.encode(), v) for k, v in view.items())
+            )
+            if policy:
+                mapping[DISPATCH_SIG] = self.signer.sign(self.keys.dispatch, policy.encode())
 
         async def op() -> None:
             async with self.redis.pipeline(transaction=True) as pipe:
                 pipe.delete(key)
-                if entries:
-                    pipe.hset(key, mapping={e.instance: encode(e) for e in entries})
+                if mapping:
+                    pipe.hset(key, mapping=mapping)  # type: ignore[arg-type]
                     pipe.pexpire(key, ttl_ms)
                 if policy:
                     pipe.set(self.keys.dispatch, policy, px=ttl_ms)
@@ -111,9 +135,13 @@ class Bus(Publisher):
                 return await pipe.execute()
 
         raw, policy = await self.retrying(f"HGETALL {self.keys.load}", op)
-        return _load_entries(cast(dict[bytes, bytes], raw)), (
-            None if policy is None else as_str(policy)
-        )
+        raw = cast(dict[bytes, bytes], raw)
+        if policy is not None and self.signer is not None:
+            reason = self.signer.check(self.keys.dispatch, policy, raw.get(DISPATCH_SIG.encode()))
+            if reason is not None:
+                self.refused(self.keys.dispatch, reason)
+                policy = None
+        return self._load_entries(raw), (None if policy is None else as_str(policy))
 
     async def read_load(self) -> dict[str, LoadEntry]:
         """The dispatch view; bad values are skipped with a warning."""
@@ -123,11 +151,26 @@ class Bus(Publisher):
                 f"HGETALL {self.keys.load}", lambda: self.redis.hgetall(self.keys.load)
             ),
         )
-        return _load_entries(raw)
+        return self._load_entries(raw)
+
+    def _load_entries(self, raw: dict[bytes, bytes]) -> dict[str, LoadEntry]:
+        """Decode the ``<prefix>:load`` hash; bad values are skipped with a warning.
+
+        With a secret, a view whose tag does not hold is refused whole (counted,
+        a log line a minute): readers fall back as when no view is published.
+        """
+        view = {k: v for k, v in raw.items() if not k.startswith(b"~")}
+        if self.signer is not None and raw:
+            reason = self.signer.check_view(
+                self.keys.load, view.items(), raw.get(LOAD_SIG.encode())
+            )
+            if reason is not None:
+                self.refused(self.keys.load, reason)
+                return {}
+        return _decode_load(view)
 
 
-def _load_entries(raw: dict[bytes, bytes]) -> dict[str, LoadEntry]:
-    """Decode the ``<prefix>:load`` hash; bad values are skipped with a warning."""
+def _decode_load(raw: dict[bytes, bytes]) -> dict[str, LoadEntry]:
     out: dict[str, LoadEntry] = {}
     for name, body in raw.items():
         try:

@@ -116,7 +116,7 @@ def _print_entry(entry_id: str, msg: Message, as_json: bool) -> None:
 
 
 async def _inspect(settings: Settings, args: argparse.Namespace) -> int:
-    bus = Bus.from_settings(settings.redis, settings.bus)
+    bus = Bus.from_settings(settings.redis, settings.bus, settings.cluster.secret)
     try:
         if args.stream == "load":
             for name, load in sorted((await bus.read_load()).items()):
@@ -152,8 +152,14 @@ def _print_raw(bus: Bus, stream: str, entry_id: str, raw: dict[bytes, bytes], as
         else:
             print(f"{entry_id:<16} dead     from {dead.stream} {dead.original_id}: {dead.reason}", flush=True)
         return
+    key = bus.keys.stream(stream)
+    if bus.signer is not None:
+        refused = bus.signer.check(key, raw.get(b"body", b""), raw.get(b"sig"))
+        if refused is not None:  # shown, never trusted: a reader dead-letters it
+            print(f"{entry_id:<16} REFUSED ({refused}): not signed with this cluster.secret", flush=True)
+            return
     try:
-        entry: Entry = bus.decode_fields(bus.keys.stream(stream), entry_id, raw, None)
+        entry: Entry = bus.decode_fields(key, entry_id, raw, None)
     except WireError as exc:
         print(f"{entry_id:<16} UNDECODABLE: {exc}", flush=True)
         return

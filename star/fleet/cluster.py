@@ -107,7 +107,7 @@ async def live_cluster(bus: Bus, fresh_s: float) -> str | None:
     reported = {
         r.instance: r.ts for r in (await bus.latest_reports(1000)).values() if now - r.ts <= fresh_s
     }
-    for _entry, raw in await bus.since("events", fresh_s):
+    for _entry, raw in bus.signed("events", await bus.since("events", fresh_s)):
         try:
             event = decode_as(raw.get(b"body", b""), Event)
         except WireError:
@@ -131,7 +131,7 @@ def refuse_a_second_cluster(settings: Settings) -> None:
     from star.bus import Bus
 
     async def check() -> str | None:
-        bus = Bus.from_settings(settings.redis, settings.bus)
+        bus = Bus.from_settings(settings.redis, settings.bus, settings.cluster.secret)
         try:
             fresh_s = max(settings.scheduler.staleness_s, 2 * settings.worker.report_interval_s)
             return await live_cluster(bus, fresh_s)
@@ -206,8 +206,13 @@ class LocalCluster:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.env = dict(os.environ if env is None else env)
         self.env.setdefault("STAR_LOG_FORMAT", "json")
+        # A secret drawn here is also in a file (mode 0600) for another
+        # terminal's star commands: `star migrate` must sign its decisions.
+        self.secret_file: Path | None = None
         if not self.env.get(SECRET_ENV):
             self.env[SECRET_ENV] = secrets.token_hex(32)
+            self.secret_file = self.run_dir / "cluster.secret"
+            write_secret(self.secret_file, self.env[SECRET_ENV])
         self.worker_args = list(worker_args or [])
         self.proxy_args = list(proxy_args or [])
         self.scheduler = scheduler
@@ -233,12 +238,16 @@ class LocalCluster:
     def find_hint(self, prefix: str) -> str:
         """What another terminal's ``star`` commands need to find this cluster:
         ``STAR_*=... `` assignments to put before ``star``, no secret in them
-        (the private Redis's password is read from :attr:`redis_password_file`)."""
+        (the private Redis's password is read from :attr:`redis_password_file`,
+        a drawn cluster secret from :attr:`secret_file`)."""
         find = []
         if self.private_redis:
             find.append(f"STAR_REDIS_URL={self.plain_redis_url} ")
             path = shlex.quote(str(self.redis_password_file))
             find.append(f'{env_key("redis.password")}="$(cat {path})" ')
+        if self.secret_file is not None:
+            path = shlex.quote(str(self.secret_file))
+            find.append(f'{SECRET_ENV}="$(cat {path})" ')
         if prefix != BusSettings().prefix:
             find.append(f"STAR_BUS_PREFIX={prefix} ")
         return redact_url("".join(find))

@@ -15,11 +15,11 @@ TERMINAL = {EventKind.RESUMED, EventKind.ABORTED, EventKind.REFUSED, EventKind.E
 async def collect(settings: Settings) -> dict[str, Any]:
     """The status document: every instance's newest report (fresh or stale),
     the decisions not yet resolved and the latest ten, the scheduler leader."""
-    bus = Bus.from_settings(settings.redis, settings.bus)
+    bus = Bus.from_settings(settings.redis, settings.bus, settings.cluster.secret)
     try:
         latest = await bus.latest_reports(2000)
-        decisions = await bus.tail("decisions", 200)
-        events = await bus.tail("events", 2000)
+        decisions = bus.signed("decisions", await bus.tail("decisions", 200))
+        events = bus.signed("events", await bus.tail("events", 2000))
         leader_raw = await bus.retrying("GET", lambda: bus.redis.get(bus.keys.leader))
     finally:
         await bus.close()

@@ -83,7 +83,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
 
 @pytest_asyncio.fixture
 async def bus(fleet: LocalCluster) -> AsyncIterator[Bus]:
-    b = Bus.from_settings(RedisSettings(url=fleet.redis_url), BusSettings())
+    # With the fleet's secret: its proxies apply only signed decisions and reports.
+    b = Bus.from_settings(RedisSettings(url=fleet.redis_url), BusSettings(), fleet.secret)
     yield b
     await b.close()
 
