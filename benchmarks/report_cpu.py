@@ -22,6 +22,7 @@ import time
 
 from benchmarks.emulated_workers import advance, make_fleet, report_body
 from scheduler.view import ClusterView
+from star.bus.signing import Signer
 from star.planner.types import PlannerParams
 from star.predictor.live import AccuracyTracker
 from star.process import set_gc_gen0_threshold
@@ -38,6 +39,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10, help="untimed rounds first")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", help="write a cProfile of the timed rounds here")
+    parser.add_argument(
+        "--secret",
+        default="",
+        help="check each report's signature before decoding it, as a scheduler with this "
+        "cluster.secret does (star.bus.signing; bodies are signed outside the timed part)",
+    )
     args = parser.parse_args()
 
     settings = load_settings()
@@ -47,6 +54,10 @@ def main() -> None:
     view = ClusterView.for_scheduler(settings.scheduler, params)  # as scheduler.service
     tracker = AccuracyTracker()
     cpu = {"decode": 0.0, "apply": 0.0, "observe": 0.0}
+    signer = Signer(args.secret) if args.secret else None
+    key = f"{settings.bus.prefix}:reports"
+    if signer is not None:
+        cpu["verify"] = 0.0
     timed = 0
     batch = settings.bus.read_count
     ts = 1.0e9
@@ -57,6 +68,7 @@ def main() -> None:
             advance(fleet, inst)
             ts += inst.period_s / args.instances
             bodies.append(report_body(fleet, inst, ts)[0])
+        sigs = [signer.sign(key, b).encode() for b in bodies] if signer is not None else []
         measuring = rnd >= args.warmup
         if measuring and args.profile and profiler is None:
             import cProfile
@@ -66,6 +78,11 @@ def main() -> None:
         # As scheduler.service: a batch of bus.read_count entries decoded, then
         # each report applied and observed in turn.
         for lo in range(0, len(bodies), batch):
+            tv = time.process_time()
+            if signer is not None:  # as Publisher.decode_or_bury, before decoding
+                for body, sig in zip(bodies[lo : lo + batch], sigs[lo : lo + batch], strict=True):
+                    if signer.check(key, body, sig) is not None:
+                        raise AssertionError("a report signed here does not verify")
             t0 = time.process_time()
             reports = [decode(body, Report) for body in bodies[lo : lo + batch]]
             t1 = time.process_time()
@@ -81,6 +98,8 @@ def main() -> None:
                 observe += tc - tb
             del reports
             if measuring:
+                if signer is not None:
+                    cpu["verify"] += t0 - tv
                 cpu["decode"] += t1 - t0
                 cpu["apply"] += apply
                 cpu["observe"] += observe
