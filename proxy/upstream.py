@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import structlog
 
 from star.aio import deadline
-from star.handshake import HandshakeFailed, ProxyHandshake, secret_key
+from star.handshake import Channel, ChannelBroken, HandshakeFailed, ProxyHandshake, secret_key
 from star.liveness import DEFAULT_TIMEOUT_S, Heartbeat, watch
 from star.wire import (
     Challenge,
@@ -117,6 +117,7 @@ class WorkerClient:
         self._beat: Heartbeat | None = None  # None: not checked (off, or an older worker)
         self._watch: asyncio.Task[None] | None = None
         self.silent = ""  # why the connection was dropped as silent ("" while it was not)
+        self._seal: Callable[[bytes], bytes] | None = None  # the channel, after the handshake
 
     async def connect(self, timeout_s: float = 5.0) -> Hello:
         """Open the connection and read the worker's Hello, within ``timeout_s``.
@@ -135,18 +136,21 @@ class WorkerClient:
         pending: list[Message] = []
 
         async def next_frame(before: str) -> Message:
-            while not pending:
+            # One frame at a time: the ones after the Accept are sealed, and the
+            # decoder learns to open them only once the Accept has been checked.
+            while True:
+                try:
+                    msg = next(decoder, None)
+                except (WireError, ChannelBroken) as exc:
+                    raise ConnectionLost(
+                        f"worker {self.address} sent a bad frame instead of {before}: {exc}"
+                    ) from exc
+                if msg is not None:
+                    return msg
                 data = await reader.read(65536)
                 if not data:
                     raise ConnectionLost(f"worker {self.address} closed before {before}")
                 decoder.feed(data)
-                try:
-                    pending.extend(decoder)
-                except WireError as exc:
-                    raise ConnectionLost(
-                        f"worker {self.address} sent a bad frame instead of {before}: {exc}"
-                    ) from exc
-            return pending.pop(0)
 
         try:
             # One deadline for the whole Hello: a worker that trickles bytes
@@ -154,7 +158,7 @@ class WorkerClient:
             async with deadline(timeout_s):
                 first = await next_frame("Hello")
                 if self._key is not None:
-                    await self._authenticate(first, next_frame)
+                    decoder.opener = await self._authenticate(first, next_frame)
                     first = await next_frame("Hello")
                 elif isinstance(first, Challenge):
                     raise AuthFailed(
@@ -189,8 +193,9 @@ class WorkerClient:
 
     async def _authenticate(
         self, first: Message, next_frame: Callable[[str], Awaitable[Message]]
-    ) -> None:
-        """The proxy's side of the handshake; raises :class:`AuthFailed`."""
+    ) -> Callable[[bytes], bytes]:
+        """The proxy's side of the handshake; the channel's opener for every later frame
+        (the channel's sealer is kept for writing). Raises :class:`AuthFailed`."""
         assert self._key is not None and self._writer is not None
         shake = ProxyHandshake(self._key, self.address)
         try:
@@ -208,6 +213,9 @@ class WorkerClient:
             raise AuthFailed(
                 f"worker {self.address} failed authentication ({exc.reason}): {exc}"
             ) from None
+        channel = Channel(shake.session, "proxy")
+        self._seal = channel.seal
+        return channel.open
 
     async def _abandon(self) -> None:
         """Close a connection whose Hello never came (the caller sees why)."""
@@ -229,7 +237,7 @@ class WorkerClient:
     async def send(self, msg: Message) -> None:
         if self.closed or self._writer is None:
             raise ConnectionLost(self.silent or f"connection to {self.address} is closed")
-        self._writer.write(frame(msg))
+        self._writer.write(frame(msg, self._seal))
         try:
             await self._writer.drain()
         except (ConnectionError, OSError) as exc:
@@ -242,7 +250,7 @@ class WorkerClient:
     def _write(self, msg: Message) -> None:
         """Queue a small connection frame (Ping, Pong) without waiting for the socket."""
         if not self.closed and self._writer is not None and not self._writer.is_closing():
-            self._writer.write(frame(msg))
+            self._writer.write(frame(msg, self._seal))
 
     def _ping(self, seq: int) -> None:
         self._write(Ping(seq))
@@ -326,6 +334,9 @@ class WorkerClient:
                         )
                         continue
                     self._route(msg)
+        except ChannelBroken as exc:  # altered or injected on the way: drop the connection
+            log.warning("frame_failed_authentication", address=self.address, error=str(exc))
+            reason = str(exc)
         except (ConnectionError, OSError) as exc:
             reason = str(exc)
         finally:

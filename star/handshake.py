@@ -21,8 +21,12 @@ labels, so one side's proof cannot be reflected back as the other's. The
 worker sends nothing but the Challenge until the proxy has proved itself (a
 refused peer learns no instance, role or model), and the proxy sends no
 request until the worker has proved itself (no prompt reaches an impostor).
-What this does not give: secrecy or integrity of the frames that follow (no
-TLS); see docs/operations.md.
+Every frame after the Accept (the worker's Hello first) is sealed
+(:class:`Channel`): AES-256-GCM under a key both sides derive from the
+secret, both nonces and the address, with a per-direction frame counter as
+the nonce. So someone on the path reads no prompt or token, and a frame
+altered, dropped, replayed, reordered or injected fails authentication and
+closes the connection (the proxy recovers its streams as from a dead peer).
 
 :class:`WorkerHandshake` and :class:`ProxyHandshake` hold one side each:
 frames in, frames out, :class:`HandshakeFailed` with a short reason.
@@ -35,6 +39,10 @@ import hmac
 import ipaddress
 import secrets
 from dataclasses import dataclass, field
+from typing import Literal
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from star.wire import Accept, Answer, Challenge, Message
 
@@ -46,6 +54,7 @@ TIMEOUT_S = 5.0
 
 _PROXY = b"star-token-protocol/2 proxy\x00"
 _WORKER = b"star-token-protocol/2 worker\x00"
+_SESSION = b"star-token-protocol/2 session\x00"
 
 
 class HandshakeFailed(Exception):
@@ -70,6 +79,52 @@ def proof(
     return hmac.new(key, data, hashlib.sha256).digest()
 
 
+def session_key(key: bytes, worker_nonce: bytes, proxy_nonce: bytes, address: str) -> bytes:
+    """The connection's 32-byte channel key: only the two ends of this handshake know it."""
+    return hmac.digest(key, _SESSION + worker_nonce + proxy_nonce + address.encode(), "sha256")
+
+
+class ChannelBroken(Exception):
+    """A sealed frame failed authentication: the connection must be closed."""
+
+
+class Channel:
+    """One connection's sealed frames, one side's view (sans IO).
+
+    ``seal`` encrypts and authenticates a frame body for the peer, ``open``
+    checks and decrypts one from it (:class:`ChannelBroken` if it fails).
+    The nonce is the sender's side (4 bytes) and its frame count (8 bytes),
+    so no nonce repeats under the key and a frame is accepted only in its
+    place in the stream.
+    """
+
+    __slots__ = ("_aead", "_in", "_out", "_received", "_sent")
+
+    def __init__(self, session: bytes, side: Literal["proxy", "worker"]) -> None:
+        self._aead = AESGCM(session)
+        proxy, worker = b"prxy", b"wrkr"
+        self._out, self._in = (proxy, worker) if side == "proxy" else (worker, proxy)
+        self._sent = 0
+        self._received = 0
+
+    def seal(self, body: bytes) -> bytes:
+        nonce = self._out + self._sent.to_bytes(8, "big")
+        self._sent += 1
+        return self._aead.encrypt(nonce, body, None)
+
+    def open(self, data: bytes) -> bytes:
+        nonce = self._in + self._received.to_bytes(8, "big")
+        try:
+            body = self._aead.decrypt(nonce, data, None)
+        except InvalidTag:
+            raise ChannelBroken(
+                f"frame {self._received} failed authentication "
+                "(altered, replayed, reordered or not from the peer)"
+            ) from None
+        self._received += 1
+        return body
+
+
 def _nonce_ok(nonce: bytes) -> bool:
     return len(nonce) == NONCE_BYTES
 
@@ -84,6 +139,7 @@ class WorkerHandshake:
     key: bytes
     address: str = ""
     nonce: bytes = field(default_factory=lambda: secrets.token_bytes(NONCE_BYTES))
+    session: bytes = b""  # the channel key, once the proxy has proved itself
 
     def challenge(self) -> Challenge:
         return Challenge(self.nonce)
@@ -102,6 +158,7 @@ class WorkerHandshake:
                 "bad_proof",
                 f"the answer does not prove the cluster secret for {self.address or 'this worker'}",
             )
+        self.session = session_key(self.key, self.nonce, msg.nonce, self.address)
         return Accept(proof(self.key, _WORKER, self.nonce, msg.nonce, self.address))
 
 
@@ -116,6 +173,7 @@ class ProxyHandshake:
     address: str = ""
     nonce: bytes = field(default_factory=lambda: secrets.token_bytes(NONCE_BYTES))
     worker_nonce: bytes = b""
+    session: bytes = b""  # the channel key, once the worker has proved itself
 
     def on_challenge(self, msg: Message) -> Answer:
         """The Answer to send; raises :class:`HandshakeFailed` on anything but a Challenge."""
@@ -139,6 +197,7 @@ class ProxyHandshake:
         expected = proof(self.key, _WORKER, self.worker_nonce, self.nonce, self.address)
         if not hmac.compare_digest(expected, msg.proof):
             raise HandshakeFailed("bad_proof", "it does not prove the cluster secret")
+        self.session = session_key(self.key, self.worker_nonce, self.nonce, self.address)
 
 
 def is_loopback(host: str) -> bool:

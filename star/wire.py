@@ -30,7 +30,7 @@ import enum
 import re
 import struct
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Annotated, Any, ClassVar, TypeVar, Union
 
 import msgspec
@@ -555,9 +555,10 @@ def _shown(value: Any) -> str:
 _LEN = struct.Struct(">I")
 
 
-def frame(msg: Message) -> bytes:
-    """Length-prefixed frame: 4-byte big-endian length, then the msgpack body."""
-    body = encode(msg)
+def frame(msg: Message, seal: Callable[[bytes], bytes] | None = None) -> bytes:
+    """Length-prefixed frame: 4-byte big-endian length, then the msgpack body (``seal``ed:
+    the token protocol's channel after its handshake, :class:`star.handshake.Channel`)."""
+    body = encode(msg) if seal is None else seal(encode(msg))
     return _LEN.pack(len(body)) + body
 
 
@@ -570,9 +571,14 @@ class FrameDecoder:
     must be closed (the stream position is lost).
     """
 
-    def __init__(self, max_frame: int = MAX_FRAME_BYTES) -> None:
+    def __init__(
+        self, max_frame: int = MAX_FRAME_BYTES, opener: Callable[[bytes], bytes] | None = None
+    ) -> None:
         self._buf = bytearray()
         self._max = max_frame
+        # Unseals each body before decoding (whatever it raises ends the connection);
+        # set once the handshake is done, frames still buffered included.
+        self.opener = opener
 
     def feed(self, data: bytes) -> None:
         self._buf += data
@@ -591,6 +597,8 @@ class FrameDecoder:
             raise StopIteration
         body = bytes(self._buf[_LEN.size : end])
         del self._buf[:end]
+        if self.opener is not None:
+            body = self.opener(body)
         return decode(body, FRAMES)
 
     @property

@@ -36,7 +36,7 @@ import structlog
 
 from star import handshake
 from star.aio import deadline
-from star.handshake import HandshakeFailed, WorkerHandshake
+from star.handshake import Channel, ChannelBroken, HandshakeFailed, WorkerHandshake
 from star.liveness import DEFAULT_TIMEOUT_S, Heartbeat, watch
 from star.wire import (
     CONNECTION_STREAM,
@@ -99,6 +99,7 @@ class _Connection:
         self.beat: Heartbeat | None = None
         self.watch: asyncio.Task[None] | None = None
         self.silent = False  # dropped because the proxy went silent
+        self.channel: Channel | None = None  # sealed frames, once the handshake is done
         peer = writer.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
         self.log = log.bind(peer=self.peer)
@@ -109,7 +110,7 @@ class _Connection:
         """Queue one frame; False when the connection is already gone."""
         if self.closing or self.writer.is_closing():
             return False
-        self.writer.write(frame(msg))
+        self.writer.write(frame(msg, self.channel.seal if self.channel is not None else None))
         return True
 
     async def send(self, msg: Message) -> None:
@@ -124,8 +125,11 @@ class _Connection:
         decoder = FrameDecoder(self.server.max_frame)
         clock = asyncio.get_running_loop().time
         try:
-            if self.server.key is not None and not await self._authenticate():
-                return
+            if self.server.key is not None:
+                if not await self._authenticate():
+                    return
+                assert self.channel is not None
+                decoder.opener = self.channel.open
             await self.send(self.server.hello)
             while True:
                 data = await self.reader.read(_READ_CHUNK)
@@ -167,6 +171,7 @@ class _Connection:
             reason = "closed"
         else:
             await self.send(accept)
+            self.channel = Channel(shake.session, "worker")  # every frame after the Accept
             return True
         self.server.note_refused(self.peer, reason)
         return False
@@ -190,6 +195,9 @@ class _Connection:
             except FrameTooLarge as exc:
                 self.log.warning("frame_too_large_closing", error=str(exc))
                 self.write(Error(CONNECTION_STREAM, ErrorCode.FRAME_TOO_LARGE.value, str(exc)))
+                return False
+            except ChannelBroken as exc:  # altered, injected or replayed: nothing to answer
+                self.log.warning("frame_failed_authentication_closing", error=str(exc))
                 return False
             except WireError as exc:
                 self.log.warning("bad_frame", error=str(exc))

@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from star.wire import FrameDecoder, Message, frame
+from star.wire import FRAMES, Message, decode, frame
 from workers.protocol import (
     BadRequest,
     GenerateRequest,
@@ -75,8 +75,7 @@ class Client:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader = reader
         self.writer = writer
-        self.decoder = FrameDecoder()
-        self.pending: list[Message] = []
+        self.buf = bytearray()
 
     @classmethod
     async def connect(cls, address: str) -> Client:
@@ -95,14 +94,22 @@ class Client:
 
     async def recv(self, within_s: float = 30.0) -> Message:
         """The next frame; raises EOFError when the worker closed the connection."""
+        return decode(await self.recv_raw(within_s), FRAMES)
+
+    async def recv_raw(self, within_s: float = 30.0) -> bytes:
+        """The next frame's body as sent (sealed after a handshake), one frame at a time."""
         async with asyncio.timeout(within_s):
-            while not self.pending:
+            while True:
+                if len(self.buf) >= 4:
+                    size = int.from_bytes(self.buf[:4], "big")
+                    if len(self.buf) >= 4 + size:
+                        body = bytes(self.buf[4 : 4 + size])
+                        del self.buf[: 4 + size]
+                        return body
                 data = await self.reader.read(65536)
                 if not data:
                     raise EOFError("connection closed by the worker")
-                self.decoder.feed(data)
-                self.pending.extend(self.decoder)
-        return self.pending.pop(0)
+                self.buf += data
 
     async def close(self) -> None:
         self.writer.close()

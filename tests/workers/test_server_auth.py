@@ -11,7 +11,14 @@ import pytest
 from structlog.testing import capture_logs
 
 from proxy.upstream import AuthFailed, WorkerClient
-from star.handshake import NONCE_BYTES, ProxyHandshake, WorkerHandshake, proof, secret_key
+from star.handshake import (
+    NONCE_BYTES,
+    Channel,
+    ProxyHandshake,
+    WorkerHandshake,
+    proof,
+    secret_key,
+)
 from star.wire import (
     Accept,
     Answer,
@@ -21,6 +28,7 @@ from star.wire import (
     Hello,
     Message,
     Tokens,
+    decode,
     frame,
 )
 from tests.workers.fakes import Client, FakeEngine
@@ -112,10 +120,14 @@ async def test_a_replayed_answer_is_refused(server: TokenServer) -> None:
     first = await Client.connect(server.address)
     challenge = await first.recv()
     assert isinstance(challenge, Challenge)
-    recorded = ProxyHandshake(secret_key(SECRET), server.address).on_challenge(challenge)
+    shake = ProxyHandshake(secret_key(SECRET), server.address)
+    recorded = shake.on_challenge(challenge)
     await first.send(recorded)
-    assert isinstance(await first.recv(), Accept)
-    assert await first.recv() == HELLO
+    accept = await first.recv()
+    assert isinstance(accept, Accept)
+    shake.on_accept(accept)
+    sealed = await first.recv_raw()  # the Hello, sealed under this connection's key
+    assert decode(Channel(shake.session, "proxy").open(sealed)) == HELLO
     await first.close()
 
     replay = await Client.connect(server.address)
@@ -260,6 +272,25 @@ async def test_a_relay_without_the_secret_gets_the_handshake_refused(
         await srv.wait_closed()
     assert [type(m) for m in _frames(bytes(to_worker))] == [Answer]  # nothing after it
     assert server.refused == 1
+
+
+async def test_a_frame_altered_on_the_way_closes_the_connection(
+    server: TokenServer, engine: FakeEngine
+) -> None:
+    """Someone on the path flips one bit of a sealed Generate: the worker refuses it and
+    closes the connection, running nothing; the same frame unaltered would have run."""
+    shake = ProxyHandshake(secret_key(SECRET), server.address)
+    raw = await Client.connect(server.address)
+    await raw.send(shake.on_challenge(await raw.recv()))
+    shake.on_accept(await raw.recv())
+    channel = Channel(shake.session, "proxy")
+    assert decode(Channel(shake.session, "proxy").open(await raw.recv_raw())) == HELLO
+    sealed = bytearray(frame(Generate(1, "r1", [1, 2], {"max_tokens": 2}), channel.seal))
+    sealed[-20] ^= 1
+    raw.writer.write(bytes(sealed))
+    assert await everything_until_closed(raw) == b""
+    assert engine.started == []
+    await raw.close()
 
 
 def _frames(data: bytes) -> list[Message]:
