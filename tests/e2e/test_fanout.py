@@ -141,6 +141,11 @@ def test_echo_puts_the_prompt_in_front(cluster: LocalCluster, card: ModelCard) -
         model=MODEL, prompt=PROMPTS[0], max_tokens=TOKENS, temperature=0, echo=True
     )
     assert resp.choices[0].text == PROMPTS[0] + text
+    alone = c.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=0, temperature=0, echo=True
+    )
+    assert (alone.choices[0].text, alone.choices[0].finish_reason) == (PROMPTS[0], "length")
+    assert alone.usage is not None and alone.usage.completion_tokens == 1  # as vLLM counts it
     ids = card.encode(PROMPTS[0])
     resp = c.completions.create(
         model=MODEL, prompt=ids, max_tokens=TOKENS, temperature=0, echo=True
