@@ -469,6 +469,7 @@ async def leading_scheduler(fleet: LocalCluster, bus: Bus) -> subprocess.Popen[b
         **os.environ,
         RUN_MARK: fleet.env[RUN_MARK],  # the reaper's, should this process die first
         "STAR_REDIS_URL": fleet.redis_url,
+        "STAR_CLUSTER_SECRET": fleet.secret,  # its decisions are signed, or proxies refuse them
         "STAR_SCHEDULER_MODE": "current",
         "STAR_SCHEDULER_STALENESS_S": str(SCHEDULER_STALENESS_S),
     }

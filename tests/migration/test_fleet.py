@@ -126,7 +126,10 @@ async def migrate_at(
             for hop in range(hops):
                 source, target = path[-1], other(path[-1])
                 if manual_cli:
-                    settings = load_settings(env={"STAR_REDIS_URL": fleet.redis_url})
+                    # As an operator with the cluster's secret (star migrate signs).
+                    settings = load_settings(
+                        env={"STAR_REDIS_URL": fleet.redis_url, "STAR_CLUSTER_SECRET": fleet.secret}
+                    )
                     await migrate(settings, request, target)
                 else:
                     await bus.publish("decisions", manual_decision(request, source, target))
@@ -480,6 +483,7 @@ def test_star_migrate_cli_reports_a_refusal(fleet: LocalCluster) -> None:
     import os
 
     env = {**os.environ, RUN_MARK: fleet.env[RUN_MARK], "STAR_REDIS_URL": fleet.redis_url}
+    env["STAR_CLUSTER_SECRET"] = fleet.secret  # as an operator: the proxy applies signed decisions
     env.pop("STAR_CONFIG", None)
     proc = subprocess.run(
         [
