@@ -12,6 +12,8 @@ from typing import Any
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from proxy.backend import BackendError, FinishReason, GenerationRequest, TokenBatch
+from proxy.decode_run import Migrator
+from star.wire import Decision
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML = (
@@ -134,3 +136,15 @@ class FakeBackend:
             raise
         finally:
             call.done.set()
+
+
+class Recorder(Migrator):
+    """A migrator that records the id of every decision handed to it (and applies none)."""
+
+    def __init__(self) -> None:
+        super().__init__({}, lambda _t: None, lambda _e: None, "proxy:test")
+        self.applied: list[str] = []
+
+    def apply(self, decision: Decision) -> str | None:
+        self.applied.append(decision.id)
+        return None

@@ -11,19 +11,10 @@ import asyncio
 import contextlib
 import time
 
-from proxy.decode_run import Migrator, follow_decisions
+from proxy.decode_run import follow_decisions
 from star.bus import Bus
 from star.wire import Decision
-
-
-class Recorder(Migrator):
-    def __init__(self) -> None:
-        super().__init__({}, lambda _t: None, lambda _e: None, "proxy:test")
-        self.applied: list[str] = []
-
-    def apply(self, decision: Decision) -> str | None:
-        self.applied.append(decision.id)
-        return None
+from tests.proxy.fakes import Recorder
 
 
 def decision(id: str, fence: int, age_s: float = 0.0) -> Decision:

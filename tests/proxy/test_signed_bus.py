@@ -11,10 +11,11 @@ import time
 import msgspec
 
 from proxy.cluster import Directory
-from proxy.decode_run import Migrator, follow_decisions
+from proxy.decode_run import follow_decisions
 from star.bus import Bus
 from star.bus.metrics import RefusalCollector
 from star.wire import Decision, LoadEntry, encode
+from tests.proxy.fakes import Recorder
 from tests.scheduler.reports import report
 
 SECRET = "s3cret-of-this-cluster"
@@ -22,16 +23,6 @@ SECRET = "s3cret-of-this-cluster"
 
 def signed(bus: Bus, secret: str) -> Bus:
     return Bus(bus.redis, bus.settings, bus.redis_settings, secret)
-
-
-class Recorder(Migrator):
-    def __init__(self) -> None:
-        super().__init__({}, lambda _t: None, lambda _e: None, "proxy:test")
-        self.applied: list[str] = []
-
-    def apply(self, decision: Decision) -> str | None:
-        self.applied.append(decision.id)
-        return None
 
 
 async def test_forged_reports_are_ignored_by_the_directory(bus: Bus) -> None:
