@@ -44,6 +44,7 @@ from proxy.decode_run import DecodeRun, Migrator
 from proxy.upstream import ConnectionLost, Stream, WorkerClient, WorkerPool
 from star.bus import Bus, BusUnavailable, Outage, Subscriber
 from star.planner.dispatch import OutputMean, booking, choose_on_view
+from star.report_gate import SKEW_S, ReportGate, report_refusal
 from star.sampling import migration_blocker
 from star.settings import dispatch_policy
 from star.wire import Abort, Error, Event, EventKind, Generate, Report, Tokens
@@ -89,6 +90,8 @@ class Directory:
         self.charge = charge
         self.outputs = OutputMean()
         self._reports: dict[str, tuple[float, Report]] = {}
+        # Reports from the bus in sequence per incarnation, none older than staleness.
+        self.gate = ReportGate(staleness_s + SKEW_S)
         self._running: dict[str, frozenset[str]] = {}  # instance -> request ids it reported
         self._load: dict[str, tuple[float, Member]] = {}
         # Tokens this proxy dispatched to each instance since its view was taken
@@ -107,7 +110,17 @@ class Directory:
         async for entry in Subscriber(self.bus, "reports", Report, start=start):
             report = entry.msg
             assert isinstance(report, Report)
-            self.note_report(report)
+            self.take_report(report)
+
+    def take_report(self, report: Report, now: float | None = None) -> bool:
+        """A report read from the bus: noted if it comes in sequence (star.report_gate);
+        a replayed or reordered one moves no address back. Whether it was noted."""
+        why = self.gate.admit(report, time.time() if now is None else now)
+        if why is not None:
+            report_refusal(log, self.gate, why, report)
+            return False
+        self.note_report(report)
+        return True
 
     def note_report(self, report: Report) -> None:
         """Take a worker's report as its instance's latest."""

@@ -30,6 +30,7 @@ from star.planner.core import plan_on
 from star.planner.types import ModeKind, Plan, PlannerParams
 from star.predictor.live import AccuracyTracker
 from star.process import SafePointCollector, Service, set_gc_gen0_threshold
+from star.report_gate import SKEW_S, ReportGate, report_refusal
 from star.settings import Settings
 from star.wire import Decision, Event, EventKind, Message, Report, WireError, decode
 
@@ -57,6 +58,9 @@ class SchedulerService(Service):
         self.node = node or default_node_name()
         self.params = PlannerParams.from_settings(settings)
         self.view = ClusterView.for_scheduler(settings.scheduler, self.params)
+        # Reports in sequence per incarnation, none older than staleness (a
+        # replayed one moves no instance's address or load back).
+        self.report_gate = ReportGate(settings.scheduler.staleness_s + SKEW_S)
         self.metrics = SchedulerMetrics()
         self.accuracy = AccuracyTracker()  # the live predictor's, on /metrics
         self.tick = 0
@@ -138,9 +142,13 @@ class SchedulerService(Service):
         # Decoded and applied a chunk at a time: a tick or the lock renewal that
         # falls due waits for one chunk, not for a whole batch; none while a tick runs.
         async for entries in reader.chunks(REPORTS_PER_YIELD, self._intake_open):
-            now = time.monotonic()
+            now, wall = time.monotonic(), time.time()
             for entry in entries:
                 assert isinstance(entry.msg, Report)
+                why = self.report_gate.admit(entry.msg, wall)
+                if why is not None:
+                    report_refusal(log, self.report_gate, why, entry.msg)
+                    continue
                 if self.view.apply_report(entry.msg, now):
                     log.info("instance_live", instance=entry.msg.instance, role=entry.msg.role)
                 self.accuracy.observe(entry.msg)

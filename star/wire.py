@@ -174,6 +174,12 @@ class Report(Message, frozen=True, tag="report"):
     # Token-protocol peers that failed the handshake (cluster.secret) since
     # the worker started: anything above 0 is a misconfigured proxy or a probe.
     refused_peers: Count = 0
+    # Which run of the worker process this is (its start, wall-clock
+    # microseconds); ``seq`` counts from 1 in each. Readers take reports in
+    # that order (star.report_gate). UNSET (not said) is not written: such a
+    # report keeps the bytes it had before the field (an older reader refuses
+    # one that says it: upgrade proxies and schedulers before workers).
+    incarnation: Count | msgspec.UnsetType = msgspec.UNSET
 
     def summary(self) -> dict[str, str]:
         return {"kind": self.KIND, "instance": self.instance, "load": str(self.used_tokens)}

@@ -56,6 +56,8 @@ class WorkerService(Service):
         self.server: TokenServer | None = None
         self.bus: Bus | None = None
         self.seq = 0
+        # This run of the process (star.report_gate): its reports count from 1 in it.
+        self.incarnation = time.time_ns() // 1000
         self.predictor: bool | None = None  # reported: a length predictor is loaded
         self._report_now = asyncio.Event()  # set when the drain begins: say so at once
 
@@ -155,6 +157,7 @@ class WorkerService(Service):
                 step_time_s=step_time_s,
                 pad_share=pad_share,
                 refused_peers=self.server.refused,
+                incarnation=self.incarnation,
             )
             try:
                 await self.bus.publish("reports", report)

@@ -21,6 +21,8 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+import msgspec
+
 from star.sampling import migration_blocker
 from star.wire import Report, RequestLoad
 
@@ -230,6 +232,7 @@ def build_report(
     step_time_s: float | None = None,
     pad_share: float = 0.0,
     refused_peers: int = 0,
+    incarnation: int | msgspec.UnsetType = msgspec.UNSET,
 ) -> Report:
     """The report of a worker whose engine is in state ``stats``.
 
@@ -244,6 +247,7 @@ def build_report(
     worker timed it (:mod:`workers.pacing`); None: from the engine's stats.
     ``pad_share``: the share of the step time that emulated device timing padded.
     ``refused_peers``: token-protocol peers that failed the handshake so far.
+    ``incarnation``: this run of the worker process (star.report_gate).
     """
     loads = request_loads(stats.running, predictions)
     trace = load_trace(((r.tokens, r.predicted_remaining) for r in loads), delta, horizon)
@@ -267,4 +271,5 @@ def build_report(
         draining=draining,
         pad_share=pad_share,
         refused_peers=refused_peers,
+        incarnation=incarnation,
     )
