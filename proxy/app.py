@@ -10,7 +10,9 @@ behind an :class:`~proxy.http.HttpServer`::
     await server.shutdown()       # stop intake, drain, cancel stragglers
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``,
-``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics``.
+``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics``,
+and ``GET`` / ``DELETE /v1/streams/{event id}`` (resume or cancel a stream:
+:mod:`proxy.resume`).
 With ``settings.api_key`` set, ``/v1/*`` needs ``Authorization: Bearer <key>``
 (checked as soon as the request head arrives, before the body is read), and
 so do ``/health`` and ``/metrics`` with ``settings.protect_metrics``; without
@@ -27,6 +29,7 @@ import time
 from bisect import bisect_left
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
+from urllib.parse import unquote
 
 import structlog
 from prometheus_client import (
@@ -38,6 +41,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 
+from proxy import resume
 from proxy.backend import Backend, BackendError, TokenBatch
 from proxy.fanout import FanIn, children
 from proxy.http import (
@@ -67,6 +71,7 @@ log = structlog.get_logger()
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 MODELS = "/v1/models"
+STREAMS = "/v1/streams/"
 _KNOWN_PATHS = frozenset({COMPLETIONS, CHAT, MODELS, "/health", "/metrics"})
 _PROBES = frozenset({"/health", "/metrics"})
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -141,7 +146,12 @@ class ProxyMetrics:
 
     def observe_response(self, path: str, status: int) -> None:
         """:data:`proxy.http.Observer` hook: count every response by route and status."""
-        route = path if path in _KNOWN_PATHS else MODELS if path.startswith(MODELS) else "other"
+        if path in _KNOWN_PATHS:
+            route = path
+        elif path.startswith(MODELS):
+            route = MODELS
+        else:
+            route = STREAMS[:-1] if path.startswith(STREAMS) else "other"
         self.requests.labels(route, str(status)).inc()
 
 
@@ -180,7 +190,9 @@ class ProxyApp:
         settings: ProxySettings,
         *,
         metrics: ProxyMetrics | None = None,
+        secret: str = "",
     ) -> None:
+        """``secret``: ``cluster.secret``, the key of stream ids (any proxy resumes them)."""
         if not models:
             raise ValueError("ProxyApp needs at least one model")
         self.backend = backend
@@ -190,6 +202,7 @@ class ProxyApp:
         self.active = 0  # generation requests in flight (the gauge, readable)
         self._key = settings.api_key.encode()
         self.parsing = Parsing(self.models)
+        self.streams = resume.Streams(resume.Tagger(secret), settings.resume_grace_s)
 
     async def __call__(self, request: Request) -> Response | StreamingResponse:
         """Handle one request (the :data:`proxy.http.Handler`)."""
@@ -207,6 +220,12 @@ class ProxyApp:
         if path.startswith(MODELS + "/"):
             _method(request, "GET")
             return Response.json(model_payload(find_model(self.models, path[len(MODELS) + 1 :])))
+        if path.startswith(STREAMS):
+            stream_id = unquote(path[len(STREAMS) :])
+            if request.method == "DELETE":
+                return self._cancel_stream(stream_id)
+            _method(request, "GET")
+            return await self._resume(request, stream_id)
         if path == "/health":
             _method(request, "GET")
             return self._health(request)
@@ -268,6 +287,8 @@ class ProxyApp:
         stream: AsyncIterator[TokenBatch] | None = None
         handed_over = False
         try:
+            if gen.stream and parsed.num_choices == 1 and "logprobs" not in gen.sampling:
+                return await self._held(parsed, relay, timing)
             stream = self._open(parsed)
             if not gen.stream:
                 await self._collect(relay, stream, timing)
@@ -306,6 +327,85 @@ class ProxyApp:
         finally:
             if not handed_over and stream is not None:
                 await _aclose(stream)
+
+    async def _held(
+        self, parsed: ParsedRequest, relay: Relay, timing: _Timing
+    ) -> StreamingResponse:
+        """A single-choice stream: held for a resume, every event with its id (proxy.resume).
+
+        Not yet: fan-out (n > 1, batched prompts) and streams with logprobs
+        (the held stream logs token ids only).
+        """
+        held = self.streams.hold(
+            parsed, self.backend.generate(parsed.gen), timing.batch, relay.created
+        )
+        try:
+            # Wait for the first batch before sending 200, so that a request the
+            # backend refuses outright gets a real HTTP error status.
+            await held.first()
+            if not held.tokens and held.finish_reason is None:
+                if held.error is not None:
+                    raise held.error
+                raise HttpError(
+                    502, "upstream ended the stream before any token", code="upstream_error"
+                )
+        except BaseException:
+            self.streams.forget(held)
+            await held.stopped()
+            raise
+
+        def on_end(outcome: str, error: BaseException | None) -> None:
+            self._done(relay, timing, outcome, error=None if error is None else repr(error))
+
+        reader = resume.Reader(relay, resume.Position(), self.streams.tagger)
+        body = resume.events(held, reader, self._error_event, on_end)
+        # Run the body to its first (empty) yield: only a started generator
+        # runs its cleanup when the server closes it, whatever happens next.
+        await anext(body)
+        start = self.streams.tagger.format(held.request_id, resume.Position())
+        return StreamingResponse(body, headers=[("x-star-stream-id", start)])
+
+    def _error_event(self, relay: Relay, exc: BaseException) -> bytes:
+        """The in-band error of a stream whose headers are out (logged here, once)."""
+        request_id = relay.req.request_id
+        if isinstance(exc, BackendError):
+            return relay.error_event(_http_error(exc, request_id))
+        if isinstance(exc, RuntimeError | ValueError):  # the backend broke the stream contract
+            return relay.error_event(_upstream_error(request_id))
+        log.error("relay_failed", request_id=request_id, error=repr(exc))
+        return relay.error_event(internal_error(request_id))
+
+    async def _resume(self, request: Request, path_id: str) -> StreamingResponse:
+        """``GET /v1/streams/{id}``: the stream after the id (or ``Last-Event-ID``)."""
+        held, since = self.streams.find(path_id, request.header("last-event-id"))
+        relay = Relay(held.parsed, created=held.created)
+        reader = resume.Reader(relay, since, self.streams.tagger)
+        rid = held.request_id
+
+        def on_end(outcome: str, error: BaseException | None) -> None:
+            log.info(
+                "stream_resumed_" + outcome,
+                request_id=rid,
+                since_tokens=since.tokens,
+                since_chars=since.chars,
+                completion_tokens=relay.completion_tokens,
+                error=None if error is None else repr(error),
+            )
+
+        body = resume.events(held, reader, self._error_event, on_end)
+        await anext(body)
+        return StreamingResponse(body)
+
+    def _cancel_stream(self, path_id: str) -> Response:
+        """``DELETE /v1/streams/{id}``: abort the request now (its KV is freed)."""
+        held, _ = self.streams.find(path_id, None)
+        self.streams.forget(held)
+        log.info("stream_deleted", request_id=held.request_id)
+        return Response.json({"id": held.request_id, "object": "stream", "deleted": True})
+
+    async def close(self) -> None:
+        """Abort every held stream (after the server has drained)."""
+        await self.streams.close()
 
     def _open(self, parsed: ParsedRequest) -> AsyncIterator[TokenBatch]:
         """The backend's stream for the request: one upstream request per choice."""

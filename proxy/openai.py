@@ -507,6 +507,10 @@ class Relay:
         )
         self._prompt_only = text.prompt_only
         self._texts: list[list[str]] = [[] for _ in range(count)]
+        # Characters of text each choice has released; a resumed stream starts
+        # at the client's count and skips that much (proxy.resume).
+        self.released = [0] * count
+        self._skip = 0
         self._open = count  # choices not yet finished
         self._started = False
         self._stream = gen.stream
@@ -527,6 +531,11 @@ class Relay:
     def done(self) -> bool:
         """Every choice has finished (the backend's stream can be closed)."""
         return self._open == 0
+
+    @property
+    def started(self) -> bool:
+        """Something was sent (a chat stream's role chunk goes first)."""
+        return self._started
 
     @property
     def cut(self) -> bool:
@@ -555,6 +564,9 @@ class Relay:
         if echo is not None:  # the choice's first chunk: the prompt, then its first text
             self._echo[index] = None
             text = echo + text
+        if self._skip:
+            text, self._skip = text[self._skip :], max(0, self._skip - len(text))
+        self.released[index] += len(text)
         finish = choice.finish_reason
         if finish is not None:
             self._open -= 1
@@ -566,6 +578,17 @@ class Relay:
             return b"" if self._started else self._start()
         chunk = self._chunk(index, text, finish)
         return chunk if self._started else self._start() + chunk
+
+    def resume_at(self, chars: int) -> None:
+        """Continue a stream whose client has its first ``chars`` characters (one choice).
+
+        The role chunk is not sent again, and the text is released from
+        character ``chars`` on: fed the same tokens from the first, this relay
+        sends what an unbroken stream would have sent after them.
+        """
+        self._started = True
+        self._skip = chars
+        self.released[0] = chars
 
     def end(self) -> bytes:
         """After the backend's stream ended: finish leftovers, usage chunk, ``[DONE]``."""

@@ -43,6 +43,7 @@ class ProxyService(Service):
         self.bus: Bus | None = None
         self.pool = WorkerPool(settings.cluster.secret, settings.cluster.liveness_timeout_s)
         self.server: HttpServer | None = None
+        self.app: ProxyApp | None = None
         self.directory: Directory | None = None
         self.backend: ClusterBackend | None = None
         self.events: asyncio.Queue[Event] = asyncio.Queue(maxsize=10_000)
@@ -67,7 +68,8 @@ class ProxyService(Service):
             self.settings.proxy.prefill_fallback,
         )
         self.backend = backend
-        app = ProxyApp(backend, [card], self.settings.proxy)
+        app = ProxyApp(backend, [card], self.settings.proxy, secret=self.settings.cluster.secret)
+        self.app = app
         app.metrics.registry.register(backend)  # star_proxy_prefill_fallbacks_total
         app.metrics.registry.register(RefusalCollector(self.bus.refusals))  # star_bus_refused_total
         parsing.start()  # forking later would stall the loop: start the parse workers now
@@ -102,6 +104,8 @@ class ProxyService(Service):
     async def drain(self) -> None:
         if self.server is not None:
             await self.server.shutdown(self.settings.proxy.drain_timeout_s)
+        if self.app is not None:
+            await self.app.close()  # streams held for a resume: aborted upstream
 
     async def cleanup(self) -> None:
         await asyncio.to_thread(parsing.shutdown)

@@ -287,6 +287,7 @@ class ProxySettings:
     dispatch_charge: DispatchCharge = _opt("expected", "what a current-load dispatch books on its decode instance until the next load view: expected (the prompt plus the mean output length of the requests this proxy saw finish: no herd onto one instance between views) or prompt (the prompt alone)")  # noqa: RUF009 (a field)
     prefill_fallback: bool = _opt(True, "while no prefill instance answers (none up or reachable, or the chosen one went away mid-prefill), a request runs whole (prefill included) on the decode instance the dispatch policy picks (false: those requests get 503)")
     drain_timeout_s: float = _opt(30.0, "on SIGTERM, wait this long for open streams", positive)
+    resume_grace_s: float = _opt(30.0, "a single-choice stream whose client went away goes on decoding this long (its tokens kept) for the client to resume it (GET /v1/streams/{event id}), then is aborted and its KV freed; a finished one is kept as long for a client that missed its end (0 = abort at once on disconnect)", non_negative)
     write_stall_timeout_s: float = _opt(60.0, "cut a stream whose client leaves the proxy's write buffer for it full this long (a client that stopped reading)", positive)
 
 

@@ -111,7 +111,8 @@ async def test_stop_string_cuts_and_aborts_the_backend(make_proxy: ProxyFactory)
     assert text == ANSWER[: ANSWER.index("42")]
     assert resp.choices[0].text == ANSWER[: ANSWER.index("answer")]
     assert resp.choices[0].finish_reason == "stop"
-    assert [c.outcome for c in proxy.backend.calls] == ["closed", "closed"]
+    # The stream's backend runs in a task of its own (proxy.resume): cancelled there.
+    assert [c.outcome for c in proxy.backend.calls] == ["cancelled", "closed"]
 
 
 async def test_sse_wire_format_ends_with_done(make_proxy: ProxyFactory) -> None:
@@ -126,7 +127,10 @@ async def test_sse_wire_format_ends_with_done(make_proxy: ProxyFactory) -> None:
     assert resp.headers["transfer-encoding"] == "chunked"
     assert resp.body.endswith(b"\n\ndata: [DONE]\n\n")
     events = sse.SSEDecoder().feed(resp.body)
-    assert all(line.startswith(b"data: ") for line in resp.body.split(b"\n\n") if line)
+    parts = [part.split(b"\n") for part in resp.body.split(b"\n\n") if part]
+    assert all(lines[-1].startswith(b"data: ") for lines in parts)
+    # Every event but [DONE] has its id first (proxy.resume), then its data.
+    assert all(lines[0].startswith(b"id: cmpl-") and len(lines) == 2 for lines in parts[:-1])
     usage = json.loads(events[-2].data)
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 1
 
@@ -188,7 +192,7 @@ async def test_api_key_missing_or_wrong_is_401(make_proxy: ProxyFactory) -> None
 
 
 async def test_too_many_streams_is_429(make_proxy: ProxyFactory) -> None:
-    proxy = await make_proxy(Script(text=ANSWER, hang_after=2), max_streams=2)
+    proxy = await make_proxy(Script(text=ANSWER, hang_after=2), max_streams=2, resume_grace_s=0)
     async with client(proxy) as c:
         streams = [
             await c.completions.create(model="tiny", prompt="x", max_tokens=50, stream=True)
@@ -203,7 +207,8 @@ async def test_too_many_streams_is_429(make_proxy: ProxyFactory) -> None:
 
 
 async def test_client_disconnect_cancels_the_backend_generator(make_proxy: ProxyFactory) -> None:
-    proxy = await make_proxy(Script(text=ANSWER, hang_after=3))
+    # resume_grace_s 0: no hold for a resume (tests/proxy/test_resume.py holds)
+    proxy = await make_proxy(Script(text=ANSWER, hang_after=3), resume_grace_s=0)
     async with client(proxy) as c:
         stream = await c.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "x"}], stream=True

@@ -1,0 +1,353 @@
+"""Resumable streams (proxy.resume): the id codec, exactness over any batching, the routes."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer
+
+from proxy import sse
+from proxy.backend import TokenBatch
+from proxy.http import HttpError
+from proxy.openai import ParsedRequest, Relay, parse_chat, parse_completion
+from proxy.resume import FINISH, START, TEXT, USAGE, Position, Reader, Tagger
+from proxy.tokenizer import ModelCard
+from tests.proxy.conftest import Proxy, ProxyFactory
+from tests.proxy.fakes import CORPUS, Script
+from tests.proxy.rawhttp import until
+
+ANSWER = "Héllo wörld, 你好 😀! The answer is 42. STOP here. Done!"
+
+# -- the id codec -------------------------------------------------------------------
+
+
+def test_an_id_names_its_request_and_position_and_any_proxy_of_the_cluster_checks_it() -> None:
+    one, other = Tagger("s3cret"), Tagger("s3cret")
+    text = one.format("cmpl-abc", Position(7, 31, TEXT))
+    assert text.startswith("cmpl-abc.7.31.1.") and len(text.rsplit(".", 1)[1]) == 22
+    event = other.parse(text)
+    assert (event.request_id, event.position) == ("cmpl-abc", Position(7, 31, TEXT))
+
+
+@pytest.mark.parametrize(
+    ("forge", "status", "code"),
+    [
+        (lambda t: t.replace("cmpl-abc", "cmpl-abd"), 403, "invalid_stream_tag"),  # another request
+        (lambda t: t[:-1] + ("A" if t[-1] != "A" else "B"), 403, "invalid_stream_tag"),
+        (lambda t: Tagger("other").format("cmpl-abc", Position()), 403, "invalid_stream_tag"),
+        (lambda t: Tagger().format("cmpl-abc", Position()), 403, "invalid_stream_tag"),
+        (lambda t: t.rsplit(".", 1)[0], 400, "invalid_stream_id"),  # no tag
+        (lambda t: t.replace(".1.", ".4."), 400, "invalid_stream_id"),  # no such stage
+        (lambda t: t.replace(".7.", ".-7."), 400, "invalid_stream_id"),
+        (lambda t: "cmpl abc" + t[8:], 400, "invalid_stream_id"),
+        (lambda t: "", 400, "invalid_stream_id"),
+    ],
+)
+def test_a_forged_or_malformed_id_is_refused(forge: Any, status: int, code: str) -> None:
+    tagger = Tagger("s3cret")
+    text = forge(tagger.format("cmpl-abc", Position(7, 31, TEXT)))
+    with pytest.raises(HttpError) as err:
+        tagger.parse(text)
+    assert (err.value.status, err.value.code) == (status, code)
+
+
+def test_without_a_secret_each_proxy_has_its_own_key() -> None:
+    text = Tagger().format("cmpl-abc", Position())
+    with pytest.raises(HttpError):
+        Tagger().parse(text)
+
+
+@given(
+    request_id=st.from_regex(r"[A-Za-z0-9_-]{1,128}", fullmatch=True),
+    tokens=st.integers(0, 10**9 - 1),
+    chars=st.integers(0, 10**10 - 1),
+    stage=st.sampled_from([START, TEXT, FINISH, USAGE]),
+)
+def test_ids_round_trip(request_id: str, tokens: int, chars: int, stage: int) -> None:
+    tagger = Tagger("k")
+    at = Position(tokens, chars, stage)
+    event = tagger.parse(tagger.format(request_id, at))
+    assert (event.request_id, event.position) == (request_id, at)
+
+
+# -- exactness over any batching (sans-IO) --------------------------------------------------
+
+
+def _parsed(card: ModelCard, chat: bool, stop: list[str], usage: bool, echo: bool) -> ParsedRequest:
+    body: dict[str, Any] = {"model": "tiny", "stream": True, "max_tokens": 400, "stop": stop}
+    if usage:
+        body["stream_options"] = {"include_usage": True}
+    if chat:
+        body["messages"] = [{"role": "user", "content": "hi"}]
+        return parse_chat(json.dumps(body).encode(), {"tiny": card})
+    body |= {"prompt": "héllo", "echo": echo}
+    return parse_completion(json.dumps(body).encode(), {"tiny": card})
+
+
+def _chunks(tokens: list[int], cuts: list[int]) -> list[list[int]]:
+    bounds = sorted({c % (len(tokens) + 1) for c in cuts} | {0, len(tokens)})
+    return [tokens[a:b] for a, b in itertools.pairwise(bounds)]
+
+
+def _events(reader: Reader, chunks: list[list[int]], finish: str = "length") -> list[sse.Event]:
+    """A reader's events for the tokens in ``chunks`` (the last batch carries the finish)."""
+    out = b""
+    batches = [TokenBatch(c) for c in chunks] + [TokenBatch([], finish)]  # type: ignore[arg-type]
+    for batch in batches:
+        out += reader.feed(batch)
+        if reader.relay.done:
+            break
+    return sse.SSEDecoder().feed(out + reader.end())
+
+
+def _text(events: list[sse.Event]) -> str:
+    out = []
+    for ev in events:
+        if ev.data == sse.DONE_DATA:
+            continue
+        for choice in json.loads(ev.data)["choices"]:
+            out.append(choice.get("text") or choice.get("delta", {}).get("content") or "")
+    return "".join(out)
+
+
+def _completion_tokens(events: list[sse.Event]) -> int | None:
+    usage = [json.loads(e.data)["usage"] for e in events if '"usage":{' in e.data]
+    return usage[0]["completion_tokens"] if usage else None
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    data=st.data(),
+    chat=st.booleans(),
+    usage=st.booleans(),
+    echo=st.booleans(),
+    stop=st.sampled_from([[], ["STOP"], ["42", "wörld"], ["e", "ö"], ["😀!"]]),
+    garbage=st.booleans(),
+)
+def test_a_resume_from_any_event_joins_exactly_whatever_the_batching(
+    card: ModelCard, tokenizer: Tokenizer, data: Any, chat: bool, usage: bool, echo: bool,
+    stop: list[str], garbage: bool,
+) -> None:  # fmt: skip
+    """The client's text and count before the cut plus the resumed events equal an unbroken
+    stream's, however the tokens were batched on either side (the resuming proxy feeds them
+    from the first, as another proxy would)."""
+    if garbage:  # any ids: byte fragments that do not form characters, special tokens
+        vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+        tokens = data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=40))
+    else:
+        text = data.draw(
+            st.text(alphabet=st.sampled_from(sorted(set("".join(CORPUS)))), min_size=1, max_size=60)
+        )
+        tokens = tokenizer.encode(text, add_special_tokens=False).ids or [5]
+    parsed = _parsed(card, chat, stop, usage, echo and not chat)
+    tagger = Tagger("k")
+    whole = _events(Reader(Relay(parsed, created=1), Position(), tagger), [tokens])
+    a = _events(
+        Reader(Relay(parsed, created=1), Position(), tagger),
+        _chunks(tokens, data.draw(st.lists(st.integers(0, 50), max_size=12))),
+    )
+    assert _text(a) == _text(whole) and _completion_tokens(a) == _completion_tokens(whole)
+    assert [e.data for e in a][-1] == sse.DONE_DATA and a[-1].id == a[-2].id  # [DONE] has none
+    ids = [e.id for e in a[:-1]]
+    assert all(ids) and len(set(ids)) == len(ids)  # every event its own id
+    cut = data.draw(st.integers(0, len(a) - 2))  # the last event the client got
+    since = tagger.parse(a[cut].id or "").position
+    b = _events(
+        Reader(Relay(parsed, created=1), since, tagger),
+        _chunks(tokens, data.draw(st.lists(st.integers(0, 50), max_size=12))),
+    )
+    assert [e.data for e in b][-1] == sse.DONE_DATA
+    assert _text(a[: cut + 1]) + _text(b) == _text(whole)
+    assert (_completion_tokens(a[: cut + 1]) or _completion_tokens(b)) == _completion_tokens(whole)
+    # The events after the cut are those of an unbroken stream after it (one finish, role once).
+    rest = [json.loads(e.data) for e in a[: cut + 1] + b if e.data != sse.DONE_DATA]
+    finishes = [c["finish_reason"] for r in rest for c in r["choices"] if c["finish_reason"]]
+    roles = [r for r in rest if r["choices"] and "role" in r["choices"][0].get("delta", {})]
+    assert len(finishes) == 1 and len(roles) == (1 if chat else 0)
+    assert all(r["created"] == 1 and r["id"] == parsed.gen.request_id for r in rest)
+
+
+# -- the routes ---------------------------------------------------------------------
+
+
+def _client(proxy: Proxy, key: str = "none") -> httpx.AsyncClient:
+    return httpx.AsyncClient(
+        base_url=f"http://127.0.0.1:{proxy.port}",
+        headers={"authorization": f"Bearer {key}"},
+        timeout=30,
+    )
+
+
+async def _read(resp: httpx.Response, limit: int | None = None) -> list[sse.Event]:
+    """Up to ``limit`` events of a streamed response (all of them: None)."""
+    decoder, got = sse.SSEDecoder(), []
+    async for chunk in resp.aiter_raw():
+        got += decoder.feed(chunk)
+        if limit is not None and len(got) >= limit:
+            return got[:limit]
+    return got
+
+
+def _body(chat: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": "tiny",
+        "stream": True,
+        "max_tokens": 200,
+        "stream_options": {"include_usage": True},
+    }
+    if chat:
+        return body | {"messages": [{"role": "user", "content": "x"}]}
+    return body | {"prompt": "x"}
+
+
+@pytest.mark.parametrize("chat", [False, True])
+async def test_a_cut_client_resumes_by_path_and_by_last_event_id_exactly(
+    make_proxy: ProxyFactory, chat: bool
+) -> None:
+    proxy = await make_proxy(Script(text=ANSWER, delay_s=0.005))
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    async with _client(proxy) as c:
+        async with c.stream("POST", path, json=_body(chat)) as resp:
+            whole = await _read(resp)
+        async with c.stream("POST", path, json=_body(chat)) as resp:
+            start = resp.headers["x-star-stream-id"]
+            first = await _read(resp, 4)  # then the client is cut
+        async with c.stream("GET", f"/v1/streams/{first[-1].id}") as resp:  # curl's way
+            assert resp.status_code == 200
+            second = await _read(resp, 3)
+        request_id = start.split(".")[0]
+        headers = {"last-event-id": second[-1].id or ""}
+        async with c.stream("GET", f"/v1/streams/{request_id}", headers=headers) as resp:
+            third = await _read(resp)  # EventSource's way
+    assert _text(first + second + third) == _text(whole) == ANSWER
+    assert third[-1].data == sse.DONE_DATA
+    assert _completion_tokens(third) == _completion_tokens(whole) > 0
+    # One generation per stream: a resume reads what the held stream decoded.
+    assert [call.outcome for call in proxy.backend.calls] == ["finished", "finished"]
+
+
+async def test_a_stream_cut_before_its_first_event_resumes_from_its_start_id(
+    make_proxy: ProxyFactory,
+) -> None:
+    proxy = await make_proxy(Script(text=ANSWER, delay_s=0.005))
+    async with _client(proxy) as c:
+        async with c.stream("POST", "/v1/chat/completions", json=_body(True)) as resp:
+            start = resp.headers["x-star-stream-id"]
+        async with c.stream("GET", f"/v1/streams/{start}") as resp:
+            events = await _read(resp)
+    assert _text(events) == ANSWER
+    assert json.loads(events[0].data)["choices"][0]["delta"]["role"] == "assistant"
+
+
+async def test_a_resume_after_the_finish_gets_the_rest_only(make_proxy: ProxyFactory) -> None:
+    proxy = await make_proxy(Script(text="ab cd"))
+    async with _client(proxy) as c:
+        async with c.stream("POST", "/v1/completions", json=_body(False)) as resp:
+            whole = await _read(resp)
+        finish = next(e for e in whole if '"finish_reason":"' in e.data)
+        usage = whole[-2]
+        async with c.stream("GET", f"/v1/streams/{finish.id}") as resp:
+            after_finish = await _read(resp)
+        async with c.stream("GET", f"/v1/streams/{usage.id}") as resp:
+            after_usage = await _read(resp)
+    assert [e.data for e in after_finish] == [usage.data, sse.DONE_DATA]
+    assert [e.data for e in after_usage] == [sse.DONE_DATA]
+
+
+async def test_a_resume_needs_the_key_and_a_true_tag(make_proxy: ProxyFactory) -> None:
+    proxy = await make_proxy(Script(text=ANSWER, delay_s=0.005), api_key="k1")
+    async with _client(proxy, "k1") as c:
+        async with c.stream("POST", "/v1/completions", json=_body(False)) as resp:
+            first = await _read(resp, 2)
+        good = first[-1].id or ""
+        rid, tag = good.split(".")[0], good.rsplit(".", 1)[1]
+        forged = good[: -len(tag)] + Tagger().tag(rid)
+        other = Tagger().format("cmpl-" + "0" * 32, Position())
+        refused = {
+            "wrong key": await c.get(f"/v1/streams/{good}", headers={"authorization": "Bearer k2"}),
+            "no key": await c.get(f"/v1/streams/{good}", headers={"authorization": ""}),
+            "forged tag": await c.get(f"/v1/streams/{forged}"),
+            "forged header": await c.get(f"/v1/streams/{rid}", headers={"last-event-id": forged}),
+            "other request": await c.get(f"/v1/streams/{other}"),
+            "not an id": await c.get("/v1/streams/nope"),
+            "mismatch": await c.get("/v1/streams/cmpl-x", headers={"last-event-id": good}),
+        }
+        async with c.stream("GET", f"/v1/streams/{good}") as resp:
+            rest = await _read(resp)
+    status = {name: (r.status_code, r.json()["error"]["code"]) for name, r in refused.items()}
+    assert status == {
+        "wrong key": (401, "invalid_api_key"),
+        "no key": (401, None),
+        "forged tag": (403, "invalid_stream_tag"),
+        "forged header": (403, "invalid_stream_tag"),
+        "other request": (403, "invalid_stream_tag"),  # a random key: not this proxy's
+        "not an id": (400, "invalid_stream_id"),
+        "mismatch": (400, "invalid_stream_id"),
+    }
+    assert _text(first + rest) == ANSWER
+
+
+async def test_an_unknown_stream_is_404(make_proxy: ProxyFactory) -> None:
+    proxy = await make_proxy()
+    tagger = proxy.app.streams.tagger
+    async with _client(proxy) as c:
+        resp = await c.get(f"/v1/streams/{tagger.format('cmpl-gone', Position(3, 9, TEXT))}")
+    assert resp.status_code == 404 and resp.json()["error"]["code"] == "stream_not_found"
+    assert "resume_grace_s" in resp.json()["error"]["message"]
+
+
+async def test_a_held_stream_decodes_on_and_is_aborted_after_the_grace(
+    make_proxy: ProxyFactory,
+) -> None:
+    proxy = await make_proxy(Script(text=ANSWER, hang_after=6), resume_grace_s=0.5)
+    async with _client(proxy) as c:
+        async with c.stream("POST", "/v1/completions", json=_body(False)) as resp:
+            first = await _read(resp, 2)
+        (call,) = proxy.backend.calls
+        await until(lambda: call.sent >= 6)  # decoding went on without a reader
+        await asyncio.sleep(0.2)
+        assert call.outcome == "running"  # held
+        async with c.stream("GET", f"/v1/streams/{first[-1].id}") as resp:
+            second = await _read(resp, 1)  # a reader again, then gone again
+        async with asyncio.timeout(10):
+            await call.done.wait()
+        assert call.outcome == "cancelled"  # aborted upstream: the worker frees its KV
+        late = await c.get(f"/v1/streams/{second[-1].id}")
+    assert late.status_code == 404
+    assert proxy.app.streams.live == {}
+    assert proxy.app.active == 0 and proxy.server.active == 0
+
+
+async def test_delete_aborts_a_stream_at_once(make_proxy: ProxyFactory) -> None:
+    proxy = await make_proxy(Script(text=ANSWER, hang_after=4))
+    async with _client(proxy) as c:
+        async with c.stream("POST", "/v1/completions", json=_body(False)) as resp:
+            first = await _read(resp, 1)
+        deleted = await c.delete(f"/v1/streams/{first[0].id}")
+        (call,) = proxy.backend.calls
+        async with asyncio.timeout(10):
+            await call.done.wait()
+        again = await c.delete(f"/v1/streams/{first[0].id}")
+    assert deleted.status_code == 200 and deleted.json()["deleted"] is True
+    assert call.outcome == "cancelled" and again.status_code == 404
+
+
+async def test_a_stop_string_resumed_ends_where_the_unbroken_stream_ends(
+    make_proxy: ProxyFactory,
+) -> None:
+    proxy = await make_proxy(Script(text=ANSWER, delay_s=0.005))
+    body = _body(False) | {"stop": ["STOP"]}
+    async with _client(proxy) as c:
+        async with c.stream("POST", "/v1/completions", json=body) as resp:
+            first = await _read(resp, 5)
+        async with c.stream("GET", f"/v1/streams/{first[-1].id}") as resp:
+            rest = await _read(resp)
+    assert _text(first + rest) == ANSWER[: ANSWER.index("STOP")]
+    assert [json.loads(e.data)["choices"][0]["finish_reason"] for e in rest[-3:-2]] == ["stop"]
