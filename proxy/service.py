@@ -52,9 +52,7 @@ class ProxyService(Service):
         card = ModelCard.load(
             self.model_path, self.served_name, max_model_len=self.settings.worker.max_model_len
         )
-        self.bus = Bus.from_settings(
-            self.settings.redis, self.settings.bus, self.settings.cluster.secret
-        )
+        self.bus = Bus.for_cluster(self.settings, "proxy")
         await self.bus.retrying("PING", self.bus.redis.ping)
         self.directory = Directory(
             self.bus, self.settings.scheduler.staleness_s, self.settings.proxy.dispatch_charge

@@ -88,9 +88,7 @@ class SchedulerService(Service):
         gc_thresholds = set_gc_gen0_threshold(self.settings.scheduler.gc_gen0_threshold)
         self._collector = SafePointCollector()  # collections after ticks, not inside them
         log.info("planner_kernels_ready", seconds=round(warm_s, 3))
-        self.bus = Bus.from_settings(
-            self.settings.redis, self.settings.bus, self.settings.cluster.secret
-        )
+        self.bus = Bus.for_cluster(self.settings, "scheduler")
         await self.bus.retrying("PING", self.bus.redis.ping)
         self.leadership = Leadership(self.bus, self.node, self.settings.scheduler.lock_ttl_s)
         # star_bus_refused_total: entries refused for their signature
@@ -377,7 +375,7 @@ async def read_view(settings: Settings) -> ClusterView:
         return out
 
     cfg = settings.scheduler
-    bus = Bus.from_settings(settings.redis, settings.bus, settings.cluster.secret)
+    bus = Bus.for_cluster(settings, "operator")
     try:
         reports = list((await bus.latest_reports()).values())
         window = max(cfg.staleness_s, cfg.decision_timeout_s)

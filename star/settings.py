@@ -296,6 +296,7 @@ class ClusterSettings:
     """What every process of one cluster shares."""
 
     secret: str = _opt("", "shared secret of the internal token protocol: proxy and workers prove it to each other (HMAC challenge) before a worker says Hello or takes a request; required for a worker bound beyond loopback (empty = no authentication)", cluster_secret, secret=True)
+    keyring: str = _opt("", "a role's bus keyring file (`star config keyring` writes one per role): the bus is signed and checked with it instead of keys derived from secret, so a worker's or proxy's process cannot sign a decision, a load view or a policy (empty = derive every role's keys from secret, as `star up` does)")
     liveness_timeout_s: float = _opt(2.0, "drop a token-protocol connection (proxy and worker ends) with nothing received this long: the proxy recovers its streams elsewhere, the worker aborts them; a Ping goes out after a quarter of it without a frame (0 = off)", non_negative)
 
 

@@ -63,9 +63,7 @@ class WorkerService(Service):
 
     async def startup(self) -> None:
         cfg = self.settings.worker
-        self.bus = Bus.from_settings(
-            self.settings.redis, self.settings.bus, self.settings.cluster.secret
-        )
+        self.bus = Bus.for_cluster(self.settings, "worker")
         await self.bus.retrying("PING", self.bus.redis.ping)
         self.engine = await EngineHandle.start(self.spec)
         pred = self.settings.predictor

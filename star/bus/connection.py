@@ -19,10 +19,10 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from star.aio import raise_swallowed_cancel
-from star.bus.signing import RefusalCounter, Signer
+from star.bus.signing import Keyring, RefusalCounter, Signer, bus_keys
 from star.redis_sentinel import SentinelMaster, connect_master, describe
 from star.redis_tls import tls_kwargs
-from star.settings import BusSettings, RedisSettings
+from star.settings import BusSettings, RedisSettings, Settings
 
 log = structlog.get_logger(__name__)
 
@@ -235,14 +235,16 @@ class Connection:
         redis: aioredis.Redis,
         settings: BusSettings,
         redis_settings: RedisSettings,
-        secret: str = "",
+        secret: str | Keyring | None = "",
+        role: str | None = None,
     ) -> None:
         self.redis = redis
         self.settings = settings
         self.redis_settings = redis_settings
-        # With cluster.secret every entry written is signed and every entry read
-        # must be (star.bus.signing); without it neither.
-        self.signer = Signer(secret) if secret else None
+        # With cluster.secret (or a keyring) every entry written is signed, as
+        # ``role`` (None: the role that writes each kind), and every entry read
+        # must be, by a role allowed to write it (star.bus.signing); without either neither.
+        self.signer = Signer(secret, role) if secret else None
         self.refusals = RefusalCounter()
         self.keys = Keys(settings.prefix)
         self._maxlen = {
@@ -254,10 +256,22 @@ class Connection:
 
     @classmethod
     def from_settings(
-        cls, redis_settings: RedisSettings, bus_settings: BusSettings, secret: str = ""
+        cls,
+        redis_settings: RedisSettings,
+        bus_settings: BusSettings,
+        secret: str | Keyring | None = "",
+        role: str | None = None,
     ) -> Self:
-        """A connection for one cluster; ``secret`` is ``cluster.secret`` (signing)."""
-        return cls(connect_redis(redis_settings), bus_settings, redis_settings, secret)
+        """A connection for one cluster; ``secret`` is ``cluster.secret`` or a keyring
+        (signing, see :meth:`for_cluster`), ``role`` what it signs as."""
+        return cls(connect_redis(redis_settings), bus_settings, redis_settings, secret, role)
+
+    @classmethod
+    def for_cluster(cls, settings: Settings, role: str) -> Self:
+        """A process's connection: its settings' Redis and bus, signing as ``role``
+        with ``cluster.keyring`` if set, else with keys derived from ``cluster.secret``."""
+        keys = bus_keys(settings.cluster.secret, settings.cluster.keyring)
+        return cls.from_settings(settings.redis, settings.bus, keys, role)
 
     async def close(self) -> None:
         await self.redis.aclose()

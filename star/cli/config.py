@@ -1,5 +1,6 @@
 """``star config show``: the effective configuration and where each value came from.
-``star config acl``: the Redis ACL users of a cluster, one per role."""
+``star config acl``: the Redis ACL users of a cluster, one per role.
+``star config keyring``: the bus's signing keys, one file per role."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 from pathlib import Path
 
 from star.bus.acl import ROLES, AclError, acl_file, role_users
+from star.bus.signing import new_keyrings
 from star.cli.common import CliError, add_settings_args, guarded, settings_from_args
 from star.settings import as_dict, env_key, render
 
@@ -82,6 +84,23 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="print ACL SETUSER commands (for redis-cli) instead of ACL file lines",
     )
     acl.set_defaults(func=guarded(run_acl))
+    keyring = inner.add_parser(
+        "keyring",
+        help="write the bus's signing keys, one file per role",
+        description=(
+            "Draw a new set of bus keys and write DIR/<role>.keyring (mode 0600) for "
+            "each role (worker, proxy, scheduler, operator). Give each process its "
+            "role's file as cluster.keyring (STAR_CLUSTER_KEYRING): it signs what it "
+            "writes as that role and checks what it reads against the roles allowed "
+            "to write it; a worker's or proxy's file cannot sign a decision, a load "
+            "view or a dispatch policy (docs/operations.md, 'Security model'). "
+            "cluster.secret stays the token protocol's. Running it again draws new "
+            "keys: every process needs its new file."
+        ),
+        epilog="example: star config keyring --out /etc/star/keys",
+    )
+    keyring.add_argument("--out", required=True, metavar="DIR", help="folder for the files")
+    keyring.set_defaults(func=guarded(run_keyring))
 
 
 def _per_role(items: list[str], what: str) -> dict[str, str]:
@@ -127,6 +146,22 @@ def run_acl(args: argparse.Namespace) -> int:
     )
     for user in users:
         print(f"\n# {user.role}\n{user.env(prefix)}", end="", file=sys.stderr)
+    return 0
+
+
+def run_keyring(args: argparse.Namespace) -> int:
+    folder = Path(args.out)
+    folder.mkdir(parents=True, exist_ok=True)
+    for role, ring in new_keyrings().items():
+        fd = os.open(folder / f"{role}.keyring", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            os.fchmod(out.fileno(), 0o600)
+            out.write(ring.to_json() + "\n")
+    print(
+        f"star config keyring: {folder}/<role>.keyring (mode 0600); "
+        "give each process its role's as cluster.keyring",
+        file=sys.stderr,
+    )
     return 0
 
 

@@ -116,7 +116,7 @@ def _print_entry(entry_id: str, msg: Message, as_json: bool) -> None:
 
 
 async def _inspect(settings: Settings, args: argparse.Namespace) -> int:
-    bus = Bus.from_settings(settings.redis, settings.bus, settings.cluster.secret)
+    bus = Bus.for_cluster(settings, "operator")
     try:
         if args.stream == "load":
             for name, load in sorted((await bus.read_load()).items()):

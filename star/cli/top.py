@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _top(settings: Settings, args: argparse.Namespace) -> int:
-    bus = Bus.from_settings(settings.redis, settings.bus, settings.cluster.secret)
+    bus = Bus.for_cluster(settings, "operator")
     state = TopState(
         staleness_s=settings.scheduler.staleness_s,
         decision_timeout_s=settings.scheduler.decision_timeout_s,

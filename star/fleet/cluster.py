@@ -131,7 +131,7 @@ def refuse_a_second_cluster(settings: Settings) -> None:
     from star.bus import Bus
 
     async def check() -> str | None:
-        bus = Bus.from_settings(settings.redis, settings.bus, settings.cluster.secret)
+        bus = Bus.for_cluster(settings, "operator")
         try:
             fresh_s = max(settings.scheduler.staleness_s, 2 * settings.worker.report_interval_s)
             return await live_cluster(bus, fresh_s)

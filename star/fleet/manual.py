@@ -59,7 +59,7 @@ async def migrate(
     timeout_s: float = 30.0,
 ) -> tuple[Decision, Event | None]:
     """Publish the decision; with ``wait``, return the event that resolved it."""
-    bus = Bus.from_settings(settings.redis, settings.bus, settings.cluster.secret)
+    bus = Bus.for_cluster(settings, "operator")
     try:
         source = source or await find_source(bus, request)
         decision = manual_decision(request, source, target)

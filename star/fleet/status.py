@@ -15,7 +15,7 @@ TERMINAL = {EventKind.RESUMED, EventKind.ABORTED, EventKind.REFUSED, EventKind.E
 async def collect(settings: Settings) -> dict[str, Any]:
     """The status document: every instance's newest report (fresh or stale),
     the decisions not yet resolved and the latest ten, the scheduler leader."""
-    bus = Bus.from_settings(settings.redis, settings.bus, settings.cluster.secret)
+    bus = Bus.for_cluster(settings, "operator")
     try:
         latest = await bus.latest_reports(2000)
         decisions = bus.signed("decisions", await bus.tail("decisions", 200))

@@ -10,7 +10,7 @@ import time
 import msgspec
 
 from star.bus import Bus, GroupReader, Subscriber, parse_dead
-from star.bus.signing import BAD_SIGNATURE, UNSIGNED, RefusalCounter, Signer
+from star.bus.signing import BAD_SIGNATURE, UNSIGNED, WRONG_ROLE, RefusalCounter, Signer
 from star.wire import Decision, LoadEntry, Report, encode
 from tests.scheduler.reports import report
 
@@ -37,7 +37,8 @@ def test_a_tag_covers_the_key_and_every_body_byte() -> None:
     sig = signer.sign("star:reports", body)
     assert signer.check("star:reports", body, sig) is None
     assert signer.check("star:reports", body, sig.encode()) is None  # as Redis returns it
-    assert signer.check("star:decisions", body, sig) == BAD_SIGNATURE  # replayed elsewhere
+    assert signer.check("star:decisions", body, sig) == WRONG_ROLE  # replayed elsewhere
+    assert signer.check("star:events", body, sig) == BAD_SIGNATURE  # the key is in the tag
     assert signer.check("star:reports", body, None) == UNSIGNED
     assert (
         signer.check("star:reports", body, Signer("other").sign("star:reports", body))
@@ -99,10 +100,11 @@ async def test_forged_altered_and_moved_entries_are_dead_lettered(bus: Bus) -> N
     assert await reader.pending() == 0  # the refused ones are acknowledged too
 
     dead = [parse_dead(i.decode(), f) for i, f in await bus.redis.xrange(bus.keys.dead)]
-    assert [d.reason for d in dead] == [UNSIGNED, BAD_SIGNATURE, BAD_SIGNATURE, BAD_SIGNATURE]
+    # The replayed report is tagged by a worker: not a role that writes decisions.
+    assert [d.reason for d in dead] == [UNSIGNED, BAD_SIGNATURE, BAD_SIGNATURE, WRONG_ROLE]
     assert all(d.stream == key for d in dead)
     assert dead[2].body == tampered
-    assert sbus.refusals.total == {UNSIGNED: 1, BAD_SIGNATURE: 3}
+    assert sbus.refusals.total == {UNSIGNED: 1, BAD_SIGNATURE: 2, WRONG_ROLE: 1}
 
     # An ordered subscriber sees the same two and buries nothing twice.
     assert [e.id for e in await Subscriber(sbus, "decisions", Decision, start="0").read()] == [
