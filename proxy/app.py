@@ -287,8 +287,6 @@ class ProxyApp:
         stream: AsyncIterator[TokenBatch] | None = None
         handed_over = False
         try:
-            if gen.stream and parsed.num_choices == 1 and "logprobs" not in gen.sampling:
-                return await self._held(parsed, relay, timing)
             stream = self._open(parsed)
             if not gen.stream:
                 await self._collect(relay, stream, timing)
@@ -302,12 +300,15 @@ class ProxyApp:
                 raise HttpError(
                     502, "upstream ended the stream before any token", code="upstream_error"
                 ) from None
-            body = self._relay(relay, stream, first, timing)
+            if parsed.num_choices == 1 and "logprobs" not in gen.sampling:
+                response = self._held(parsed, relay, stream, first, timing)
+            else:
+                response = StreamingResponse(self._relay(relay, stream, first, timing))
             # Run the body to its first (empty) yield: only a started generator
             # runs its cleanup when the server closes it, whatever happens next.
-            await anext(body)
+            await anext(response.body)
             handed_over = True
-            return StreamingResponse(body)
+            return response
         except BackendError as exc:
             self._done(relay, timing, "failed", error=exc.message)
             raise _http_error(exc, gen.request_id) from None
@@ -328,42 +329,30 @@ class ProxyApp:
             if not handed_over and stream is not None:
                 await _aclose(stream)
 
-    async def _held(
-        self, parsed: ParsedRequest, relay: Relay, timing: _Timing
+    def _held(
+        self,
+        parsed: ParsedRequest,
+        relay: Relay,
+        stream: AsyncIterator[TokenBatch],
+        first: TokenBatch,
+        timing: _Timing,
     ) -> StreamingResponse:
-        """A single-choice stream: held for a resume, every event with its id (proxy.resume).
+        """A single-choice stream: every event with its id, held for a resume (proxy.resume).
 
         Not yet: fan-out (n > 1, batched prompts) and streams with logprobs
-        (the held stream logs token ids only).
+        (the log keeps token ids only). With ``resume_grace_s`` the server
+        detaches a client that goes away instead of cancelling its request.
         """
-        held = self.streams.hold(
-            parsed, self.backend.generate(parsed.gen), timing.batch, relay.created
-        )
-        try:
-            # Wait for the first batch before sending 200, so that a request the
-            # backend refuses outright gets a real HTTP error status.
-            await held.first()
-            if not held.tokens and held.finish_reason is None:
-                if held.error is not None:
-                    raise held.error
-                raise HttpError(
-                    502, "upstream ended the stream before any token", code="upstream_error"
-                )
-        except BaseException:
-            self.streams.forget(held)
-            await held.stopped()
-            raise
+        held = self.streams.hold(parsed, relay.created)
 
         def on_end(outcome: str, error: BaseException | None) -> None:
             self._done(relay, timing, outcome, error=None if error is None else repr(error))
 
         reader = resume.Reader(relay, resume.Position(), self.streams.tagger)
-        body = resume.events(held, reader, self._error_event, on_end)
-        # Run the body to its first (empty) yield: only a started generator
-        # runs its cleanup when the server closes it, whatever happens next.
-        await anext(body)
+        body = resume.drive(held, reader, stream, first, timing.batch, self._error_event, on_end)
         start = self.streams.tagger.format(held.request_id, resume.Position())
-        return StreamingResponse(body, headers=[("x-star-stream-id", start)])
+        detach = held.detach_driver if self.streams.grace_s > 0 else None
+        return StreamingResponse(body, headers=[("x-star-stream-id", start)], detach=detach)
 
     def _error_event(self, relay: Relay, exc: BaseException) -> bytes:
         """The in-band error of a stream whose headers are out (logged here, once)."""
@@ -392,7 +381,7 @@ class ProxyApp:
                 error=None if error is None else repr(error),
             )
 
-        body = resume.events(held, reader, self._error_event, on_end)
+        body = resume.follow(held, reader, self._error_event, on_end)
         await anext(body)
         return StreamingResponse(body)
 
@@ -403,9 +392,9 @@ class ProxyApp:
         log.info("stream_deleted", request_id=held.request_id)
         return Response.json({"id": held.request_id, "object": "stream", "deleted": True})
 
-    async def close(self) -> None:
+    def close(self) -> None:
         """Abort every held stream (after the server has drained)."""
-        await self.streams.close()
+        self.streams.close()
 
     def _open(self, parsed: ParsedRequest) -> AsyncIterator[TokenBatch]:
         """The backend's stream for the request: one upstream request per choice."""

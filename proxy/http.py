@@ -111,12 +111,16 @@ class StreamingResponse:
 
     The server iterates ``body`` and closes it (``aclose``) however the
     response ends; the status line and headers go out before the first chunk.
+    ``detach``: a client that goes away (or stalls past the write timeout)
+    calls it instead of cancelling the handler, and the body is iterated on
+    to its end, its bytes dropped (a stream held for a resume: proxy.resume).
     """
 
     body: AsyncIterator[bytes]
     status: int = 200
     content_type: str = "text/event-stream; charset=utf-8"
     headers: list[tuple[str, str]] = field(default_factory=list)
+    detach: Callable[[], None] | None = None
 
 
 Handler = Callable[[Request], Awaitable[Response | StreamingResponse]]
@@ -339,6 +343,8 @@ class _Connection(asyncio.Protocol):
         self._lingering = False
         self._path = ""  # of the request being answered, for the observer
         self._head_sent = False  # the response's status line is out
+        self._detach: Callable[[], None] | None = None  # of the streaming response in flight
+        self._detached = False  # its client went away; the body runs on, unsent
 
     # -- asyncio.Protocol ----------------------------------------------------
 
@@ -375,8 +381,13 @@ class _Connection(asyncio.Protocol):
             self._counted = False
             self.server.open -= 1
         self._disarm_timer()
-        if self.task is not None and not self.task.done():
-            self.task.cancel(DISCONNECTED)
+        if self.task is not None and not self.task.done() and not self._detached:
+            detach, self._detach = self._detach, None
+            if detach is None:
+                self.task.cancel(DISCONNECTED)
+            else:
+                self._detached = True
+                detach()
         if self._drain is not None and not self._drain.done():
             self._drain.set_result(None)
 
@@ -611,8 +622,10 @@ class _Connection(asyncio.Protocol):
                 return
             transport = self.transport
             assert transport is not None
+            if not self.closed:
+                self._detach = response.detach
             async for chunk in body:
-                if not chunk or self.closed:
+                if not chunk or self.closed or self._detached:
                     pass
                 elif chunked:
                     # The per-token hot path. h11 stays in SEND_BODY and writes
@@ -622,9 +635,15 @@ class _Connection(asyncio.Protocol):
                     transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
                 else:  # an HTTP/1.0 client: close-delimited body, through h11
                     self._send(h11.Data(data=chunk))
+                if self._detached:
+                    continue
                 if self._write_paused and not self.closed and not await self._drained():
-                    return
-                if self.closed:
+                    detach, self._detach = self._detach, None  # the client is cut
+                    if detach is None:
+                        return
+                    self._detached = True
+                    detach()
+                if self.closed and not self._detached:
                     return
             self._send(h11.EndOfMessage())
         except asyncio.CancelledError:
@@ -635,6 +654,7 @@ class _Connection(asyncio.Protocol):
             log.exception("http_stream_failed")
             self.abort()
         finally:
+            self._detach, self._detached = None, False
             aclose = getattr(body, "aclose", None)
             if aclose is not None:
                 await aclose()

@@ -20,25 +20,28 @@ batched: tests/proxy/test_resume.py), so a resumed stream is a fresh
 the ``chars`` the client has (:meth:`~proxy.openai.Relay.resume_at`) and the
 closing events it has seen.
 
-:class:`HeldStream` owns one request's backend stream in a task of its own
-(a client that goes away cancels its reader, never the request) and logs its
-tokens; :class:`Streams` keeps them by request id. When its last reader is
-gone a stream still decoding is held ``proxy.resume_grace_s`` seconds (0:
-aborted at once), then aborted upstream; a finished one is kept as long for
-a client that missed the end.
+:class:`HeldStream` is one request's token log; :class:`Streams` keeps
+them by request id. The first client's body drives the backend stream
+(:func:`drive`, one task per token as without resume); a client that goes
+away is detached by the HTTP server instead of cancelled, and the body drives
+on, its bytes dropped. With no reader left a stream still decoding is held
+``proxy.resume_grace_s`` seconds (0: the request is aborted at once, as
+before), then aborted upstream (its KV freed); a finished one is kept as
+long for a client that missed the end. Resumed clients read the log
+(:func:`follow`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import hashlib
 import hmac
 import re
 import secrets
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 
@@ -113,16 +116,16 @@ class Tagger:
 
 
 class HeldStream:
-    """One request's backend stream, pumped by its own task into a token log."""
+    """One request's token log, written by the task that drives its backend stream.
 
-    def __init__(
-        self,
-        parsed: ParsedRequest,
-        source: AsyncIterator[TokenBatch],
-        on_batch: Callable[[TokenBatch], None],
-        on_idle: Callable[[HeldStream], None],
-        created: int,
-    ) -> None:
+    The driver is the first client's response body (:func:`drive`): the
+    per-token path stays one task, as without resume. When that client goes
+    away the server detaches it instead of cancelling (:meth:`detach`) and
+    the body drives on, writing nowhere, until the stream ends or
+    :meth:`stop` cancels it. Resumed readers (:func:`follow`) read the log.
+    """
+
+    def __init__(self, parsed: ParsedRequest, created: int, streams: Streams) -> None:
         self.parsed = parsed
         self.request_id = parsed.gen.request_id
         self.created = created  # every reader's chunks say the same
@@ -132,39 +135,37 @@ class HeldStream:
         self.error: BaseException | None = None
         self.ended = False  # no token will come any more
         self.stopping = False  # aborted upstream (or being)
-        self.readers = 0
-        self.changed = asyncio.Event()  # set (and replaced) on every change
+        self.readers = 1  # the driver's client, then resumed ones
+        self.driver: asyncio.Task[Any] | None = None
         self.timer: asyncio.TimerHandle | None = None
-        self._on_batch = on_batch
-        self._on_idle = on_idle
-        self.task = asyncio.create_task(self._pump(source), name=f"held:{self.request_id}")
+        self._streams = streams
+        self._changed: asyncio.Event | None = None  # made only while a reader waits
+        self._driver_attached = True
 
-    async def _pump(self, source: AsyncIterator[TokenBatch]) -> None:
-        try:
-            async for batch in source:
-                self._on_batch(batch)
-                # Tokens and the finish together: a reader never sees one without the other.
-                self.tokens.extend(batch.token_ids)
-                if batch.finish_reason is not None:
-                    self.finish_reason, self.stop_reason = batch.finish_reason, batch.stop_reason
-                self._notify()
-        except Exception as exc:  # the readers report it (as the relay did before)
-            self.error = exc
-        finally:
-            self.ended = True
-            self._notify()
-            aclose = getattr(source, "aclose", None)
-            if aclose is not None:
-                await aclose()
+    def record(self, batch: TokenBatch) -> None:
+        """The driver's batch: tokens and finish together (a reader never sees one alone)."""
+        self.tokens.extend(batch.token_ids)
+        if batch.finish_reason is not None:
+            self.finish_reason, self.stop_reason = batch.finish_reason, batch.stop_reason
+        self._notify()
+
+    def end(self, error: BaseException | None = None) -> None:
+        self.ended = True
+        if error is not None:
+            self.error = error
+        self._notify()
 
     def _notify(self) -> None:
-        self.changed.set()
-        self.changed = asyncio.Event()
+        changed = self._changed
+        if changed is not None:
+            self._changed = None
+            changed.set()
 
-    async def first(self) -> None:
-        """Wait for the first tokens, or the end of the stream."""
-        while not self.tokens and self.finish_reason is None and not self.ended:
-            await self.changed.wait()
+    def changed(self) -> asyncio.Event:
+        """Set at the next change (take it before checking the state, then wait)."""
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        return self._changed
 
     def attach(self) -> None:
         self.readers += 1
@@ -173,24 +174,26 @@ class HeldStream:
             self.timer = None
 
     def detach(self) -> None:
+        """The driver's client went away (the server's hook), or a resumed reader did."""
         self.readers -= 1
         if self.readers == 0:
-            self._on_idle(self)
+            self._streams.idle(self)
+
+    def detach_driver(self) -> None:
+        if self._driver_attached:
+            self._driver_attached = False
+            self.detach()
 
     def stop(self) -> None:
-        """Abort upstream (a stop string matched, the grace ran out, a DELETE)."""
+        """Abort upstream (the grace ran out, a DELETE, shutdown): cancel the driver."""
         self.stopping = True
-        if not self.task.done():
-            self.task.cancel("stream stopped")
-
-    async def stopped(self) -> None:
-        """Stop and wait until the backend stream is closed."""
-        self.stop()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self.task
+        task = self.driver
+        if task is not None and not task.done() and task is not asyncio.current_task():
+            task.cancel("stream stopped")
 
 
 ErrorEvent = Callable[[Relay, BaseException], bytes]
+OnEnd = Callable[[str, BaseException | None], None]
 
 
 class Streams:
@@ -201,23 +204,12 @@ class Streams:
         self.grace_s = grace_s
         self.live: dict[str, HeldStream] = {}
 
-    def hold(
-        self,
-        parsed: ParsedRequest,
-        source: AsyncIterator[TokenBatch],
-        on_batch: Callable[[TokenBatch], None],
-        created: int,
-    ) -> HeldStream:
-        stream = HeldStream(parsed, source, on_batch, self._idle, created)
+    def hold(self, parsed: ParsedRequest, created: int) -> HeldStream:
+        stream = HeldStream(parsed, created, self)
         self.live[stream.request_id] = stream
-        stream.task.add_done_callback(self._pumped)
         return stream
 
-    def _pumped(self, task: asyncio.Task[None]) -> None:
-        if not task.cancelled() and (exc := task.exception()) is not None:
-            log.error("held_stream_failed", error=repr(exc))
-
-    def _idle(self, stream: HeldStream) -> None:
+    def idle(self, stream: HeldStream) -> None:
         """No reader left: hold the stream for the grace period, then let it go."""
         if self.grace_s <= 0:
             self.forget(stream)
@@ -241,7 +233,8 @@ class Streams:
         if stream.timer is not None:
             stream.timer.cancel()
             stream.timer = None
-        stream.stop()
+        if not stream.ended:
+            stream.stop()
 
     def find(self, path_id: str, last_event_id: str | None) -> tuple[HeldStream, Position]:
         """The stream and position a resume names (``Last-Event-ID`` wins over the path)."""
@@ -264,13 +257,10 @@ class Streams:
             )
         return stream, event.position
 
-    async def close(self) -> None:
+    def close(self) -> None:
         """Abort every held stream (the proxy is shutting down)."""
-        streams = list(self.live.values())
-        for stream in streams:
+        for stream in list(self.live.values()):
             self.forget(stream)
-        for stream in streams:
-            await stream.stopped()
 
 
 class Reader:
@@ -325,16 +315,59 @@ class Reader:
         return b"".join(p + b"\n\n" for p in kept)
 
 
-async def events(
+async def drive(
     stream: HeldStream,
     reader: Reader,
+    source: AsyncIterator[TokenBatch],
+    first: TokenBatch,
+    on_batch: Callable[[TokenBatch], None],
     error_event: ErrorEvent,
-    on_end: Callable[[str, BaseException | None], None],
+    on_end: OnEnd,
 ) -> AsyncIterator[bytes]:
-    """The SSE body of one reader of ``stream``.
+    """The first client's SSE body: drives ``source`` (its ``first`` batch read), logging it.
 
-    The first (empty) yield attaches the reader; closing the body detaches
-    it (:meth:`Streams._idle` decides what becomes of the stream then).
+    Closing or cancelling the body closes ``source`` (the request is aborted
+    upstream unless it finished); a client that goes away detaches it
+    (:meth:`HeldStream.detach_driver`) and it drives on.
+    """
+    stream.driver = asyncio.current_task()
+    relay = reader.relay
+    outcome, error = "cancelled", None
+    try:
+        yield b""
+        batch: TokenBatch | None = first
+        while batch is not None:
+            on_batch(batch)
+            stream.record(batch)
+            out = reader.feed(batch)
+            if out:
+                yield out
+            if relay.cut:
+                break  # a stop string matched: closing the stream aborts upstream
+            batch = await anext(source, None)
+        outcome = "finished"
+        yield reader.end()
+    except Exception as exc:  # headers are out: the error goes in-band
+        outcome, error = "failed", exc
+        stream.error = exc
+        yield error_event(relay, exc)
+    finally:
+        try:
+            aclose = getattr(source, "aclose", None)
+            if aclose is not None:
+                await aclose()
+        finally:
+            stream.end()
+            stream.detach_driver()
+            on_end(outcome, error)
+
+
+async def follow(
+    stream: HeldStream, reader: Reader, error_event: ErrorEvent, on_end: OnEnd
+) -> AsyncIterator[bytes]:
+    """A resumed client's SSE body: the stream's log from the first token, then what comes.
+
+    The first (empty) yield attaches the reader; closing the body detaches it.
     """
     stream.attach()
     relay = reader.relay
@@ -343,7 +376,7 @@ async def events(
         yield b""
         cursor = 0
         while not relay.done:
-            changed = stream.changed
+            changed = stream.changed()
             tokens = stream.tokens
             if cursor < len(tokens) or stream.finish_reason is not None:
                 batch = TokenBatch(tokens[cursor:], stream.finish_reason, stream.stop_reason)
@@ -352,21 +385,18 @@ async def events(
                 if out:
                     yield out
                 if relay.cut:
-                    stream.stop()  # a stop string matched: abort upstream
-                    break
+                    break  # the driver cuts at the same token
                 continue
             if stream.ended:
                 if stream.error is not None:
                     raise stream.error
-                raise RuntimeError("backend stream ended before every choice finished")
+                raise RuntimeError("the stream was aborted before it finished")
             await changed.wait()
-        while not relay.cut and not stream.ended:  # the backend's stream ends after its finish
-            await stream.changed.wait()
+        while not relay.cut and not stream.ended:  # [DONE] after the backend's stream ended
+            await stream.changed().wait()
         out = reader.end()
         outcome = "finished"
         yield out
-    except asyncio.CancelledError:
-        raise
     except Exception as exc:
         outcome, error = "failed", exc
         yield error_event(relay, exc)

@@ -103,7 +103,7 @@ class ProxyService(Service):
         if self.server is not None:
             await self.server.shutdown(self.settings.proxy.drain_timeout_s)
         if self.app is not None:
-            await self.app.close()  # streams held for a resume: aborted upstream
+            self.app.close()  # streams held for a resume: aborted upstream
 
     async def cleanup(self) -> None:
         await asyncio.to_thread(parsing.shutdown)

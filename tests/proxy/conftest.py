@@ -73,7 +73,7 @@ async def make_proxy(card: ModelCard, tokenizer: Tokenizer) -> AsyncIterator[Pro
     yield make
     for proxy in started:
         await proxy.server.shutdown(timeout_s=1.0)
-        await proxy.app.close()
+        proxy.app.close()
 
 
 @pytest.fixture

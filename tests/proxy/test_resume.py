@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import socket
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -15,13 +17,14 @@ from tokenizers import Tokenizer
 
 from proxy import sse
 from proxy.backend import TokenBatch
-from proxy.http import HttpError
+from proxy.http import HttpError, HttpServer, Request, StreamingResponse
 from proxy.openai import ParsedRequest, Relay, parse_chat, parse_completion
 from proxy.resume import FINISH, START, TEXT, USAGE, Position, Reader, Tagger
 from proxy.tokenizer import ModelCard
+from star.settings import ProxySettings
 from tests.proxy.conftest import Proxy, ProxyFactory
 from tests.proxy.fakes import CORPUS, Script
-from tests.proxy.rawhttp import until
+from tests.proxy.rawhttp import request_bytes, until
 
 ANSWER = "Héllo wörld, 你好 😀! The answer is 42. STOP here. Done!"
 
@@ -351,3 +354,45 @@ async def test_a_stop_string_resumed_ends_where_the_unbroken_stream_ends(
             rest = await _read(resp)
     assert _text(first + rest) == ANSWER[: ANSWER.index("STOP")]
     assert [json.loads(e.data)["choices"][0]["finish_reason"] for e in rest[-3:-2]] == ["stop"]
+
+
+# -- the server's detach hook -------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["closes", "stops reading"])
+async def test_a_detachable_body_runs_to_its_end_when_its_client_goes(how: str) -> None:
+    """The HTTP server calls ``detach`` instead of cancelling, and drains the body unsent."""
+    detached, ended, gate = [], asyncio.Event(), asyncio.Event()
+
+    async def body() -> AsyncIterator[bytes]:
+        for i in range(4000):
+            if i == 10:
+                await gate.wait()  # until the client is gone
+            yield b"data: " + b"x" * 1000 + b"\n\n"
+            await asyncio.sleep(0)  # the loop runs: connection_lost comes meanwhile
+        ended.set()
+
+    async def handler(request: Request) -> StreamingResponse:
+        return StreamingResponse(body(), detach=lambda: (detached.append(1), gate.set()))
+
+    settings = ProxySettings(host="127.0.0.1", port=0, write_stall_timeout_s=0.5)
+    server = HttpServer(handler, settings)
+    await server.start()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    try:
+        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", server.port))
+        sock.sendall(request_bytes("GET", "/s"))
+        await asyncio.sleep(0.2)
+        if how == "closes":
+            sock.close()
+        else:
+            gate.set()  # the body floods a client that reads nothing: cut after the stall
+        async with asyncio.timeout(10):
+            await ended.wait()
+        assert detached == [1]
+        await until(lambda: server.active == 0, wait_s=5)
+    finally:
+        sock.close()
+        await server.shutdown(timeout_s=1.0)
