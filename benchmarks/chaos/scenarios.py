@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from benchmarks.chaos.fleet import NetFleet
+from benchmarks.chaos.integrity import INTEGRITY
 from star.aio import deadline
 from star.bus import Bus
 from star.fleet import group_members, manual_decision
@@ -448,3 +449,4 @@ SCENARIOS: dict[str, tuple[Scenario, bool]] = {
     "link-delay-50ms": (link_delay, False),
     "link-loss-5pct": (link_loss, True),
 }
+SCENARIOS |= {name: (scenario, False) for name, scenario in INTEGRITY.items()}
