@@ -235,12 +235,17 @@ class WorkerClient:
         self._streams.pop(stream_id, None)
 
     async def send(self, msg: Message) -> None:
-        if self.closed or self._writer is None:
+        if self.closed or self._writer is None or self._writer.is_closing():
+            # The transport can close (the worker's RST) before the reader
+            # task has seen EOF and set ``closed``.
             raise ConnectionLost(self.silent or f"connection to {self.address} is closed")
-        self._writer.write(frame(msg, self._seal))
+        data = frame(msg, self._seal)
         try:
+            self._writer.write(data)
             await self._writer.drain()
-        except (ConnectionError, OSError) as exc:
+        except (ConnectionError, OSError, RuntimeError) as exc:
+            # uvloop raises RuntimeError ("unable to perform operation on
+            # <TCPTransport closed=True ...>") writing to a closed transport.
             raise ConnectionLost(
                 self.silent or f"connection to {self.address} broke: {exc}"
             ) from exc

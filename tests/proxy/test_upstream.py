@@ -153,3 +153,35 @@ async def test_a_hello_connects(fake_worker: Callable[[Behaviour], Awaitable[Fak
     finally:
         await client.close()
     await assert_client_closed(fake)
+
+
+def test_a_send_on_a_transport_closed_under_it_is_a_lost_connection() -> None:
+    """The worker's RST can close the transport before the reader task sees EOF:
+    a send then is a ConnectionLost (recovered), not uvloop's RuntimeError
+    ("the handler is closed"), which failed the request (chaos row
+    target-kill-mid-pull). Run on uvloop, the proxy's loop."""
+    import uvloop
+
+    async def hello(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(frame(Hello("decode-0", "decode", "tiny")))
+        await writer.drain()
+        await reader.read()
+        writer.close()
+
+    async def scenario() -> None:
+        server = await asyncio.start_server(hello, "127.0.0.1", 0)
+        client = WorkerClient(f"127.0.0.1:{server.sockets[0].getsockname()[1]}")
+        try:
+            await client.connect(timeout_s=SETTLE_S)
+            assert client._writer is not None
+            client._writer.transport.abort()  # closed under the client; `closed` not yet set
+            assert not client.closed
+            with pytest.raises(ConnectionLost, match="is closed"):
+                await client.send(Error(1, "x", "y"))
+        finally:
+            await client.close()
+            server.close()
+            await server.wait_closed()
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(scenario())
