@@ -12,7 +12,11 @@ blocks through shared memory, past every network fault).
 Hosts: ``redis``, ``sched0``, ``sched1`` (two schedulers, one leader),
 ``proxy`` and ``proxy1``.. (the proxies ``proxy``, ``proxy-1``..: clients
 spread over them, as behind a load balancer), ``p0`` (prefill-0), ``d0``..
-(decode-0..). Every process can be
+(decode-0..). With ``sentinel``, Redis is replicated and watched the way an
+operator runs it highly available: ``redis-1`` (host ``redis1``) replicates
+``redis``, three Sentinels (``sentinel-0..2`` on ``redis``, ``redis1`` and
+``sched0``, quorum 2) watch them, and every STAR process finds the master
+through them (``redis.sentinels``). Every process can be
 SIGKILLed (:meth:`NetFleet.kill`) and started again with the same argv and
 address (:meth:`NetFleet.restart`), as systemd's ``Restart=always`` would.
 """
@@ -33,19 +37,25 @@ from typing import Any
 
 from benchmarks.chaos.netns import Network
 from star.fleet import Child, Launcher, group_members
-from star.settings import env_key
+from star.settings import RedisSettings, env_key
 
 SECRET_ENV = env_key("cluster.secret")
 MODEL = "star-tiny"
 WORKER_PORT = 7100
 PROXY_PORT = 8000
 REDIS_PORT = 6379
+SENTINEL_PORT = 26379
+SERVICE = "star-chaos"  # the master's name in the Sentinels' configuration
+SENTINEL_HOSTS = ("redis", "redis1", "sched0")
 
 
-def host_names(decode: int, schedulers: int = 2, proxies: int = 1) -> list[str]:
+def host_names(
+    decode: int, schedulers: int = 2, proxies: int = 1, sentinel: bool = False
+) -> list[str]:
     """The namespaces a fleet of ``decode`` decode workers needs."""
     return [
         "redis",
+        *(["redis1"] if sentinel else []),
         *(f"sched{i}" for i in range(schedulers)),
         "proxy",
         *(f"proxy{i}" for i in range(1, proxies)),
@@ -73,6 +83,7 @@ class NetFleet:
         env: dict[str, str] | None = None,
         worker_args: list[str] | None = None,
         persist: bool = False,
+        sentinel: bool = False,
     ) -> None:
         self.net = net
         self.run_dir = run_dir
@@ -80,12 +91,16 @@ class NetFleet:
         self.schedulers = schedulers
         self.proxy_names = ["proxy", *(f"proxy-{i}" for i in range(1, proxies))]
         self.persist = persist
+        self.sentinel = sentinel
         self.password = secrets.token_hex(16)
         base = dict(os.environ if env is None else env)
         base.pop("STAR_CONFIG", None)
         base.setdefault(SECRET_ENV, secrets.token_hex(32))
         base.setdefault("STAR_LOG_FORMAT", "json")
         base["STAR_REDIS_URL"] = self.redis_url
+        if sentinel:
+            base["STAR_REDIS_SENTINELS"] = ",".join(self.sentinel_addresses)
+            base["STAR_REDIS_SERVICE_NAME"] = SERVICE
         base["UCX_TLS"] = "tcp"
         base["UCX_NET_DEVICES"] = "eth0"
         self.env = base
@@ -101,6 +116,23 @@ class NetFleet:
     @property
     def redis_url(self) -> str:
         return f"redis://:{self.password}@{self.ip('redis')}:{REDIS_PORT}/0"
+
+    @property
+    def sentinel_addresses(self) -> list[str]:
+        return [f"{self.ip(host)}:{SENTINEL_PORT}" for host in SENTINEL_HOSTS]
+
+    @property
+    def secret(self) -> str:
+        """The cluster secret every process signs the bus with."""
+        return self.env[SECRET_ENV]
+
+    def redis_settings(self) -> RedisSettings:
+        """How to reach this fleet's bus (through the Sentinels with ``sentinel``)."""
+        if not self.sentinel:
+            return RedisSettings(url=self.redis_url)
+        return RedisSettings(
+            url=self.redis_url, sentinels=tuple(self.sentinel_addresses), service_name=SERVICE
+        )
 
     @property
     def url(self) -> str:
@@ -134,8 +166,10 @@ class NetFleet:
             return name[0] + name.split("-")[1]
         if name.startswith("scheduler-"):
             return "sched" + name.split("-")[1]
-        if name.startswith("proxy-"):
-            return "proxy" + name.split("-")[1]
+        if name.startswith(("proxy-", "redis-")):
+            return name.replace("-", "")
+        if name.startswith("sentinel-"):
+            return SENTINEL_HOSTS[int(name.split("-")[1])]
         return name
 
     # -- processes ------------------------------------------------------------
@@ -157,6 +191,8 @@ class NetFleet:
             ],
         )  # fmt: skip
         self._wait_redis(30)
+        if self.sentinel:
+            self._start_sentinels(binary)
         star = [sys.executable, "-m", "star.cli.main"]
         workers = [("prefill", 0)] + [("decode", i) for i in range(self.decode)]
         for n, (role, i) in enumerate(workers):
@@ -186,6 +222,57 @@ class NetFleet:
                 ],
             )  # fmt: skip
 
+    def _start_sentinels(self, binary: str) -> None:
+        """The replica ``redis-1`` and three Sentinels (quorum 2, down after 1 s)."""
+        data = self.run_dir / "redis-1"
+        data.mkdir(exist_ok=True)
+        self._spawn(
+            "redis-1",
+            [
+                binary, "--bind", self.ip("redis1"), "--port", str(REDIS_PORT),
+                "--requirepass", self.password, "--masterauth", self.password,
+                "--replicaof", self.ip("redis"), str(REDIS_PORT), "--save", "",
+                "--appendonly", "no", "--dir", str(data), "--protected-mode", "no",
+                "--repl-diskless-sync-delay", "0",
+            ],
+        )  # fmt: skip
+        self._wait_redis(30, "redis1")
+        for i, host in enumerate(SENTINEL_HOSTS):
+            name = f"sentinel-{i}"
+            home = self.run_dir / name
+            home.mkdir(exist_ok=True)
+            conf = home / "sentinel.conf"  # a Sentinel rewrites its own file
+            conf.write_text(
+                f"bind {self.ip(host)}\nport {SENTINEL_PORT}\ndir {home}\nprotected-mode no\n"
+                f"sentinel monitor {SERVICE} {self.ip('redis')} {REDIS_PORT} 2\n"
+                f"sentinel auth-pass {SERVICE} {self.password}\n"
+                f"sentinel down-after-milliseconds {SERVICE} 1000\n"
+                f"sentinel failover-timeout {SERVICE} 10000\n"
+                f"sentinel known-replica {SERVICE} {self.ip('redis1')} {REDIS_PORT}\n"
+            )
+            self._spawn(name, [binary, str(conf), "--sentinel"])
+
+    def master(self) -> str:
+        """The host the Sentinels name as master now ('' if they do not answer)."""
+        import redis
+
+        for address in self.sentinel_addresses:
+            host, port = address.split(":")
+            client = redis.Redis(host=host, port=int(port), socket_timeout=1, decode_responses=True)
+            try:
+                answer = client.execute_command(  # type: ignore[no-untyped-call]
+                    "SENTINEL", "get-master-addr-by-name", SERVICE
+                )
+            except redis.RedisError:
+                continue
+            finally:
+                client.close()
+            if not answer:
+                continue
+            ip = str(answer[0])
+            return next((h for h, n in self.net.hosts.items() if n.ip == ip), ip)
+        return ""
+
     def _spawn(self, name: str, argv: list[str], extra: dict[str, str] | None = None) -> Child:
         self._argv[name] = (argv, dict(extra or {}))
         return self.launcher.start(name, self.net.argv(self.host_of(name), argv), extra)
@@ -198,8 +285,8 @@ class NetFleet:
             log.rename(log.with_suffix(f".{lives}.log"))
         argv, extra = self._argv[name]
         self._spawn(name, argv, extra)
-        if name == "redis":
-            self._wait_redis(30)
+        if name in ("redis", "redis-1"):
+            self._wait_redis(30, self.host_of(name))
 
     async def persistence(self, on: bool) -> None:
         """Turn Redis' append-only file on (or off) now and for every restart."""
@@ -327,11 +414,11 @@ class NetFleet:
             time.sleep(0.5)
         return time.monotonic() - started
 
-    def _wait_redis(self, timeout_s: float) -> None:
+    def _wait_redis(self, timeout_s: float, host: str = "redis") -> None:
         import redis
 
         client = redis.Redis(
-            host=self.ip("redis"), port=REDIS_PORT, password=self.password, socket_timeout=1
+            host=self.ip(host), port=REDIS_PORT, password=self.password, socket_timeout=1
         )
         deadline = time.monotonic() + timeout_s
         try:

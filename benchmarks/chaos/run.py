@@ -38,6 +38,8 @@ from benchmarks.chaos.scenarios import SCENARIOS, Ctx, bus_call
 from benchmarks.common import bench_main, text_table
 from star.aio import deadline
 
+# Faults aimed at the single Redis at redis.url, not at a Sentinel-watched master.
+PLAIN_REDIS_FAULTS = {"redis-kill", "redis-kill-persistent", "redis-oom"}
 TTL_S = 30  # released-but-unread KV blocks are freed after this (decoder_kv_blocks_ttl)
 MODEL_DIR = Path(__file__).resolve().parents[2] / "star" / "model" / "tiny"
 
@@ -86,6 +88,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="proxies, the clients spread over them (default 2; faults strike the first)",
     )
     parser.add_argument(
+        "--sentinel",
+        action="store_true",
+        help="run Redis replicated under three Sentinels, every process following them"
+        " (on by itself for redis-failover; the other Redis faults need it off)",
+    )
+    parser.add_argument(
         "--out", type=Path, help="write the rows here as JSON (and the logs beside)"
     )
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
@@ -123,7 +131,7 @@ async def _idle_kv(fleet: NetFleet, within_s: float) -> dict[str, int]:
     used: dict[str, int] = {}
     while time.monotonic() < until:
         with contextlib.suppress(Exception):
-            reports = await bus_call(fleet.redis_url, lambda b: b.latest_reports(), 5.0)
+            reports = await bus_call(fleet, lambda b: b.latest_reports(), 5.0)
             now = time.time()
             used = {
                 n: r.used_tokens
@@ -231,12 +239,15 @@ async def _main(args: argparse.Namespace, names: list[str], run_dir: Path) -> li
         "STAR_SCHEDULER_STALENESS_S": "15",
         "STAR_LOG_LEVEL": "info",
     }
-    with Network(host_names(args.decode, proxies=args.proxies), shaped={"proxy"}) as net:
+    sentinel = args.sentinel or "redis-failover" in names
+    hosts = host_names(args.decode, proxies=args.proxies, sentinel=sentinel)
+    with Network(hosts, shaped={"proxy"}) as net:
         fleet = NetFleet(
             net,
             run_dir,
             decode=args.decode,
             proxies=args.proxies,
+            sentinel=sentinel,
             env=env,
             worker_args=["--engine-arg", f"kv_transfer_config={ttl}"],
         )
@@ -284,6 +295,12 @@ def run(args: argparse.Namespace) -> int:
     if args.proxies < 1 or args.decode < 1:
         raise SystemExit("bench chaos: --proxies and --decode must be at least 1")
     names = _chosen(args)
+    plain_redis = [n for n in names if n in PLAIN_REDIS_FAULTS]
+    if (args.sentinel or "redis-failover" in names) and plain_redis:
+        raise SystemExit(
+            f"bench chaos: {', '.join(plain_redis)} strike the one Redis of a fleet without"
+            " Sentinels; run them apart from redis-failover (and without --sentinel)"
+        )
     run_dir = args.out.parent / (args.out.stem + "-logs") if args.out else None
     if run_dir is not None:
         run_dir.mkdir(parents=True, exist_ok=True)

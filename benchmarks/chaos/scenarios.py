@@ -24,7 +24,7 @@ from benchmarks.chaos.integrity import INTEGRITY
 from star.aio import deadline
 from star.bus import Bus
 from star.fleet import group_members, manual_decision
-from star.settings import BusSettings, RedisSettings
+from star.settings import BusSettings
 from star.wire import Event, EventKind
 
 _NOT_MOVED = {EventKind.REFUSED, EventKind.FINISHED, EventKind.ABORTED, EventKind.EXPIRED}
@@ -54,7 +54,7 @@ class Ctx:
         return round(time.monotonic() - self.fault_at, 2)
 
     async def bus_call(self, call: Callable[[Bus], Awaitable[Any]], within_s: float = 5.0) -> Any:
-        return await bus_call(self.fleet.redis_url, call, within_s)
+        return await bus_call(self.fleet, call, within_s)
 
     async def reported_since(self, instances: list[str], since: float) -> bool:
         """Whether each of ``instances`` has a report stamped after ``since`` (wall time)."""
@@ -227,9 +227,10 @@ def _signal(pids: list[int], sig: signal.Signals) -> None:
             os.kill(pid, sig)
 
 
-async def bus_call(redis_url: str, call: Callable[[Bus], Awaitable[Any]], within_s: float) -> Any:
-    """One bus query on a fresh connection (Redis may have been restarted since the last)."""
-    bus = Bus.from_settings(RedisSettings(url=redis_url), BusSettings())
+async def bus_call(fleet: NetFleet, call: Callable[[Bus], Awaitable[Any]], within_s: float) -> Any:
+    """One bus query on a fresh connection (Redis may have been restarted since the last),
+    signed with the fleet's secret (a decision published unsigned is dead-lettered)."""
+    bus = Bus.from_settings(fleet.redis_settings(), BusSettings(), fleet.secret)
     try:
         async with deadline(within_s):
             return await call(bus)
@@ -271,6 +272,24 @@ async def decode_kill_mid_handoff(ctx: Ctx) -> None:
     ctx.healed()
     ctx.extra["killed"] = source
     ctx.restart(source)
+
+
+async def target_kill_mid_pull(ctx: Ctx) -> None:
+    """A move between decode instances held mid-handoff; SIGKILL its target, then let it go on.
+
+    The target's engine is paused (SIGSTOP) before the decision, so the
+    source releases and hands off but the target has not pulled yet: the
+    target dies with the handoff taken and the KV unread on the source.
+    """
+    with ctx.paused_target() as hold:
+        request, _source, target = await ctx.move(hold)
+        await ctx.wait_event(request, EventKind.RELEASED)
+        ctx.extra["moved"] = request
+        ctx.fault()
+        ctx.fleet.kill(target)
+    ctx.healed()
+    ctx.extra["killed"] = target
+    ctx.restart(target)
 
 
 async def prefill_kill(ctx: Ctx) -> None:
@@ -330,6 +349,34 @@ async def _redis_kill(ctx: Ctx) -> None:
     ctx.fleet.kill("redis")
     await asyncio.sleep(REDIS_DOWN_S)
     ctx.fleet.restart("redis")
+    ctx.healed()
+    ctx.extra["reports_resumed_s"] = await ctx.reports_resumed(ctx.fleet.worker_names)
+    ctx.extra["leader_s"] = await ctx.wait_leader("")
+
+
+async def redis_failover(ctx: Ctx) -> None:
+    """SIGKILL the Redis master; the Sentinels promote its replica (``--sentinel`` fleet).
+
+    The old master is started again 3 s after the promotion (empty, no
+    persistence), as systemd would: the Sentinels make it a replica of the
+    new master, and every process must have left it.
+    """
+    if not ctx.fleet.sentinel:
+        raise RuntimeError("redis-failover needs a fleet with Sentinels (bench chaos --sentinel)")
+    before = await asyncio.to_thread(ctx.fleet.master)
+    ctx.fault()
+    ctx.fleet.kill("redis" if before == "redis" else "redis-1")
+    until = time.monotonic() + 60
+    while (now := await asyncio.to_thread(ctx.fleet.master)) in (before, ""):
+        if time.monotonic() > until:
+            raise RuntimeError(
+                f"the Sentinels did not promote a replica within 60 s (master {now!r})"
+            )
+        await asyncio.sleep(0.2)
+    ctx.extra["promoted_s"] = ctx.since_fault()
+    ctx.extra["master"] = f"{before} > {now}"
+    await asyncio.sleep(REDIS_DOWN_S)
+    ctx.fleet.restart("redis" if before == "redis" else "redis-1")
     ctx.healed()
     ctx.extra["reports_resumed_s"] = await ctx.reports_resumed(ctx.fleet.worker_names)
     ctx.extra["leader_s"] = await ctx.wait_leader("")
@@ -434,12 +481,14 @@ SCENARIOS: dict[str, tuple[Scenario, bool]] = {
     "none": (nothing, True),
     "decode-kill": (decode_kill, True),
     "decode-kill-mid-handoff": (decode_kill_mid_handoff, False),
+    "target-kill-mid-pull": (target_kill_mid_pull, False),
     "prefill-kill": (prefill_kill, False),
     "proxy-kill": (proxy_kill, False),
     "proxy-restart": (proxy_restart, False),
     "scheduler-kill": (scheduler_kill, True),
     "redis-kill": (redis_kill, False),
     "redis-kill-persistent": (redis_kill_persistent, False),
+    "redis-failover": (redis_failover, False),
     "partition-worker-redis": (partition_worker_redis, False),
     "partition-proxy-decode": (partition_proxy_decode, True),
     "partition-proxy-decode-long": (partition_proxy_decode_long, False),
