@@ -60,6 +60,9 @@ class GenerationRequest:
     include_usage: bool = False
     migratable: bool = True
     arrival_s: float = 0.0  # time.monotonic() when the HTTP request was complete
+    # The proxy's description of the response, for a resume on any proxy
+    # (proxy.resume.context_of); empty: the request is not resumable there.
+    context: bytes = b""
 
     @property
     def max_tokens(self) -> int:
@@ -82,12 +85,18 @@ class TokenBatch:
     that id or None), ``"length"`` (``max_tokens`` reached) or ``"abort"``
     (the engine gave up on the request). ``index`` selects the choice when
     several are merged into one stream (:class:`proxy.fanout.FanIn` sets it).
+    A request with logprobs gets ``logprobs`` (one per token) and, flat, ``k``
+    top ``(id, logprob)`` pairs per token in ``top_ids`` / ``top_logprobs``
+    (:class:`star.wire.LogprobTokens`); None: none asked for.
     """
 
     token_ids: list[int]
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     index: int = 0
+    logprobs: list[float] | None = None
+    top_ids: list[int] | None = None
+    top_logprobs: list[float] | None = None
 
 
 class BackendError(Exception):

@@ -28,6 +28,7 @@ from star.wire import (
     EventKind,
     Generate,
     Handoff,
+    LogprobTokens,
     Tokens,
 )
 
@@ -35,6 +36,22 @@ RELEASE_TIMEOUT_S = 10.0
 MAX_RECOVERIES = 3
 # The finish reasons a client may see; another (vLLM's "error") fails the request.
 _FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+def _batch(
+    msg: Tokens, reason: FinishReason | None = None, stop_reason: str | int | None = None
+) -> TokenBatch:
+    """The batch a Tokens frame delivers (its logprobs too, on a LogprobTokens)."""
+    if isinstance(msg, LogprobTokens):
+        return TokenBatch(
+            list(msg.token_ids),
+            reason,
+            stop_reason,
+            logprobs=list(msg.logprobs),
+            top_ids=list(msg.top_ids),
+            top_logprobs=list(msg.top_logprobs),
+        )
+    return TokenBatch(list(msg.token_ids), reason, stop_reason)
 
 
 def leg_frame(
@@ -473,7 +490,7 @@ class RunMachine:
             self.last_token_s = now
         if msg.finish_reason is None:
             if msg.token_ids:
-                out.append(Deliver(TokenBatch(list(msg.token_ids))))
+                out.append(Deliver(_batch(msg)))
             return
         if self.state is RunState.RELEASING:
             self._refused(out, "finished")
@@ -494,7 +511,7 @@ class RunMachine:
                 )
             )
             return
-        out.append(Deliver(TokenBatch(list(msg.token_ids), reason, msg.stop_reason)))
+        out.append(Deliver(_batch(msg, reason, msg.stop_reason)))
 
     def _refused(self, out: list[Action], reason: str) -> None:
         target = self.pending.decision.target if self.pending else ""

@@ -24,6 +24,7 @@ from proxy import sse
 from proxy.backend import GenerationRequest, RequestKind, TokenBatch, is_migratable
 from proxy.detok import TextStream
 from proxy.http import HttpError
+from proxy.logprobs import MAX_LOGPROBS, ChoiceLogprobs, TokenNames
 from proxy.tokenizer import ChatTemplateError, ModelCard, PromptTooLong
 from proxy.validate import Fields, parse_object
 
@@ -35,6 +36,7 @@ MAX_STOP = 16  # stop strings per request (OpenAI allows 4; vLLM has no cap)
 # Characters per stop string: matching holds back and rescans up to this much
 # text per token (docs/operations.md, "HTTP limits").
 MAX_STOP_CHARS = 256
+_NO_PROMPT_LOGPROBS = "'prompt_logprobs' are not supported by this server"
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
 
@@ -47,6 +49,9 @@ class TextOptions:
     min_tokens: int = 0
     # echo with max_tokens 0: the prompt alone (vLLM runs one token it does not show)
     prompt_only: bool = False
+    # Top tokens per position in the response's logprobs (completions' logprobs,
+    # chat's top_logprobs); None: no logprobs.
+    logprobs: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,10 +112,17 @@ def parse_completion(body: bytes, models: Mapping[str, ModelCard]) -> ParsedRequ
     card = find_model(models, f.raw("model"))
     prompts = _completion_prompts(f, card)
     f.reject_truthy("suffix", "'suffix' is not supported")
-    f.reject_present("logprobs", "'logprobs' are not supported by this server")
+    logprobs = _logprobs_count(f, "logprobs")
+    f.reject_present("prompt_logprobs", _NO_PROMPT_LOGPROBS)
     echoed = f.bool_("echo", False)
+    if echoed and logprobs is not None:
+        f.fail(
+            "logprobs",
+            "'echo' with 'logprobs' (the prompt's logprobs) is not supported",
+            "unsupported_parameter",
+        )
     parsed = _finish_parse(
-        f, card, prompts, "completion", "cmpl-", COMPLETION_DEFAULT_MAX_TOKENS, echoed
+        f, card, prompts, "completion", "cmpl-", COMPLETION_DEFAULT_MAX_TOKENS, echoed, logprobs
     )
     if not echoed:
         return parsed
@@ -137,8 +149,8 @@ def parse_chat(body: bytes, models: Mapping[str, ModelCard]) -> ParsedRequest:
             param="tools",
             code="unsupported_parameter",
         )
-    f.reject_truthy("logprobs", "'logprobs' are not supported by this server")
-    f.reject_present("top_logprobs", "'top_logprobs' is not supported by this server")
+    logprobs = _chat_logprobs(f)
+    f.reject_present("prompt_logprobs", _NO_PROMPT_LOGPROBS)
     f.reject_truthy("echo", "'echo' is not supported")
     f.reject_truthy("continue_final_message", "'continue_final_message' is not supported")
     add_generation_prompt = f.bool_("add_generation_prompt", True)
@@ -155,7 +167,33 @@ def parse_chat(body: bytes, models: Mapping[str, ModelCard]) -> ParsedRequest:
     if "max_completion_tokens" in f.data and f.raw("max_completion_tokens") is not None:
         f.data["max_tokens"] = f.data["max_completion_tokens"]
         f.param_alias["max_tokens"] = "max_completion_tokens"
-    return _finish_parse(f, card, [prompt], "chat", "chatcmpl-", None)
+    return _finish_parse(f, card, [prompt], "chat", "chatcmpl-", None, logprobs=logprobs)
+
+
+def _logprobs_count(f: Fields, name: str) -> int | None:
+    """Top tokens per position asked for in ``name`` (None: no logprobs), as vLLM bounds it."""
+    count = f.opt_int(name)
+    if count is None:
+        return None
+    if count < -1:
+        f.fail(name, "`{param}` must be a positive value or -1.")
+    if count == -1 or count > MAX_LOGPROBS:
+        asked = "the whole vocabulary" if count == -1 else str(count)
+        f.fail(
+            name,
+            f"Requested sample logprobs of {asked}, which is greater than max allowed: "
+            f"{MAX_LOGPROBS}",
+        )
+    return count
+
+
+def _chat_logprobs(f: Fields) -> int | None:
+    """Chat's ``logprobs`` (a boolean) and ``top_logprobs``: the top tokens per position, or None."""
+    wanted = f.bool_("logprobs", False)
+    top = _logprobs_count(f, "top_logprobs") or 0
+    if top and not wanted:
+        f.fail("top_logprobs", "when using `top_logprobs`, `logprobs` must be set to true.")
+    return top if wanted else None
 
 
 def _completion_prompts(f: Fields, card: ModelCard) -> list[list[int]]:
@@ -285,6 +323,7 @@ def _finish_parse(
     id_prefix: str,
     default_max_tokens: int | None,
     echoed: bool = False,
+    logprobs: int | None = None,
 ) -> ParsedRequest:
     stream = f.bool_("stream", False)
     options = f.dict_("stream_options")
@@ -306,12 +345,15 @@ def _finish_parse(
     if max_tokens > room:
         raise _context_error(card, longest, max_tokens, kind)
     sampling = _sampling(f, card, max_tokens)
+    if logprobs is not None:
+        sampling["logprobs"] = logprobs
     stop = f.str_list("stop", MAX_STOP, MAX_STOP_CHARS)
     text = TextOptions(
         include_stop_str_in_output=f.bool_("include_stop_str_in_output", False),
         skip_special_tokens=f.bool_("skip_special_tokens", True),
         min_tokens=int(sampling.get("min_tokens", 0)),
         prompt_only=prompt_only,
+        logprobs=logprobs,
     )
     gen = GenerationRequest(
         request_id=id_prefix + uuid.uuid4().hex,
@@ -507,6 +549,14 @@ class Relay:
         )
         self._prompt_only = text.prompt_only
         self._texts: list[list[str]] = [[] for _ in range(count)]
+        # Each choice's logprobs, when asked for (proxy.logprobs renders them).
+        self._scores: list[ChoiceLogprobs] | None = None
+        if text.logprobs is not None:
+            names = TokenNames(parsed.card.tokenizer)
+            self._scores = [
+                ChoiceLogprobs(names, gen.kind == "chat", text.logprobs, keep=not gen.stream)
+                for _ in range(count)
+            ]
         # Characters of text each choice has released; a resumed stream starts
         # at the client's count and skips that much (proxy.resume).
         self.released = [0] * count
@@ -555,9 +605,20 @@ class Relay:
         choice = self.choices[index]
         if choice.finish_reason is not None:
             return b""
+        before = choice.num_tokens
         text = choice.feed(batch.token_ids)
         if choice.finish_reason is None and batch.finish_reason is not None:
             text += choice.finish(batch.finish_reason, batch.stop_reason)
+        scores = None
+        if self._scores is not None and choice.num_tokens > before:
+            # The tokens this choice took (a stop string drops those after it).
+            scores = self._scores[index].take(
+                batch.token_ids,
+                batch.logprobs,
+                batch.top_ids,
+                batch.top_logprobs,
+                choice.num_tokens - before,
+            )
         if self._prompt_only:
             text = ""  # counted in usage, as vLLM counts it, but not shown
         echo = self._echo[index]
@@ -574,9 +635,9 @@ class Relay:
             if text:
                 self._texts[index].append(text)
             return b""
-        if not text and finish is None:
+        if not text and finish is None and scores is None:
             return b"" if self._started else self._start()
-        chunk = self._chunk(index, text, finish)
+        chunk = self._chunk(index, text, finish, scores)
         return chunk if self._started else self._start() + chunk
 
     def resume_at(self, chars: int) -> None:
@@ -614,7 +675,7 @@ class Relay:
                 item["message"] = {"role": "assistant", "content": text}
             else:
                 item["text"] = text
-            item["logprobs"] = None
+            item["logprobs"] = None if self._scores is None else self._scores[i].result()
             item["finish_reason"] = choice.finish_reason
             choices.append(item)
         return {
@@ -647,12 +708,16 @@ class Relay:
             for i in range(len(self.choices))
         )
 
-    def _chunk(self, index: int, text: str, finish: str | None) -> bytes:
-        if finish is None:  # the per-token case: one JSON string encode, three joins
+    def _chunk(
+        self, index: int, text: str, finish: str | None, scores: dict[str, Any] | None = None
+    ) -> bytes:
+        if finish is None and scores is None:  # the per-token case: one encode, three joins
             return self._pre[index] + encode_basestring(text).encode() + self._post
-        if self.req.kind == "chat" and not text:
+        if self.req.kind == "chat" and not text and finish is not None:
             body = b',"delta":{}'  # the closing chunk of a choice carries an empty delta
         else:
             body = self._text_key + encode_basestring(text).encode() + self._text_end
         head = b"data: " + self._head + str(index).encode()
-        return head + body + self._tail + b'"' + finish.encode() + b'"' + self._end + b"\n\n"
+        tail = self._tail if scores is None else b',"logprobs":' + _j(scores) + b',"finish_reason":'
+        reason = b"null" if finish is None else b'"' + finish.encode() + b'"'
+        return head + body + tail + reason + self._end + b"\n\n"

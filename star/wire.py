@@ -8,7 +8,8 @@ SCHEMA_VERSION}``:
   ``<prefix>:load`` hash);
 * frames of the internal token protocol between proxy and workers (framed
   msgpack over TCP, multiplexed by ``stream``): :class:`Hello`,
-  :class:`Generate`, :class:`Tokens`, :class:`Abort`, :class:`Release`,
+  :class:`Generate`, :class:`Tokens` (:class:`LogprobTokens` with logprobs),
+  :class:`Abort`, :class:`Release`,
   :class:`Handoff`, :class:`Error`, the heartbeats :class:`Ping` and
   :class:`Pong` (:mod:`star.liveness`), and the authentication handshake
   before Hello (:mod:`star.handshake`): :class:`Challenge`, :class:`Answer`,
@@ -307,6 +308,33 @@ class Tokens(Message, frozen=True, tag="tokens"):
     num_prompt_tokens: Count = 0
 
 
+class LogprobTokens(Tokens, frozen=True, tag="logprob_tokens"):
+    """:class:`Tokens` of a request that asked for logprobs (``sampling["logprobs"]``: k).
+
+    A kind of its own, so that plain Tokens frames keep their bytes and a peer
+    from before it never sees one (such a proxy refuses logprobs). Parallel
+    arrays, never a map per token: ``logprobs[i]`` is the log-probability of
+    ``token_ids[i]`` (vLLM's raw logprobs; ``-inf`` kept), and ``top_ids`` /
+    ``top_logprobs`` hold, flat, the k most likely tokens at each position in
+    rank order (``k = len(top_ids) // len(token_ids)``; k = 0: both empty).
+    The sampled token may be among them.
+    """
+
+    logprobs: list[float] = []
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
+
+    @property
+    def top_k(self) -> int:
+        """How many top tokens each position carries."""
+        return len(self.top_ids) // len(self.token_ids) if self.token_ids else 0
+
+    def consistent(self) -> bool:
+        """Whether the arrays fit ``token_ids`` (one logprob per token, k top per token)."""
+        n, k = len(self.token_ids), self.top_k
+        return len(self.logprobs) == n and len(self.top_ids) == len(self.top_logprobs) == n * k
+
+
 class Abort(Message, frozen=True, tag="abort"):
     """The client went away: stop the stream and free its KV."""
 
@@ -411,6 +439,7 @@ FRAMES: tuple[type[Message], ...] = (
     Hello,
     Generate,
     Tokens,
+    LogprobTokens,
     Abort,
     Release,
     Handoff,

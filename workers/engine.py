@@ -47,6 +47,7 @@ from workers.protocol import (
     HandoffInfo,
     ReleaseRefused,
     TokenDelta,
+    delta_logprobs,
 )
 from workers.startup import EngineStartError, Setup, core_failure, explain, root_cause
 from workers.state import EngineStats, RunningRequest, length_budget
@@ -265,10 +266,13 @@ class EngineHandle:
                     live.generated += len(new)
                     live.started = True
                     finished = bool(out.finished)
+                    scores = delta_logprobs(completion.logprobs, len(new))
                     if finished and (out.kv_transfer_params or {}).get(RELEASE_KEY) is not None:
                         # Released (D->D): the stream ends here without a final delta.
                         if new:
-                            yield TokenDelta(token_ids=new, num_prompt_tokens=live.prompt_tokens)
+                            yield TokenDelta(
+                                token_ids=new, num_prompt_tokens=live.prompt_tokens, **scores
+                            )
                         _settle(live, handoff(live, out.kv_transfer_params or {}))
                         return
                     if finished and completion.finish_reason == "error":
@@ -279,6 +283,7 @@ class EngineHandle:
                         stop_reason=completion.stop_reason if finished else None,
                         kv_transfer_params=out.kv_transfer_params if finished else None,
                         num_prompt_tokens=live.prompt_tokens,
+                        **scores,
                     )
         except EngineDeadError as exc:
             raise EngineDead(f"engine died: {exc}") from exc

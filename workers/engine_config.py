@@ -308,7 +308,12 @@ def sampling_params(request: GenerateRequest, role: str) -> SamplingParams:
     if role == "prefill":
         kwargs["max_tokens"] = 1
         kwargs["min_tokens"] = 0
+        kwargs.pop("logprobs", None)  # its one token is not the client's
         kv.setdefault("do_remote_decode", True)
+    if kwargs.get("logprobs") is not None:
+        # Logprobs as flat arrays (vLLM's FlatLogprobs), which the worker sends
+        # on as they are (star.wire.LogprobTokens): no Logprob object per entry.
+        kwargs["flat_logprobs"] = True
     extra: dict[str, Any] = {"kv_transfer_params": kv} if kv else {}
     if request.continued > 0:
         # The tap (workers/tap.py) reads it: this request's first row is mid-answer,

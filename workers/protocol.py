@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import enum
 from collections.abc import AsyncGenerator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 from star.transitions import IllegalTransition as IllegalTransition
 from star.transitions import stepper
-from star.wire import Error, ErrorCode, Generate, Tokens
+from star.wire import Error, ErrorCode, Generate, LogprobTokens, Tokens
 
 # -- errors -------------------------------------------------------------------
 
@@ -127,13 +127,30 @@ class TokenDelta:
     stop_reason: str | int | None = None
     kv_transfer_params: dict[str, Any] | None = None
     num_prompt_tokens: int = 0
+    # A request with logprobs: each token's logprob, and k top (id, logprob)
+    # per token, flat (star.wire.LogprobTokens). None: none asked for.
+    logprobs: list[float] | None = None
+    top_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
     def to_frame(self, stream: int) -> Tokens:
-        """This delta as the Tokens frame of ``stream``."""
+        """This delta as the Tokens frame of ``stream`` (LogprobTokens when it has logprobs)."""
+        if self.logprobs is not None and self.token_ids:
+            return LogprobTokens(
+                stream=stream,
+                token_ids=self.token_ids,
+                finish_reason=self.finish_reason,
+                stop_reason=self.stop_reason,
+                kv_transfer_params=self.kv_transfer_params,
+                num_prompt_tokens=self.num_prompt_tokens,
+                logprobs=self.logprobs,
+                top_ids=self.top_ids,
+                top_logprobs=self.top_logprobs,
+            )
         return Tokens(
             stream=stream,
             token_ids=self.token_ids,
@@ -142,6 +159,30 @@ class TokenDelta:
             kv_transfer_params=self.kv_transfer_params,
             num_prompt_tokens=self.num_prompt_tokens,
         )
+
+
+def delta_logprobs(logprobs: Any, count: int) -> dict[str, Any]:
+    """A delta's logprobs as :class:`TokenDelta` fields ({} when the request asked for none).
+
+    ``logprobs`` is vLLM's ``CompletionOutput.logprobs`` for the delta's
+    ``count`` tokens, as :class:`vllm.logprobs.FlatLogprobs`
+    (``flat_logprobs``, which :func:`workers.engine_config.sampling_params` sets):
+    per position the sampled token first, then the top k in rank order.
+    """
+    if logprobs is None:
+        return {}
+    starts, ends = list(logprobs.start_indices), list(logprobs.end_indices)
+    if len(starts) != count:
+        raise EngineFailed(f"the engine gave logprobs for {len(starts)} of {count} tokens")
+    values, ids = logprobs.logprobs, logprobs.token_ids
+    sampled: list[float] = []
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
+    for start, end in zip(starts, ends, strict=True):
+        sampled.append(float(values[start]))
+        top_ids.extend(int(t) for t in ids[start + 1 : end])
+        top_logprobs.extend(float(v) for v in values[start + 1 : end])
+    return {"logprobs": sampled, "top_ids": top_ids, "top_logprobs": top_logprobs}
 
 
 @dataclass(frozen=True, slots=True)

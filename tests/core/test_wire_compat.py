@@ -17,7 +17,7 @@ import msgpack
 import pytest
 
 from star.wire import BUS_MESSAGES, FRAMES, Report, decode, decode_as, encode, frame
-from tests.core.wire_samples import SAMPLES
+from tests.core.wire_samples import NEWER, SAMPLES
 
 RECORDED: dict[str, str] = json.loads((Path(__file__).parent / "wire_v1_bytes.json").read_text())[
     "samples"
@@ -40,8 +40,26 @@ def _typed(value: Any) -> Any:
 
 def test_every_kind_is_recorded() -> None:
     kinds = {msg.KIND for msg in SAMPLES.values()}
-    assert kinds == {cls.KIND for cls in (*BUS_MESSAGES, *FRAMES)}
+    newer = {msg.KIND for msg in NEWER.values()}
+    assert kinds | newer == {cls.KIND for cls in (*BUS_MESSAGES, *FRAMES)}
+    assert not kinds & newer
     assert set(RECORDED) == set(SAMPLES)
+
+
+@pytest.mark.parametrize("name", sorted(NEWER))
+def test_newer_kinds_leave_the_recorded_ones_alone(name: str) -> None:
+    # A newer variant of a recorded kind is a kind of its own: the recorded
+    # kind's map (an older peer's) is unchanged, the variant adds its fields.
+    msg = NEWER[name]
+    assert decode(encode(msg)) == msg
+    base = type(msg).__mro__[1]
+    if base.KIND not in {m.KIND for m in SAMPLES.values()}:
+        return  # a new kind, not a variant
+    older = base(**{f: getattr(msg, f) for f in base.__struct_fields__})
+    assert _plain(encode(older))["k"] == base.KIND
+    assert set(_plain(encode(msg))) - set(_plain(encode(older))) == set(
+        type(msg).__struct_fields__
+    ) - set(base.__struct_fields__)
 
 
 @pytest.mark.parametrize("name", sorted(SAMPLES))

@@ -16,6 +16,7 @@ from star.wire import (
     Handoff,
     Hello,
     LoadEntry,
+    LogprobTokens,
     Message,
     Ping,
     Pong,
@@ -134,4 +135,18 @@ SAMPLES: dict[str, Message] = {
     "error_connection": Error(-1, "some_future_code", "bad frame"),
     "ping": Ping(0),
     "pong": Pong(2**32 + 5),
+}
+
+# Kinds newer than the record (wire_v1_bytes.json): an older peer never gets
+# one. LogprobTokens answers only a request with logprobs, which a proxy from
+# before it refuses.
+NEWER: dict[str, Message] = {
+    "logprob_tokens": LogprobTokens(
+        3,
+        [17, 18],
+        "length",
+        logprobs=[-0.25, float("-inf")],
+        top_ids=[17, 5, 9, 18],
+        top_logprobs=[-0.25, -2.5, -1.0, -7.5],
+    ),
 }

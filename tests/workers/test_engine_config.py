@@ -262,6 +262,16 @@ def test_sampling_on_prefill_keeps_the_kv_for_decode(eng: ModuleType) -> None:
     assert params.extra_args == {"kv_transfer_params": {"do_remote_decode": True}}
 
 
+def test_sampling_with_logprobs_asks_for_flat_arrays(eng: ModuleType) -> None:
+    params = eng.sampling_params(req({"max_tokens": 5, "logprobs": 3}), "decode")
+    assert (params.logprobs, params.flat_logprobs) == (3, True)
+    assert eng.sampling_params(req({"max_tokens": 5, "logprobs": 0}), "decode").flat_logprobs
+    assert not eng.sampling_params(req({"max_tokens": 5}), "decode").flat_logprobs
+    # The prefill's one token is not the client's: no logprobs computed for it.
+    prefill = eng.sampling_params(req({"max_tokens": 5, "logprobs": 3}), "prefill")
+    assert prefill.logprobs is None
+
+
 def test_sampling_structured_outputs_from_a_map(eng: ModuleType) -> None:
     params = eng.sampling_params(
         req({"max_tokens": 5, "structured_outputs": {"regex": "a+"}}), "decode"

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import pytest
 
-from star.wire import CONNECTION_STREAM, Error, Generate, Tokens, ends_stream
+from star.wire import CONNECTION_STREAM, Error, Generate, LogprobTokens, Tokens, ends_stream
 from workers.protocol import (
     TRANSITIONS,
     BadRequest,
     EngineDead,
+    EngineFailed,
     GenerateRequest,
     IllegalTransition,
     StreamEvent,
     StreamState,
     TokenDelta,
     Unsupported,
+    delta_logprobs,
     error_frame,
     next_state,
 )
@@ -112,3 +114,31 @@ def test_error_frame(exc: Exception, code: str) -> None:
 )
 def test_ends_stream(err: Error, final: bool) -> None:
     assert ends_stream(err) is final
+
+
+def test_logprobs_of_a_delta_from_vllms_flat_arrays() -> None:
+    from vllm.logprobs import FlatLogprobs
+
+    # Two positions as vLLM's sampler writes them: the sampled token first, then the
+    # top 2 (the sampled one among them at the first, not at the second).
+    flat = FlatLogprobs()
+    flat.append_fast([7, 7, 3], [-0.5, -0.5, -1.0], iter([1, 1, 2]), [None] * 3)
+    flat.append_fast([9, 4, 3], [-4.0, -0.25, -2.0], iter([5, 1, 2]), [None] * 3)
+    fields = delta_logprobs(flat, 2)
+    assert fields == {
+        "logprobs": [-0.5, -4.0],
+        "top_ids": [7, 3, 4, 3],
+        "top_logprobs": [-0.5, -1.0, -0.25, -2.0],
+    }
+    frame = TokenDelta([7, 9], "length", **fields).to_frame(5)
+    assert isinstance(frame, LogprobTokens) and frame.consistent() and frame.top_k == 2
+    assert (frame.stream, frame.token_ids, frame.finish_reason) == (5, [7, 9], "length")
+    assert delta_logprobs(None, 2) == {}
+    with pytest.raises(EngineFailed, match="1 of 2"):
+        delta_logprobs(flat[:1], 2)
+
+
+def test_a_delta_without_logprobs_or_tokens_is_a_plain_tokens_frame() -> None:
+    assert type(TokenDelta([7]).to_frame(1)) is Tokens
+    # The last delta of a request with logprobs may carry no token: nothing to score.
+    assert type(TokenDelta([], "stop", logprobs=[]).to_frame(1)) is Tokens

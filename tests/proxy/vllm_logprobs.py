@@ -1,0 +1,75 @@
+"""vLLM's own path from the engine's logprob arrays to a response's logprobs object.
+
+The reference the proxy's rendering (:mod:`proxy.logprobs`) is held to: its
+``LogprobsProcessor`` names the tokens with the model's Hugging Face
+tokenizer (as the engine of vLLM's server does), and its servers'
+``_create_completion_logprobs`` / ``_create_chat_logprobs`` build the object.
+vLLM is imported when :func:`vllm_renderer` is called.
+"""
+
+from __future__ import annotations
+
+import json
+import types
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+Row = tuple[int, float, Sequence[tuple[int, float]]]
+"""One generated position: the sampled id, its logprob, the top k (id, logprob) in rank order."""
+Render = Callable[[bool, int, Sequence[Row]], Any]
+"""``render(chat, top, rows)``: the logprobs object vLLM's server writes, as JSON values."""
+
+
+def vllm_renderer(model_dir: Path) -> Render:
+    """A :data:`Render` with the tokenizer of the model in ``model_dir``."""
+    import numpy as np
+    from vllm.entrypoints.generate.base.serving import GenerateBaseServing
+    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+    from vllm.logprobs import create_sample_logprobs
+    from vllm.tokenizers import get_tokenizer
+    from vllm.v1.engine.logprobs import LogprobsProcessor
+    from vllm.v1.outputs import LogprobsLists
+
+    hf = get_tokenizer(str(model_dir))
+    # What the two methods read of their server: its token-id option and helpers.
+    server: Any = types.SimpleNamespace(
+        return_tokens_as_token_ids=False,
+        _get_decoded_token=GenerateBaseServing._get_decoded_token,
+    )
+    server._get_top_logprobs = lambda *a, **kw: OpenAIServingChat._get_top_logprobs(
+        server, *a, **kw
+    )
+
+    def render(chat: bool, top: int, rows: Sequence[Row]) -> Any:
+        proc = LogprobsProcessor(
+            tokenizer=hf,
+            logprobs=create_sample_logprobs(False),
+            prompt_logprobs=None,
+            cumulative_logprob=0.0,
+            num_logprobs=top,
+            num_prompt_logprobs=None,
+        )
+        for tid, lp, tops in rows:  # one engine step per token, as the sampler writes it
+            proc._update_sample_logprobs(
+                LogprobsLists(
+                    np.array([[tid, *(t for t, _ in tops)]]),
+                    np.array([[lp, *(v for _, v in tops)]], dtype=np.float32),
+                    np.array([1]),
+                )
+            )
+        ids = [tid for tid, _, _ in rows]
+        logprobs: Any = proc.logprobs
+        out: Any
+        if chat:
+            out = OpenAIServingChat._create_chat_logprobs(
+                server, ids, logprobs, hf, num_output_top_logprobs=top
+            )
+        else:
+            out = OpenAIServingCompletion._create_completion_logprobs(
+                server, ids, logprobs, top, hf
+            )
+        return json.loads(out.model_dump_json())
+
+    return render
