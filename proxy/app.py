@@ -24,11 +24,12 @@ text) goes to the log line of that request id.
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import time
 from bisect import bisect_left
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 from urllib.parse import unquote
 
 import structlog
@@ -41,8 +42,8 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 
-from proxy import resume
-from proxy.backend import Backend, BackendError, TokenBatch
+from proxy import adopt, resume
+from proxy.backend import Backend, BackendError, GenerationRequest, TokenBatch
 from proxy.fanout import FanIn, children
 from proxy.http import (
     HttpError,
@@ -287,6 +288,10 @@ class ProxyApp:
         stream: AsyncIterator[TokenBatch] | None = None
         handed_over = False
         try:
+            if self._resumable(parsed) and self.streams.tagger.shared:
+                # Any proxy of the cluster can take it over from its worker (proxy.adopt).
+                context = resume.context_of(parsed, relay.created)
+                parsed = dataclasses.replace(parsed, gen=dataclasses.replace(gen, context=context))
             stream = self._open(parsed)
             if not gen.stream:
                 await self._collect(relay, stream, timing)
@@ -300,7 +305,7 @@ class ProxyApp:
                 raise HttpError(
                     502, "upstream ended the stream before any token", code="upstream_error"
                 ) from None
-            if parsed.num_choices == 1 and "logprobs" not in gen.sampling:
+            if self._resumable(parsed):
                 response = self._held(parsed, relay, stream, first, timing)
             else:
                 response = StreamingResponse(self._relay(relay, stream, first, timing))
@@ -354,6 +359,12 @@ class ProxyApp:
         detach = held.detach_driver if self.streams.grace_s > 0 else None
         return StreamingResponse(body, headers=[("x-star-stream-id", start)], detach=detach)
 
+    @staticmethod
+    def _resumable(parsed: ParsedRequest) -> bool:
+        """Streamed, one choice, no logprobs: its events carry ids (proxy.resume)."""
+        gen = parsed.gen
+        return gen.stream and parsed.num_choices == 1 and "logprobs" not in gen.sampling
+
     def _error_event(self, relay: Relay, exc: BaseException) -> bytes:
         """The in-band error of a stream whose headers are out (logged here, once)."""
         request_id = relay.req.request_id
@@ -366,7 +377,11 @@ class ProxyApp:
 
     async def _resume(self, request: Request, path_id: str) -> StreamingResponse:
         """``GET /v1/streams/{id}``: the stream after the id (or ``Last-Event-ID``)."""
-        held, since = self.streams.find(path_id, request.header("last-event-id"))
+        event = self.streams.parse(path_id, request.header("last-event-id"))
+        since = event.position
+        held = self.streams.live.get(event.request_id)
+        if held is None:
+            return await self._adopt(event)
         relay = Relay(held.parsed, created=held.created)
         reader = resume.Reader(relay, since, self.streams.tagger)
         rid = held.request_id
@@ -384,6 +399,38 @@ class ProxyApp:
         body = resume.follow(held, reader, self._error_event, on_end)
         await anext(body)
         return StreamingResponse(body)
+
+    async def _adopt(self, event: resume.EventId) -> StreamingResponse:
+        """A stream another proxy ran: taken over from its worker (proxy.adopt)."""
+        backend = self.backend
+        if not isinstance(backend, Adopter) or not self.streams.tagger.shared:
+            raise resume.not_found(event.request_id, self.streams.grace_s)
+        found = await backend.attach_stream(event.request_id)
+        if found is None:
+            raise resume.not_found(event.request_id, self.streams.grace_s)
+        done = found.attached
+        try:
+            parsed, created = resume.request_of(done.context, done.prompt_token_ids, self.models)
+        except HttpError:
+            found.leg.close()
+            raise
+        relay = Relay(parsed, created=created)
+        timing = _Timing(self.metrics, parsed.gen.arrival_s)
+        self.active += 1
+        self.metrics.active.inc()
+        held = self.streams.hold(parsed, created)
+        finish = done.finish_reason if done.finish_reason in adopt.FINISHED else None
+        first = TokenBatch(list(done.output_token_ids), finish, done.stop_reason)  # type: ignore[arg-type]
+
+        def on_end(outcome: str, error: BaseException | None) -> None:
+            self._done(relay, timing, outcome, error=None if error is None else repr(error))
+
+        reader = resume.Reader(relay, event.position, self.streams.tagger)
+        source = backend.serve_attached(parsed.gen, found)
+        body = resume.drive(held, reader, source, first, timing.batch, self._error_event, on_end)
+        await anext(body)
+        detach = held.detach_driver if self.streams.grace_s > 0 else None
+        return StreamingResponse(body, detach=detach)
 
     def _cancel_stream(self, path_id: str) -> Response:
         """``DELETE /v1/streams/{id}``: abort the request now (its KV is freed)."""
@@ -469,6 +516,17 @@ class ProxyApp:
             log.warning("request_" + outcome, error=error, **fields)
         else:
             log.info("request_" + outcome, **fields)
+
+
+@runtime_checkable
+class Adopter(Protocol):
+    """A backend that can take over a stream another proxy ran (:class:`proxy.cluster.ClusterBackend`)."""
+
+    async def attach_stream(self, request_id: str) -> adopt.Found | None: ...
+
+    def serve_attached(
+        self, req: GenerationRequest, found: adopt.Found
+    ) -> AsyncIterator[TokenBatch]: ...
 
 
 def _method(request: Request, allowed: str) -> None:

@@ -23,8 +23,9 @@ prefill included (``proxy.prefill_fallback``; off: 503 as before).
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,7 @@ import numpy as np
 import structlog
 from prometheus_client.core import CounterMetricFamily, Metric
 
+from proxy import adopt
 from proxy.backend import (
     BackendError,
     BackendUnavailable,
@@ -457,7 +459,6 @@ class ClusterBackend:
             sampling,
             None if req.migratable else migration_blocker(sampling) or "not migratable",
         )
-        self.runs[req.request_id] = run
         self._emit(
             Event.now(
                 EventKind.DISPATCHED,
@@ -467,9 +468,22 @@ class ClusterBackend:
                 detail="" if kv_params is not None else "local prefill",
             )
         )
+        begin = functools.partial(run.start, member.instance, member.address, kv_params)
+        async for batch in self.run_decode(req, run, member.instance, begin):
+            yield batch
+
+    async def run_decode(
+        self,
+        req: GenerationRequest,
+        run: DecodeRun,
+        instance: str,
+        begin: Callable[[], Awaitable[None]],
+    ) -> AsyncIterator[TokenBatch]:
+        """Relay ``run``'s tokens once ``begin()`` has opened its first leg (on ``instance``)."""
+        self.runs[req.request_id] = run
         outcome = "aborted"
         try:
-            await run.start(member.instance, member.address, kv_params)
+            await begin()
             async for batch in run.run():
                 if batch.finish_reason is not None:
                     outcome = batch.finish_reason
@@ -477,7 +491,7 @@ class ClusterBackend:
         except ConnectionLost as exc:
             outcome = "error"
             raise BackendError(
-                f"decode instance {run.instance or member.instance} went away: {exc}"
+                f"decode instance {run.instance or instance} went away: {exc}"
             ) from exc
         except BackendError:
             outcome = "error"
@@ -492,7 +506,7 @@ class ClusterBackend:
                     EventKind.FINISHED,
                     self.origin,
                     request=req.request_id,
-                    instance=run.where or member.instance,
+                    instance=run.where or instance,
                     detail=outcome,
                     data={
                         "generated": len(run.generated),
@@ -503,6 +517,20 @@ class ClusterBackend:
                     },
                 )
             )
+
+    # -- a stream another proxy ran (proxy.adopt) -------------------------------------
+
+    async def attach_stream(self, request_id: str) -> adopt.Found | None:
+        """Take ``request_id`` over from the decode worker that holds it (None: none does)."""
+        where = self.directory.running_on(request_id)  # from the reports; else every one
+        members = sorted(self.directory.members("decode"), key=lambda m: m.instance != where)
+        return await adopt.attach(self.pool, [(m.instance, m.address) for m in members], request_id)
+
+    def serve_attached(
+        self, req: GenerationRequest, found: adopt.Found
+    ) -> AsyncIterator[TokenBatch]:
+        """The taken-over request's new tokens, as :meth:`generate` would yield them."""
+        return adopt.serve(self, req, found)
 
     # -- what a DecodeRun needs (proxy.decode_run.Fleet) -------------------------------
 

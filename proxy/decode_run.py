@@ -49,7 +49,18 @@ from proxy.upstream import ConnectionLost
 from star.aio import deadline
 from star.bus import Bus, Subscriber
 from star.decisions import DecisionGate, report_drop
-from star.wire import Abort, Decision, Error, Event, Handoff, Message, Release, Tokens
+from star.wire import (
+    Abort,
+    Decision,
+    Error,
+    Event,
+    Generate,
+    Handoff,
+    Message,
+    Release,
+    ResumableGenerate,
+    Tokens,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -165,10 +176,23 @@ class DecodeRun:
     # -- the loop ---------------------------------------------------------------------
 
     async def start(self, instance: str, address: str, kv: dict[str, Any] | None) -> None:
-        """Open the first leg; a failure to is the caller's (nothing has started)."""
+        """Open the first leg; a failure to is the caller's (nothing has started).
+
+        Tokens already in :attr:`generated` (a request taken over from another
+        proxy) make it a continuation after them.
+        """
         [first] = self.machine.handle(Start(instance, address, kv))
         assert isinstance(first, OpenLeg)
         await self._open(first)
+        self.machine.handle(Opened())
+
+    def adopt(self, instance: str, address: str, leg: Leg, generated: list[int]) -> None:
+        """Run on from ``leg``: a stream on ``instance`` this proxy attached (star.wire.Attach),
+        after the ``generated`` tokens the worker reported."""
+        self.machine.generated.extend(generated)
+        [first] = self.machine.handle(Start(instance, address, None))
+        assert isinstance(first, OpenLeg)  # already open: the Attach took the stream over
+        self.leg = leg
         self.machine.handle(Opened())
 
     async def run(self) -> AsyncIterator[TokenBatch]:
@@ -246,8 +270,11 @@ class DecodeRun:
 
     async def _open(self, action: OpenLeg) -> None:
         leg = await self.fleet.open_leg(action.address)
+        frame = action.frame(leg.id)
+        if self.req.context:  # every leg carries it: whichever worker holds the request has it
+            frame = resumable(frame, self.req.context)
         try:
-            await leg.send(action.frame(leg.id))
+            await leg.send(frame)
         except BaseException:
             leg.close()
             with contextlib.suppress(ConnectionLost):
@@ -269,6 +296,20 @@ class DecodeRun:
 
     def _emit(self, action: Emit) -> None:
         self.fleet.emit_event(event(action, self.fleet.origin, self.req.request_id))
+
+
+def resumable(frame: Generate, context: bytes) -> ResumableGenerate:
+    """``frame`` as a :class:`~star.wire.ResumableGenerate` carrying ``context``."""
+    return ResumableGenerate(
+        stream=frame.stream,
+        request_id=frame.request_id,
+        prompt_token_ids=frame.prompt_token_ids,
+        sampling=frame.sampling,
+        kv_transfer_params=frame.kv_transfer_params,
+        continued=frame.continued,
+        fusion=frame.fusion,
+        context=context,
+    )
 
 
 def event(action: Emit, origin: str, request: str) -> Event:

@@ -35,20 +35,24 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import hashlib
 import hmac
 import re
 import secrets
-from collections.abc import AsyncIterator, Callable
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import structlog
 
 from proxy import sse
-from proxy.backend import FinishReason, TokenBatch
+from proxy.backend import FinishReason, GenerationRequest, TokenBatch
 from proxy.http import HttpError
-from proxy.openai import ParsedRequest, Relay
+from proxy.openai import ParsedRequest, Relay, TextOptions
+from proxy.tokenizer import ModelCard
 
 log = structlog.get_logger(__name__)
 
@@ -113,6 +117,61 @@ class Tagger:
                 code="invalid_stream_tag",
             )
         return EventId(request_id, Position(int(tokens), int(chars), int(stage)))
+
+
+def context_of(parsed: ParsedRequest, created: int) -> bytes:
+    """What another proxy needs to rebuild the response of ``parsed`` (its prompt aside)."""
+    gen = parsed.gen
+    return msgspec.msgpack.encode(
+        {
+            "v": 1,
+            "id": gen.request_id,
+            "model": gen.model,
+            "kind": gen.kind,
+            "created": created,
+            "sampling": dict(gen.sampling),
+            "stop": list(gen.stop),
+            "include_usage": gen.include_usage,
+            "migratable": gen.migratable,
+            "text": {f.name: getattr(parsed.text, f.name) for f in dataclasses.fields(parsed.text)},
+            "echo": list(parsed.echo),
+        }
+    )
+
+
+def request_of(
+    context: bytes, prompt: list[int], models: Mapping[str, ModelCard]
+) -> tuple[ParsedRequest, int]:
+    """The request :func:`context_of` described, and its ``created``; HttpError if unusable."""
+    try:
+        ctx = msgspec.msgpack.decode(context)
+        card = models.get(ctx["model"])
+        known = {f.name for f in dataclasses.fields(TextOptions)}
+        text = TextOptions(**{k: v for k, v in ctx["text"].items() if k in known})
+        gen = GenerationRequest(
+            request_id=ctx["id"],
+            model=ctx["model"],
+            prompt_token_ids=prompt,
+            sampling=ctx["sampling"],
+            kind=ctx["kind"],
+            stop=tuple(ctx["stop"]),
+            stream=True,
+            include_usage=bool(ctx["include_usage"]),
+            migratable=bool(ctx["migratable"]),
+            arrival_s=time.monotonic(),
+            context=context,
+        )
+        created = int(ctx["created"])
+        echo = tuple(ctx["echo"])
+    except (msgspec.DecodeError, KeyError, TypeError, ValueError) as exc:
+        raise HttpError(
+            500, f"the stream's context cannot be read: {exc}", code="stream_unreadable"
+        ) from None
+    if card is None:
+        raise HttpError(
+            404, f"the stream's model {ctx['model']!r} is not served here", code="stream_not_found"
+        )
+    return ParsedRequest(gen, text, card, (), echo), created
 
 
 class HeldStream:
@@ -236,31 +295,38 @@ class Streams:
         if not stream.ended:
             stream.stop()
 
-    def find(self, path_id: str, last_event_id: str | None) -> tuple[HeldStream, Position]:
-        """The stream and position a resume names (``Last-Event-ID`` wins over the path)."""
-        given = last_event_id if last_event_id else path_id
-        event = self.tagger.parse(given)
+    def parse(self, path_id: str, last_event_id: str | None) -> EventId:
+        """The event a resume names (``Last-Event-ID`` wins over the path)."""
+        event = self.tagger.parse(last_event_id or path_id)
         if last_event_id and path_id.split(".", 1)[0] != event.request_id:
             raise HttpError(
                 400,
                 "Last-Event-ID names another request than the path",
                 code="invalid_stream_id",
             )
+        return event
+
+    def find(self, path_id: str, last_event_id: str | None) -> tuple[HeldStream, Position]:
+        """The stream and position a resume names, held here (HttpError 404 if not)."""
+        event = self.parse(path_id, last_event_id)
         stream = self.live.get(event.request_id)
         if stream is None:
-            raise HttpError(
-                404,
-                f"no stream {event.request_id} here: it finished more than "
-                f"proxy.resume_grace_s ({self.grace_s:g} s) ago, was cancelled, or never ran "
-                "on this proxy",
-                code="stream_not_found",
-            )
+            raise not_found(event.request_id, self.grace_s)
         return stream, event.position
 
     def close(self) -> None:
         """Abort every held stream (the proxy is shutting down)."""
         for stream in list(self.live.values()):
             self.forget(stream)
+
+
+def not_found(request_id: str, grace_s: float) -> HttpError:
+    return HttpError(
+        404,
+        f"no stream {request_id}: it finished more than proxy.resume_grace_s "
+        f"({grace_s:g} s) ago, was cancelled, or its worker no longer holds it",
+        code="stream_not_found",
+    )
 
 
 class Reader:

@@ -335,6 +335,50 @@ class LogprobTokens(Tokens, frozen=True, tag="logprob_tokens"):
         return len(self.logprobs) == n and len(self.top_ids) == len(self.top_logprobs) == n * k
 
 
+class ResumableGenerate(Generate, frozen=True, tag="generate_resumable"):
+    """:class:`Generate` of a request a client may resume on any proxy (``proxy.resume``).
+
+    ``context``: the proxy's opaque description of the response (its kind,
+    ids, text options, the original sampling), handed back by
+    :class:`Attached`; every leg of the request carries it, so whichever
+    worker holds the request has it. A kind of its own: Generate keeps its bytes.
+    """
+
+    context: bytes = b""
+
+
+class Attach(Message, frozen=True, tag="attach"):
+    """Take over ``request_id``'s stream as ``stream`` on this connection.
+
+    The worker answers :class:`Attached`, then the request's new tokens on
+    ``stream``; or an Error (``unknown_request``). A request another live
+    connection runs is moved: that connection gets ``Error(moved)``.
+    """
+
+    stream: int
+    request_id: str
+
+
+class Attached(Message, frozen=True, tag="attached"):
+    """Answer to :class:`Attach`: what a proxy needs to serve the request from here.
+
+    ``prompt_token_ids``: the request's prompt (without the tokens a
+    continuation carried); ``output_token_ids``: every token it has generated
+    so far, on this worker and before; ``finish_reason`` set if it has ended
+    (no frame follows); ``released``: its KV was handed off for a migration
+    that never completed (no token follows: continue it elsewhere).
+    """
+
+    stream: int
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    context: bytes
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    released: bool = False
+
+
 class Abort(Message, frozen=True, tag="abort"):
     """The client went away: stop the stream and free its KV."""
 
@@ -395,6 +439,8 @@ class ErrorCode(enum.StrEnum):
     ENGINE_DEAD = "engine_dead"  # the engine is gone; the worker will exit
     SHUTTING_DOWN = "shutting_down"  # the worker is draining and takes no new streams
     INTERNAL = "internal"  # a bug in the worker; logged there
+    UNKNOWN_REQUEST = "unknown_request"  # Attach of a request this worker does not hold
+    MOVED = "moved"  # another proxy attached the stream's request (Attach)
 
 
 REFUSAL_CODES = frozenset(
@@ -438,6 +484,9 @@ BUS_MESSAGES: tuple[type[Message], ...] = (Report, Decision, Event, LoadEntry)
 FRAMES: tuple[type[Message], ...] = (
     Hello,
     Generate,
+    ResumableGenerate,
+    Attach,
+    Attached,
     Tokens,
     LogprobTokens,
     Abort,

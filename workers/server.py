@@ -42,6 +42,7 @@ from star.wire import (
     CONNECTION_STREAM,
     MAX_FRAME_BYTES,
     Abort,
+    Attach,
     Error,
     ErrorCode,
     FrameDecoder,
@@ -67,6 +68,7 @@ from workers.protocol import (
     error_frame,
     next_state,
 )
+from workers.resumable import Orphans, Record
 
 log = structlog.get_logger(__name__)
 
@@ -79,6 +81,8 @@ class _Stream:
     request_id: str
     task: asyncio.Task[None]
     state: StreamState = StreamState.RUNNING
+    conn: _Connection | None = None  # the proxy's connection (None: an orphan)
+    record: Record | None = None  # a resumable request's (workers.resumable)
 
 
 class _Connection:
@@ -212,6 +216,8 @@ class _Connection:
             self._on_abort(msg.stream)
         elif isinstance(msg, Release):
             self._on_release(msg)
+        elif isinstance(msg, Attach):
+            self._on_attach(msg)
         elif isinstance(msg, Ping):
             self.write(Pong(msg.seq))
             self._arm()
@@ -272,43 +278,87 @@ class _Connection:
             self.write(error_frame(msg.stream, ShuttingDown("the worker is shutting down")))
             return
         request = GenerateRequest.from_frame(msg)
-        task = asyncio.create_task(
-            self._run_stream(msg.stream, request), name=f"stream-{self.peer}-{msg.stream}"
+        # The same request as an orphan here: its proxy lost the connection and
+        # continues it (a recovery) rather than attaching it; the orphan goes first.
+        before = self.server.drop_orphan(msg.request_id)
+        stream = _Stream(id=msg.stream, request_id=msg.request_id, task=None, conn=self)  # type: ignore[arg-type]
+        stream.record = Record.of(msg)
+        stream.task = asyncio.create_task(
+            self._run_stream(stream, request, before), name=f"stream-{self.peer}-{msg.stream}"
         )
-        stream = _Stream(id=msg.stream, request_id=msg.request_id, task=task)
         self.streams[msg.stream] = stream
+        if stream.record is not None:
+            self.server.resumable[msg.request_id] = stream
         self.server.stream_opened()
-        task.add_done_callback(functools.partial(self._stream_done, stream))
+        stream.task.add_done_callback(functools.partial(_stream_done, self.server, stream))
 
-    async def _run_stream(self, stream: int, request: GenerateRequest) -> None:
-        bound = self.log.bind(stream=stream, request_id=request.request_id)
+    async def _run_stream(
+        self, stream: _Stream, request: GenerateRequest, before: asyncio.Task[None] | None = None
+    ) -> None:
+        # Frames go to the stream's connection of the moment: none while it
+        # is an orphan, another proxy's once one has attached it.
+        bound = self.log.bind(stream=stream.id, request_id=request.request_id)
+        record = stream.record
+        if before is not None:
+            await asyncio.gather(before, return_exceptions=True)  # its engine request aborted
         try:
             async with contextlib.aclosing(self.server.engine.generate(request)) as deltas:
                 async for delta in deltas:
-                    await self.send(delta.to_frame(stream))
+                    if record is not None:
+                        record.add(delta.token_ids, delta.finish_reason, delta.stop_reason)
+                    conn = stream.conn
+                    if conn is not None:
+                        await conn.send(delta.to_frame(stream.id))
         except WorkerError as exc:
             bound.info("stream_failed", code=exc.code.value, error=str(exc))
-            await self.send(error_frame(stream, exc))
+            if record is not None:
+                record.finish_reason = "error"
+            if stream.conn is not None:
+                await stream.conn.send(error_frame(stream.id, exc))
         except (ConnectionError, asyncio.CancelledError):
             raise
         except Exception as exc:  # a worker bug: tell the proxy, keep serving others
             bound.exception("stream_crashed")
-            await self.send(Error(stream, ErrorCode.INTERNAL.value, f"{type(exc).__name__}: {exc}"))
+            if record is not None:
+                record.finish_reason = "error"
+            if stream.conn is not None:
+                text = f"{type(exc).__name__}: {exc}"
+                await stream.conn.send(Error(stream.id, ErrorCode.INTERNAL.value, text))
 
-    def _stream_done(self, stream: _Stream, task: asyncio.Task[None]) -> None:
-        self.server.stream_closed()
-        self.streams.pop(stream.id, None)
-        aborted = stream.state is StreamState.ABORTING
-        if stream.state is not StreamState.CLOSED:  # a Handoff may have closed it first
-            stream.state = next_state(stream.state, StreamEvent.FINISH)
-        if task.cancelled():
-            if aborted:
-                # Acknowledge the Abort so the proxy can forget the stream.
-                self.write(Tokens(stream=stream.id, token_ids=[], finish_reason="abort"))
+    def _on_attach(self, msg: Attach) -> None:
+        """Take over a resumable request: answer Attached, then its tokens on ``msg.stream``."""
+        stream = self.server.resumable.get(msg.request_id)
+        if stream is None or stream.record is None:
+            text = f"request {msg.request_id} is not held here"
+            self.write(Error(msg.stream, ErrorCode.UNKNOWN_REQUEST.value, text))
             return
-        exc = task.exception()
-        if exc is not None and not isinstance(exc, ConnectionError):
-            self.log.error("stream_task_failed", stream=stream.id, error=repr(exc))
+        if msg.stream in self.streams:
+            text = f"stream {msg.stream} is already open"
+            self.write(Error(msg.stream, ErrorCode.DUPLICATE_STREAM.value, text))
+            return
+        old = stream.conn
+        if old is not None and old is not self:
+            old.streams.pop(stream.id, None)
+            text = f"request {msg.request_id} was attached by another proxy"
+            old.write(Error(stream.id, ErrorCode.MOVED.value, text))
+        elif old is self:
+            self.streams.pop(stream.id, None)
+        self.server.orphans.release(msg.request_id)
+        stream.conn, stream.id = self, msg.stream
+        record = stream.record
+        self.write(record.attached(msg.stream))
+        self.log.info(
+            "request_attached",
+            request_id=msg.request_id,
+            stream=msg.stream,
+            tokens=len(record.outputs),
+            ended=record.ended,
+            moved=old is not None and old is not self,
+        )
+        if stream.task.done():
+            self.server.resumable.pop(msg.request_id, None)  # its end is in the Attached
+        else:
+            self.streams[msg.stream] = stream
 
     def _on_abort(self, stream_id: int) -> None:
         stream = self.streams.get(stream_id)
@@ -347,7 +397,11 @@ class _Connection:
         if stream.state in (StreamState.RELEASING, StreamState.CLOSED):
             if stream.state is StreamState.RELEASING:
                 stream.state = next_state(stream.state, StreamEvent.HANDOFF)
-            await self.send(
+            if stream.record is not None:
+                stream.record.released = True
+            if stream.conn is None:
+                return  # an orphan: an Attach says released, its proxy continues it elsewhere
+            await stream.conn.send(
                 Handoff(
                     stream=stream.id,
                     migration=migration,
@@ -360,7 +414,21 @@ class _Connection:
     # -- closing ------------------------------------------------------------------
 
     async def cancel_streams(self, reason: str) -> None:
-        """Cancel every open stream (aborting its request) and wait for them."""
+        """Cancel every open stream (aborting its request) and wait for them.
+
+        A resumable one is orphaned instead while ``orphan_grace_s`` allows
+        (the worker is not shutting down): it runs on, for another proxy to attach.
+        """
+        server = self.server
+        if server.orphans.grace_s > 0 and not server.draining:
+            for s in list(self.streams.values()):
+                if s.record is not None and s.state is not StreamState.ABORTING:
+                    del self.streams[s.id]
+                    s.conn = None
+                    server.orphans.hold(s.request_id)
+                    self.log.info(
+                        "request_orphaned", request_id=s.request_id, grace_s=server.orphans.grace_s
+                    )
         tasks = [s.task for s in self.streams.values()]
         for s in list(self.streams.values()):
             if s.state is not StreamState.ABORTING:
@@ -382,6 +450,28 @@ class _Connection:
         with contextlib.suppress(ConnectionError, OSError):
             await self.writer.wait_closed()
         self.log.info("connection_closed")
+
+
+def _stream_done(server: TokenServer, stream: _Stream, task: asyncio.Task[None]) -> None:
+    """A stream's task ended: its connection (if any) acknowledges an Abort and forgets it."""
+    server.stream_closed()
+    conn = stream.conn
+    aborted = stream.state is StreamState.ABORTING
+    if stream.state is not StreamState.CLOSED:  # a Handoff may have closed it first
+        stream.state = next_state(stream.state, StreamEvent.FINISH)
+    if conn is None:
+        return  # an orphan: kept (resumable, ended) until attached or its grace runs out
+    conn.streams.pop(stream.id, None)
+    if server.resumable.get(stream.request_id) is stream:
+        del server.resumable[stream.request_id]  # its proxy had every frame
+    if task.cancelled():
+        if aborted:
+            # Acknowledge the Abort so the proxy can forget the stream.
+            conn.write(Tokens(stream=stream.id, token_ids=[], finish_reason="abort"))
+        return
+    exc = task.exception()
+    if exc is not None and not isinstance(exc, ConnectionError):
+        conn.log.error("stream_task_failed", stream=stream.id, error=repr(exc))
 
 
 class InsecureBind(ValueError):
@@ -426,6 +516,7 @@ class TokenServer:
         secret: str = "",
         handshake_timeout_s: float = handshake.TIMEOUT_S,
         liveness_timeout_s: float = DEFAULT_TIMEOUT_S,
+        orphan_grace_s: float = 0.0,
     ) -> None:
         check_bind(host, secret)
         self.engine = engine
@@ -439,6 +530,10 @@ class TokenServer:
         # cluster.liveness_timeout_s: drop a proxy silent this long (0: never).
         self.liveness_timeout_s = liveness_timeout_s
         self.refused = 0  # peers that failed the handshake
+        # Resumable requests by id, while a proxy may still attach them; those
+        # whose proxy went away are held orphan_grace_s (worker.orphan_grace_s).
+        self.resumable: dict[str, _Stream] = {}
+        self.orphans = Orphans(orphan_grace_s, self._orphan_expired)
         self.draining = False
         self.stream_count = 0
         self._idle = asyncio.Event()
@@ -474,6 +569,26 @@ class TokenServer:
     async def wait_idle(self) -> None:
         """Wait until no stream is open on any connection."""
         await self._idle.wait()
+
+    def drop_orphan(self, request_id: str) -> asyncio.Task[None] | None:
+        """Abort ``request_id`` if it is an orphan here; its task (None: it is not one)."""
+        stream = self.resumable.get(request_id)
+        if stream is None or stream.conn is not None:
+            return None
+        self.orphans.release(request_id)
+        self._orphan_expired(request_id)
+        return stream.task
+
+    def _orphan_expired(self, request_id: str) -> None:
+        """No proxy attached the orphan in time: abort it (its KV is freed), forget it."""
+        stream = self.resumable.pop(request_id, None)
+        if stream is None or stream.conn is not None:
+            return
+        log.info("orphan_aborted", request_id=request_id, ended=stream.task.done())
+        if not stream.task.done():
+            if stream.state is not StreamState.ABORTING:
+                stream.state = next_state(stream.state, StreamEvent.ABORT)
+            stream.task.cancel("orphan not attached in time")
 
     def track(self, task: asyncio.Task[None]) -> None:
         """Own a helper task until it ends (no orphans)."""
@@ -522,6 +637,8 @@ class TokenServer:
                 await self._idle.wait()
         if self.stream_count:
             log.warning("drain_timed_out_aborting_streams", streams=self.stream_count)
+        for request_id in self.orphans.clear():
+            self._orphan_expired(request_id)
         for conn in list(self._connections):
             await conn.close()
         for task in list(self._tasks):

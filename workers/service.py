@@ -87,6 +87,7 @@ class WorkerService(Service):
             sock=self.sock,
             secret=self.settings.cluster.secret,
             liveness_timeout_s=self.settings.cluster.liveness_timeout_s,
+            orphan_grace_s=cfg.orphan_grace_s,
         )
         await self.server.start()
         await self.bus.publish(

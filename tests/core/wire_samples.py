@@ -6,6 +6,8 @@ from star.wire import (
     Abort,
     Accept,
     Answer,
+    Attach,
+    Attached,
     Challenge,
     Decision,
     Error,
@@ -23,6 +25,7 @@ from star.wire import (
     Release,
     Report,
     RequestLoad,
+    ResumableGenerate,
     Tokens,
 )
 
@@ -148,5 +151,26 @@ NEWER: dict[str, Message] = {
         logprobs=[-0.25, float("-inf")],
         top_ids=[17, 5, 9, 18],
         top_logprobs=[-0.25, -2.5, -1.0, -7.5],
+    ),
+    # A request a client may resume on any proxy, and its takeover (proxy.adopt):
+    # only a proxy that knows them sends the first two, and the third answers one.
+    "generate_resumable": ResumableGenerate(
+        stream=4,
+        request_id="cmpl-r",
+        prompt_token_ids=[1, 2, 9],
+        sampling={"max_tokens": 30},
+        continued=1,
+        context=b"\x81\xa1v\x01",
+    ),
+    "attach": Attach(stream=5, request_id="cmpl-r"),
+    "attached": Attached(
+        stream=5,
+        request_id="cmpl-r",
+        prompt_token_ids=[1, 2],
+        output_token_ids=[9, 10],
+        context=b"\x81\xa1v\x01",
+        finish_reason="length",
+        stop_reason=None,
+        released=False,
     ),
 }

@@ -18,7 +18,7 @@ from workers.protocol import (
 
 @dataclass
 class FakeEngine:
-    """Streams ``sampling["max_tokens"]`` tokens (ids 100, 101, ...), one per ``step_s``.
+    """Streams ``sampling["max_tokens"]`` tokens (ids ``first_id``, +1, ...), one per ``step_s``.
 
     ``sampling["fail"]`` makes the request fail with BadRequest after that many
     tokens. ``aborted`` lists request ids whose generator was closed or
@@ -26,6 +26,7 @@ class FakeEngine:
     """
 
     step_s: float = 0.0
+    first_id: int = 100
     started: list[str] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
@@ -46,7 +47,7 @@ class FakeEngine:
                 await asyncio.sleep(self.step_s)
                 last = i == n - 1
                 yield TokenDelta(
-                    token_ids=[100 + i],
+                    token_ids=[self.first_id + i],
                     finish_reason="length" if last else None,
                     kv_transfer_params={"remote": request.request_id} if last else None,
                     num_prompt_tokens=len(request.prompt_token_ids),

@@ -1,0 +1,211 @@
+"""A stream resumed on a proxy that never ran it: taken over from its worker (proxy.adopt).
+
+A real TokenServer over the scripted engine, real sockets, and a real
+ProxyApp + ClusterBackend as the second proxy. The first proxy is a raw
+connection that opens the request as the proxy would (ResumableGenerate with
+the response's context), reads a few tokens, and dies. The client then
+resumes on the second proxy with the last event id it got: the joined text
+and the token count are an unbroken stream's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import pytest
+
+from proxy import sse
+from proxy.app import ProxyApp, create_server
+from proxy.backend import TokenBatch
+from proxy.cluster import ClusterBackend, Directory
+from proxy.http import HttpServer
+from proxy.openai import ParsedRequest, Relay, parse_chat, parse_completion
+from proxy.resume import Position, Reader, Tagger, context_of, request_of
+from proxy.tokenizer import ModelCard
+from proxy.upstream import WorkerPool
+from star.settings import ProxySettings
+from star.wire import Hello, ResumableGenerate, Tokens
+from tests.proxy.rawhttp import until
+from tests.reports import report
+from tests.workers.fakes import Client, FakeEngine
+from workers.server import TokenServer
+
+SECRET = "cluster-secret"
+TOKENS = 40
+FIRST = 36  # "A" in the test tokenizer
+HELLO = Hello(instance="decode-0", role="decode", model="tiny")
+
+
+def _parsed(card: ModelCard, chat: bool) -> ParsedRequest:
+    body: dict[str, Any] = {
+        "model": "tiny",
+        "stream": True,
+        "max_tokens": TOKENS,
+        "stream_options": {"include_usage": True},
+        "stop": ["never-in-the-text"],
+    }
+    if chat:
+        body["messages"] = [{"role": "user", "content": "hi"}]
+        return parse_chat(json.dumps(body).encode(), {"tiny": card})
+    return parse_completion(json.dumps(body | {"prompt": "héllo"}).encode(), {"tiny": card})
+
+
+def _text(events: list[sse.Event]) -> str:
+    out = []
+    for ev in events:
+        if ev.data != sse.DONE_DATA:
+            for choice in json.loads(ev.data)["choices"]:
+                out.append(choice.get("text") or choice.get("delta", {}).get("content") or "")
+    return "".join(out)
+
+
+def _usage(events: list[sse.Event]) -> int:
+    (usage,) = [json.loads(e.data)["usage"] for e in events if '"usage":{' in e.data]
+    return int(usage["completion_tokens"])
+
+
+def test_the_context_round_trips(card: ModelCard) -> None:
+    for chat in (False, True):
+        parsed = _parsed(card, chat)
+        again, created = request_of(
+            context_of(parsed, 123), parsed.gen.prompt_token_ids, {"tiny": card}
+        )
+        assert created == 123 and again.text == parsed.text and again.echo == parsed.echo
+        for field in ("request_id", "model", "kind", "stop", "include_usage", "migratable"):
+            assert getattr(again.gen, field) == getattr(parsed.gen, field), field
+        assert dict(again.gen.sampling) == dict(parsed.gen.sampling)
+
+
+@pytest.fixture
+async def worker() -> AsyncIterator[tuple[TokenServer, FakeEngine]]:
+    engine = FakeEngine(step_s=0.01, first_id=FIRST)  # ids of ASCII letters
+    srv = TokenServer(engine, HELLO, "127.0.0.1", 0, orphan_grace_s=5.0)
+    await srv.start()
+    yield srv, engine
+    await srv.shutdown(drain_timeout=0.1)
+
+
+@pytest.fixture
+async def second_proxy(
+    worker: tuple[TokenServer, FakeEngine], card: ModelCard
+) -> AsyncIterator[tuple[ProxyApp, HttpServer]]:
+    srv, _ = worker
+    bus = SimpleNamespace(keys=SimpleNamespace(reports="t:reports"))  # only named in errors
+    directory = Directory(bus, staleness_s=60)  # type: ignore[arg-type]
+    directory._reports["decode-0"] = (time.monotonic(), report("decode-0", address=srv.address))
+    pool = WorkerPool()
+    backend = ClusterBackend(directory, pool, "current-load", "proxy:b")
+    settings = ProxySettings(host="127.0.0.1", port=0)
+    app = ProxyApp(backend, [card], settings, secret=SECRET)
+    http = create_server(app, settings)
+    await http.start()
+    yield app, http
+    await http.shutdown(timeout_s=1.0)
+    app.close()
+    await pool.close()
+
+
+@pytest.mark.parametrize("chat", [False, True])
+async def test_a_stream_of_a_dead_proxy_resumes_on_another_exactly(
+    worker: tuple[TokenServer, FakeEngine],
+    second_proxy: tuple[ProxyApp, HttpServer],
+    card: ModelCard,
+    chat: bool,
+) -> None:
+    srv, engine = worker
+    _, http = second_proxy
+    parsed = _parsed(card, chat)
+    gen = parsed.gen
+    tagger = Tagger(SECRET)
+    # The first proxy: opens the request, relays a few tokens, dies.
+    first = await Client.connect(srv.address)
+    assert await first.recv() == HELLO
+    await first.send(
+        ResumableGenerate(
+            stream=1,
+            request_id=gen.request_id,
+            prompt_token_ids=gen.prompt_token_ids,
+            sampling=dict(gen.sampling),
+            context=context_of(parsed, 77),
+        )
+    )
+    reader = Reader(Relay(parsed, created=77), Position(), tagger)
+    out = b""
+    got = 0
+    while got < 5 or out.count(b"id: ") < 2:  # some ids are bytes of one character
+        msg = await first.recv()
+        assert isinstance(msg, Tokens)
+        got += len(msg.token_ids)
+        out += reader.feed(TokenBatch(list(msg.token_ids)))
+    await first.close()
+    before = sse.SSEDecoder().feed(out)
+    assert before and before[-1].id
+    # The unbroken stream, for the comparison (the scripted engine is deterministic).
+    whole_reader = Reader(Relay(parsed, created=77), Position(), tagger)
+    ids = [FIRST + i for i in range(TOKENS)]
+    whole = sse.SSEDecoder().feed(whole_reader.feed(TokenBatch(ids, "length")) + whole_reader.end())
+    await asyncio.sleep(0.1)  # the orphan decodes on
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{http.port}", timeout=30) as c:
+        async with c.stream("GET", f"/v1/streams/{before[-1].id}") as resp:
+            assert resp.status_code == 200, await resp.aread()
+            decoder, after = sse.SSEDecoder(), []
+            async for chunk in resp.aiter_raw():
+                after += decoder.feed(chunk)
+    assert _text(before + after) == _text(whole) != ""
+    assert _usage(after) == _usage(whole) == TOKENS
+    assert after[-1].data == sse.DONE_DATA
+    assert json.loads(after[0].data)["created"] == 77  # the first proxy's response, continued
+    assert engine.finished == [gen.request_id] and engine.started == [gen.request_id]
+
+
+async def test_a_stream_no_worker_holds_is_404_and_a_forged_one_403(
+    second_proxy: tuple[ProxyApp, HttpServer],
+) -> None:
+    _, http = second_proxy
+    unknown = Tagger(SECRET).format("cmpl-nowhere", Position(3, 9, 1))
+    forged = Tagger("another").format("cmpl-nowhere", Position(3, 9, 1))
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{http.port}", timeout=30) as c:
+        missing = await c.get(f"/v1/streams/{unknown}")
+        refused = await c.get(f"/v1/streams/{forged}")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "stream_not_found"
+    assert refused.status_code == 403
+
+
+async def test_an_adopted_stream_is_held_too_and_aborted_after_the_grace(
+    worker: tuple[TokenServer, FakeEngine],
+    second_proxy: tuple[ProxyApp, HttpServer],
+    card: ModelCard,
+) -> None:
+    srv, engine = worker
+    app, http = second_proxy
+    app.streams.grace_s = 0.3
+    parsed = _parsed(card, False)
+    gen = parsed.gen
+    first = await Client.connect(srv.address)
+    assert await first.recv() == HELLO
+    sampling = dict(gen.sampling) | {"max_tokens": 100_000}
+    await first.send(
+        ResumableGenerate(
+            stream=1,
+            request_id=gen.request_id,
+            prompt_token_ids=gen.prompt_token_ids,
+            sampling=sampling,
+            context=context_of(parsed, 1),
+        )
+    )
+    assert isinstance(await first.recv(), Tokens)
+    await first.close()
+    start = Tagger(SECRET).format(gen.request_id, Position())
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{http.port}", timeout=30) as c:
+        async with c.stream("GET", f"/v1/streams/{start}") as resp:
+            assert resp.status_code == 200
+            async for _chunk in resp.aiter_raw():
+                break  # and the client goes away again
+    await until(lambda: gen.request_id in engine.aborted, wait_s=10)
+    assert app.streams.live == {}

@@ -1,0 +1,226 @@
+"""A worker holds a resumable request whose proxy went away, and another proxy attaches it.
+
+Real TokenServer, scripted engine (tests/workers/fakes.py), raw proxy-side
+connections: the exactly-once accounting is over the token ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from star.wire import (
+    Attach,
+    Attached,
+    Error,
+    ErrorCode,
+    Generate,
+    Hello,
+    ResumableGenerate,
+    Tokens,
+)
+from tests.proxy.rawhttp import until
+from tests.workers.fakes import Client, FakeEngine
+from workers.server import TokenServer
+
+HELLO = Hello(instance="decode-test", role="decode", model="fake")
+GRACE_S = 0.6
+
+
+@pytest.fixture
+def engine() -> FakeEngine:
+    return FakeEngine(step_s=0.01)
+
+
+@pytest.fixture
+async def server(engine: FakeEngine) -> AsyncIterator[TokenServer]:
+    srv = TokenServer(engine, HELLO, "127.0.0.1", 0, orphan_grace_s=GRACE_S)
+    await srv.start()
+    yield srv
+    await srv.shutdown(drain_timeout=0.1)
+
+
+async def connect(server: TokenServer) -> Client:
+    c = await Client.connect(server.address)
+    assert await c.recv() == HELLO
+    return c
+
+
+def resumable(stream: int, rid: str, max_tokens: int, **kw: object) -> ResumableGenerate:
+    return ResumableGenerate(
+        stream=stream,
+        request_id=rid,
+        prompt_token_ids=[1, 2, 3],
+        sampling={"max_tokens": max_tokens},
+        context=b"ctx-" + rid.encode(),
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+async def tokens_until(c: Client, stream: int, n: int) -> list[int]:
+    got: list[int] = []
+    while len(got) < n:
+        msg = await c.recv()
+        assert isinstance(msg, Tokens) and msg.stream == stream, msg
+        got += msg.token_ids
+    return got
+
+
+async def rest(c: Client, stream: int) -> tuple[list[int], str | None]:
+    got: list[int] = []
+    while True:
+        msg = await c.recv()
+        assert isinstance(msg, Tokens) and msg.stream == stream, msg
+        got += msg.token_ids
+        if msg.finish_reason is not None:
+            return got, msg.finish_reason
+
+
+async def test_an_orphan_decodes_on_and_another_proxy_takes_it_exactly_once(
+    server: TokenServer, engine: FakeEngine
+) -> None:
+    first = await connect(server)
+    await first.send(resumable(1, "r1", 40))
+    seen = await tokens_until(first, 1, 3)
+    await first.close()  # the proxy died
+    await asyncio.sleep(0.15)  # it decodes on, unsent
+    assert "r1" in engine.live
+    second = await connect(server)
+    await second.send(Attach(stream=7, request_id="r1"))
+    attached = await second.recv()
+    assert isinstance(attached, Attached) and attached.stream == 7
+    assert attached.prompt_token_ids == [1, 2, 3] and attached.context == b"ctx-r1"
+    assert attached.output_token_ids[: len(seen)] == seen
+    assert len(attached.output_token_ids) > len(seen) + 3  # decoded while orphaned
+    after, finish = await rest(second, 7)
+    assert attached.output_token_ids + after == [100 + i for i in range(40)]  # none lost or twice
+    assert finish == "length" and engine.finished == ["r1"]
+    await second.close()
+
+
+async def test_a_continuation_reports_the_tokens_before_it(server: TokenServer) -> None:
+    c = await connect(server)
+    leg = resumable(2, "r2", 3)
+    leg = ResumableGenerate(  # a continuation after 2 tokens: they end the prompt
+        stream=2,
+        request_id="r2",
+        prompt_token_ids=[1, 2, 3, 50, 51],
+        sampling={"max_tokens": 30},
+        continued=2,
+        context=leg.context,
+    )
+    await c.send(leg)
+    await tokens_until(c, 2, 1)
+    await c.close()
+    other = await connect(server)
+    await other.send(Attach(stream=1, request_id="r2"))
+    attached = await other.recv()
+    assert isinstance(attached, Attached)
+    assert attached.prompt_token_ids == [1, 2, 3]
+    assert attached.output_token_ids[:3] == [50, 51, 100]
+    await other.close()
+
+
+async def test_an_orphan_not_attached_is_aborted_after_the_grace(
+    server: TokenServer, engine: FakeEngine
+) -> None:
+    c = await connect(server)
+    await c.send(resumable(1, "r3", 10_000))
+    await tokens_until(c, 1, 2)
+    await c.close()
+    await asyncio.sleep(GRACE_S / 2)
+    assert "r3" in engine.live  # held
+    await until(lambda: "r3" not in engine.live, wait_s=10)
+    assert engine.aborted == ["r3"]  # its KV freed
+    other = await connect(server)
+    await other.send(Attach(stream=1, request_id="r3"))
+    gone = await other.recv()
+    assert isinstance(gone, Error) and gone.code == ErrorCode.UNKNOWN_REQUEST
+    await other.close()
+
+
+async def test_a_finished_orphan_hands_over_its_end(
+    server: TokenServer, engine: FakeEngine
+) -> None:
+    c = await connect(server)
+    await c.send(resumable(1, "r4", 8))
+    await tokens_until(c, 1, 1)
+    await c.close()
+    await until(lambda: "r4" in engine.finished, wait_s=10)
+    other = await connect(server)
+    await other.send(Attach(stream=3, request_id="r4"))
+    attached = await other.recv()
+    assert isinstance(attached, Attached)
+    assert attached.output_token_ids == [100 + i for i in range(8)]
+    assert attached.finish_reason == "length"
+    await other.send(Attach(stream=4, request_id="r4"))  # collected: gone
+    again = await other.recv()
+    assert isinstance(again, Error) and again.code == ErrorCode.UNKNOWN_REQUEST
+    await other.close()
+
+
+async def test_attach_moves_a_live_stream_and_its_old_proxy_is_told(
+    server: TokenServer, engine: FakeEngine
+) -> None:
+    old = await connect(server)
+    await old.send(resumable(5, "r5", 60))
+    before = await tokens_until(old, 5, 2)
+    new = await connect(server)
+    await new.send(Attach(stream=9, request_id="r5"))
+    attached = await new.recv()
+    assert isinstance(attached, Attached)
+    # The old proxy's frames end with Error(moved); what it got is in the Attached.
+    got_old = list(before)
+    while True:
+        msg = await old.recv()
+        if isinstance(msg, Error):
+            assert msg.stream == 5 and msg.code == ErrorCode.MOVED
+            break
+        assert isinstance(msg, Tokens)
+        got_old += msg.token_ids
+    assert attached.output_token_ids == got_old
+    after, _ = await rest(new, 9)
+    assert got_old + after == [100 + i for i in range(60)]
+    await old.close()
+    await new.close()
+
+
+async def test_without_a_grace_or_a_plain_generate_the_request_is_aborted_at_once(
+    engine: FakeEngine,
+) -> None:
+    plain = TokenServer(engine, HELLO, "127.0.0.1", 0, orphan_grace_s=GRACE_S)
+    off = TokenServer(engine, HELLO, "127.0.0.1", 0)  # orphan_grace_s 0
+    for srv in (plain, off):
+        await srv.start()
+    try:
+        a = await connect(plain)
+        await a.send(Generate(stream=1, request_id="p1", prompt_token_ids=[1], sampling={}))
+        b = await connect(off)
+        await b.send(resumable(1, "p2", 10_000))
+        await tokens_until(b, 1, 1)
+        await a.close()
+        await b.close()
+        await until(lambda: not engine.live, wait_s=5)
+        assert "p2" in engine.aborted
+    finally:
+        for srv in (plain, off):
+            await srv.shutdown(drain_timeout=0.1)
+
+
+async def test_a_generate_for_an_orphaned_request_replaces_it(
+    server: TokenServer, engine: FakeEngine
+) -> None:
+    """A proxy that lost its connection continues its request (a recovery) on the same
+    worker: the orphan of that request is aborted first, the new leg runs."""
+    c = await connect(server)
+    await c.send(resumable(1, "r6", 10_000))
+    await tokens_until(c, 1, 2)
+    await c.close()
+    again = await connect(server)
+    await again.send(resumable(2, "r6", 3))
+    got, finish = await rest(again, 2)
+    assert finish == "length" and len(got) == 3
+    assert engine.aborted == ["r6"] and engine.finished == ["r6"]
+    await again.close()

@@ -1,0 +1,107 @@
+"""Requests a proxy may take over: what a worker keeps of them, and its orphans.
+
+A request opened with :class:`~star.wire.ResumableGenerate` keeps a
+:class:`Record` for its whole life: its prompt, every token it has generated
+(a continuation's earlier tokens included), its end, and the proxy's opaque
+context. When the connection of the proxy that runs it goes away, the worker
+holds it as an orphan (:class:`Orphans`) for ``worker.orphan_grace_s``:
+still decoding, its tokens recorded, then aborted (its KV freed) unless a
+proxy has attached it (:class:`~star.wire.Attach`) meanwhile. A finished
+orphan is kept as long, for a proxy to collect its end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from star.wire import Attached, Generate, ResumableGenerate
+
+
+@dataclass(slots=True)
+class Record:
+    """What an :class:`~star.wire.Attached` says of one request."""
+
+    request_id: str
+    prompt: list[int]
+    outputs: list[int]
+    context: bytes
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    released: bool = False  # its KV went to a migration's target (no token follows here)
+
+    @classmethod
+    def of(cls, msg: Generate) -> Record | None:
+        """The record of a Generate (None: not resumable)."""
+        if not isinstance(msg, ResumableGenerate):
+            return None
+        # A continuation's prompt ends with the tokens generated before it.
+        cut = len(msg.prompt_token_ids) - msg.continued
+        prompt = list(msg.prompt_token_ids[:cut])
+        return cls(msg.request_id, prompt, list(msg.prompt_token_ids[cut:]), msg.context)
+
+    def add(self, token_ids: list[int], finish_reason: str | None, stop_reason: object) -> None:
+        self.outputs.extend(token_ids)
+        if finish_reason is not None:
+            self.finish_reason = finish_reason
+            self.stop_reason = stop_reason  # type: ignore[assignment]
+
+    @property
+    def ended(self) -> bool:
+        return self.finish_reason is not None or self.released
+
+    def attached(self, stream: int) -> Attached:
+        return Attached(
+            stream=stream,
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt,
+            output_token_ids=list(self.outputs),
+            context=self.context,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            released=self.released,
+        )
+
+
+@dataclass
+class Orphans:
+    """Requests whose proxy went away, by request id, each until its grace runs out.
+
+    ``expire(request_id)`` is called when it does (the server aborts the
+    request if it still runs). Time is the event loop's.
+    """
+
+    grace_s: float
+    expire: Callable[[str], None]
+    _timers: dict[str, asyncio.TimerHandle] = field(default_factory=dict)
+
+    def hold(self, request_id: str) -> None:
+        self.release(request_id)
+        loop = asyncio.get_running_loop()
+        self._timers[request_id] = loop.call_later(self.grace_s, self._expired, request_id)
+
+    def release(self, request_id: str) -> bool:
+        """Stop holding ``request_id`` (attached, or gone); False if it was not held."""
+        timer = self._timers.pop(request_id, None)
+        if timer is None:
+            return False
+        timer.cancel()
+        return True
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._timers
+
+    def __len__(self) -> int:
+        return len(self._timers)
+
+    def _expired(self, request_id: str) -> None:
+        if self._timers.pop(request_id, None) is not None:
+            self.expire(request_id)
+
+    def clear(self) -> list[str]:
+        """Stop every timer; the ids that were held."""
+        ids = list(self._timers)
+        for request_id in ids:
+            self.release(request_id)
+        return ids
