@@ -304,6 +304,9 @@ class ClusterBackend:
         self.prefill_fallbacks = 0
         self._episode: int | None = None
         self.runs: dict[str, DecodeRun] = {}  # request id -> its decode run
+        # The proxy is stopping: a resumable run that ends now is left to its
+        # worker (no Abort), for its client to resume on another proxy.
+        self.handing_off = False
         self.migrator = Migrator(
             self.runs, self.decode_address, self._emit, origin, self.directory.running_on
         )

@@ -290,9 +290,10 @@ class DecodeRun:
         while not self.decisions.empty():
             self.decisions.get_nowait()
         leg.close()
-        if abort:
+        if abort and not (self.req.context and getattr(self.fleet, "handing_off", False)):
             with contextlib.suppress(ConnectionLost):
                 await leg.send(Abort(leg.id))
+        # else: the proxy is stopping; the worker holds the request for a resume elsewhere
 
     def _emit(self, action: Emit) -> None:
         self.fleet.emit_event(event(action, self.fleet.origin, self.req.request_id))

@@ -258,13 +258,16 @@ class HttpServer:
             await self.start()
         await self._stopped.wait()
 
-    async def shutdown(self, timeout_s: float | None = None) -> None:
+    async def shutdown(
+        self, timeout_s: float | None = None, on_timeout: Callable[[], None] | None = None
+    ) -> None:
         """Stop accepting, let requests in flight finish, cancel the rest.
 
         Idle connections close at once; busy ones answer with
         ``Connection: close`` and close after their response. After
         ``timeout_s`` (default ``settings.drain_timeout_s``) the remaining
-        handler tasks are cancelled with message ``"server shutdown"``.
+        handler tasks are cancelled with message ``"server shutdown"``,
+        ``on_timeout`` called first.
         """
         timeout = self.settings.drain_timeout_s if timeout_s is None else timeout_s
         self.draining = True
@@ -277,6 +280,8 @@ class HttpServer:
         if pending:
             log.info("http_draining", requests=len(pending), timeout_s=timeout)
             _, pending = await asyncio.wait(pending, timeout=timeout)
+        if pending and on_timeout is not None:
+            on_timeout()
         for task in pending:
             task.cancel(SHUTDOWN)
         if pending:

@@ -101,9 +101,19 @@ class ProxyService(Service):
 
     async def drain(self) -> None:
         if self.server is not None:
-            await self.server.shutdown(self.settings.proxy.drain_timeout_s)
+            await self.server.shutdown(self.settings.proxy.drain_timeout_s, self._hand_off)
         if self.app is not None:
             self.app.close()  # streams held for a resume: aborted upstream
+
+    def _hand_off(self) -> None:
+        """The drain ran out: streams cut now are left to their workers, not aborted.
+
+        With cluster.secret their clients resume on another proxy
+        (GET /v1/streams/{last id}); the workers hold them worker.orphan_grace_s.
+        """
+        if self.backend is not None:
+            self.backend.handing_off = True
+            log.info("streams_handed_to_workers", streams=len(self.backend.runs))
 
     async def cleanup(self) -> None:
         await asyncio.to_thread(parsing.shutdown)

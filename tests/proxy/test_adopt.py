@@ -209,3 +209,63 @@ async def test_an_adopted_stream_is_held_too_and_aborted_after_the_grace(
                 break  # and the client goes away again
     await until(lambda: gen.request_id in engine.aborted, wait_s=10)
     assert app.streams.live == {}
+
+
+async def test_a_stopping_proxy_hands_its_streams_to_the_workers(
+    worker: tuple[TokenServer, FakeEngine],
+    second_proxy: tuple[ProxyApp, HttpServer],
+    card: ModelCard,
+) -> None:
+    """SIGTERM's drain runs out (issue 26 item 2): the streams still open are cut without
+    an Abort, the worker holds them, and the clients resume on another proxy exactly."""
+    srv, engine = worker
+    _, http_b = second_proxy
+    engine.step_s = 0.02
+    bus = SimpleNamespace(keys=SimpleNamespace(reports="t:reports"))
+    directory = Directory(bus, staleness_s=60)  # type: ignore[arg-type]
+    directory._reports["decode-0"] = (time.monotonic(), report("decode-0", address=srv.address))
+    pool = WorkerPool()
+    backend = ClusterBackend(directory, pool, "current-load", "proxy:a")
+    settings = ProxySettings(host="127.0.0.1", port=0)
+    app = ProxyApp(backend, [card], settings, secret=SECRET)
+    http_a = create_server(app, settings)
+    await http_a.start()
+    body = {
+        "model": "tiny",
+        "prompt": "héllo",
+        "max_tokens": TOKENS,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    first: list[sse.Event] = []
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{http_a.port}", timeout=30) as c:
+            async with c.stream("POST", "/v1/completions", json=body) as resp:
+                decoder = sse.SSEDecoder()
+                async for chunk in resp.aiter_raw():
+                    first += decoder.feed(chunk)
+                    if len(first) >= 3:
+                        break
+
+                def hand_off() -> None:
+                    backend.handing_off = True
+
+                await http_a.shutdown(timeout_s=0.1, on_timeout=hand_off)  # SIGTERM's drain
+    except httpx.HTTPError:
+        pass  # the cut
+    app.close()
+    await pool.close()
+    assert first and engine.live == {first_request(engine)}  # held by the worker, not aborted
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{http_b.port}", timeout=30) as c:
+        async with c.stream("GET", f"/v1/streams/{first[-1].id}") as resp:
+            assert resp.status_code == 200, await resp.aread()
+            decoder, rest = sse.SSEDecoder(), []
+            async for chunk in resp.aiter_raw():
+                rest += decoder.feed(chunk)
+    letters = "".join(card.tokenizer.decode([FIRST + i]) for i in range(TOKENS))
+    assert _text(first + rest) == letters
+    assert _usage(rest) == TOKENS and engine.aborted == []
+
+
+def first_request(engine: FakeEngine) -> str:
+    return engine.started[0]
