@@ -388,7 +388,8 @@ class ProxyApp:
 
         def on_end(outcome: str, error: BaseException | None) -> None:
             log.info(
-                "stream_resumed_" + outcome,
+                "stream_resume_ended",
+                outcome=outcome,
                 request_id=rid,
                 since_tokens=since.tokens,
                 since_chars=since.chars,
