@@ -8,7 +8,10 @@ token the client never got counts as lost, one it got twice (or a token
 that is not the reference's) as duplicated. A stream that ends with an SSE
 error event ended with a clear error (what it did get must still be a
 prefix of the reference); one whose connection closed without ``[DONE]`` or
-an error was cut.
+an error was cut. A resuming client (``resume``) that is cut asks the
+proxies in turn for the rest after the last event id it got
+(``GET /v1/streams/{id}``, docs/operations.md "Resuming a stream") and is
+judged on the whole text.
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ class Stream:
     started: float = 0.0
     first_token: float | None = None
     times: list[float] = field(default_factory=list)
+    last_id: str = ""  # the SSE id of the last event received
+    resumes: int = 0  # times the stream was resumed after a cut
 
     @property
     def outcome(self) -> str:
@@ -61,18 +66,55 @@ class Stream:
         return "ok"
 
 
-async def stream(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> Stream:
-    """One streamed greedy completion; never raises (what went wrong is in the result)."""
+async def stream(
+    client: httpx.AsyncClient,
+    url: str,
+    prompt: str,
+    max_tokens: int,
+    resume: list[str] | None = None,
+    resume_within_s: float = 90.0,
+) -> Stream:
+    """One streamed greedy completion; never raises (what went wrong is in the result).
+
+    ``resume``: proxies to resume on after a cut, tried in turn (each again
+    after a pause) for ``resume_within_s``; None: a cut ends the stream.
+    """
     out = Stream(prompt, started=time.monotonic())
     body = payload(
         "completions", MODEL, prompt, max_tokens, {"temperature": 0.0, "ignore_eos": True}
     )
+    await _read(client, "POST", url + "/v1/completions", body, out)
+    if resume and out.cut and out.last_id:
+        until = time.monotonic() + resume_within_s
+        attempt = 0
+        while out.cut and time.monotonic() < until:
+            target = resume[attempt % len(resume)] + "/v1/streams/" + out.last_id
+            attempt += 1
+            cut, out.cut = out.cut, ""
+            await _read(client, "GET", target, None, out)
+            if out.error.startswith("HTTP "):  # not served there (yet): the next proxy
+                out.error, out.cut = "", cut
+                await asyncio.sleep(0.5)
+            elif not out.cut:
+                out.resumes += 1
+            elif out.cut.startswith(("ConnectError", "ConnectTimeout")):
+                await asyncio.sleep(0.5)  # that proxy is down
+            else:
+                out.resumes += 1  # cut again after some events: resume again
+    return out
+
+
+async def _read(client: httpx.AsyncClient, method: str, url: str, body: Any, out: Stream) -> None:
+    """Read one response of a stream into ``out`` (error, cut or done set there)."""
     try:
-        async with client.stream("POST", url + "/v1/completions", json=body) as resp:
+        async with client.stream(method, url, json=body) as resp:
             if resp.status_code != 200:
                 out.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
-                return out
+                return
             async for line in resp.aiter_lines():
+                if line.startswith("id: "):
+                    out.last_id = line[4:]
+                    continue
                 if line == "data: [DONE]":
                     out.done = True
                     continue
@@ -95,7 +137,6 @@ async def stream(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: i
         out.cut = f"{type(exc).__name__}: {exc}"[:300]
     if not out.done and not out.error and not out.cut:
         out.cut = "closed without [DONE]"
-    return out
 
 
 async def run_load(
@@ -104,16 +145,20 @@ async def run_load(
     max_tokens: int,
     spread_s: float = 1.0,
     timeout_s: float = 180.0,
+    resume: bool = False,
 ) -> list[Stream]:
     """Every prompt streamed at once (starts spread over ``spread_s``), client i through
-    proxy ``urls[i % len(urls)]`` (a load balancer's spread)."""
+    proxy ``urls[i % len(urls)]`` (a load balancer's spread); ``resume``: a cut client
+    resumes on the next proxy, then the others in turn."""
     limits = httpx.Limits(max_connections=len(texts) + 8, max_keepalive_connections=0)
     timeout = httpx.Timeout(timeout_s, connect=10.0)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
 
         async def one(i: int, text: str) -> Stream:
             await asyncio.sleep(spread_s * i / max(len(texts), 1))
-            return await stream(client, urls[i % len(urls)], text, max_tokens)
+            first = i % len(urls)
+            others = urls[first + 1 :] + urls[: first + 1] if resume else None
+            return await stream(client, urls[first], text, max_tokens, others)
 
         return list(await asyncio.gather(*(one(i, t) for i, t in enumerate(texts))))
 
@@ -187,4 +232,6 @@ def summary(streams: list[Stream], refs: dict[str, str], tokens: Tokens) -> dict
         if s.outcome != "ok" and len(examples) < 3:
             examples.append(f"{s.request_id or '?'}: {s.error or s.cut}")
     out["examples"] = examples
+    if any(s.resumes for s in streams):
+        out["resumed"] = sum(1 for s in streams if s.resumes)
     return out

@@ -34,7 +34,7 @@ import httpx
 from benchmarks.chaos import load
 from benchmarks.chaos.fleet import NetFleet, host_names
 from benchmarks.chaos.netns import Network, unavailable
-from benchmarks.chaos.scenarios import SCENARIOS, Ctx, bus_call
+from benchmarks.chaos.scenarios import RESUMING, SCENARIOS, Ctx, bus_call
 from benchmarks.common import bench_main, text_table
 from star.aio import deadline
 
@@ -166,7 +166,8 @@ async def _scenario(
                     async with deadline(0.5):
                         await stop.wait()
 
-    running = asyncio.create_task(load.run_load(fleet.urls, list(refs), args.tokens))
+    resume = name in RESUMING
+    running = asyncio.create_task(load.run_load(fleet.urls, list(refs), args.tokens, resume=resume))
     probing = asyncio.create_task(prober())
     await asyncio.sleep(args.fault_after_s)
     failure = ""

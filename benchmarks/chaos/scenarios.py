@@ -309,6 +309,19 @@ async def proxy_kill(ctx: Ctx) -> None:
     ctx.restart("proxy")
 
 
+async def proxy_kill_resume(ctx: Ctx) -> None:
+    """SIGKILL the proxy; its clients resume (on the other proxy, or on this one once it is
+    back): the decode workers hold their requests (worker.orphan_grace_s) for a proxy to
+    take over."""
+    await proxy_kill(ctx)
+
+
+async def proxy_restart_resume(ctx: Ctx) -> None:
+    """SIGTERM the proxy; what its drain leaves is handed to the workers, and its clients
+    resume elsewhere (a rolling restart with resuming clients)."""
+    await proxy_restart(ctx)
+
+
 async def proxy_restart(ctx: Ctx) -> None:
     """SIGTERM the proxy mid-load, as a rolling restart does; started again once it exits.
 
@@ -485,6 +498,8 @@ SCENARIOS: dict[str, tuple[Scenario, bool]] = {
     "prefill-kill": (prefill_kill, False),
     "proxy-kill": (proxy_kill, False),
     "proxy-restart": (proxy_restart, False),
+    "proxy-kill-resume": (proxy_kill_resume, False),
+    "proxy-restart-resume": (proxy_restart_resume, False),
     "scheduler-kill": (scheduler_kill, True),
     "redis-kill": (redis_kill, False),
     "redis-kill-persistent": (redis_kill_persistent, False),
@@ -499,3 +514,5 @@ SCENARIOS: dict[str, tuple[Scenario, bool]] = {
     "link-loss-5pct": (link_loss, True),
 }
 SCENARIOS |= {name: (scenario, False) for name, scenario in INTEGRITY.items()}
+# Their clients resume a cut stream (GET /v1/streams/{last id}) instead of giving up.
+RESUMING = frozenset({"proxy-kill-resume", "proxy-restart-resume"})
