@@ -428,7 +428,9 @@ class ProxyApp:
 
         reader = resume.Reader(relay, event.position, self.streams.tagger)
         source = backend.serve_attached(parsed.gen, found)
-        body = resume.drive(held, reader, source, first, timing.batch, self._error_event, on_end)
+        body = resume.drive(
+            held, reader, source, first, timing.batch, self._error_event, on_end, count_first=False
+        )
         await anext(body)
         detach = held.detach_driver if self.streams.grace_s > 0 else None
         return StreamingResponse(body, detach=detach)

@@ -389,8 +389,12 @@ async def drive(
     on_batch: Callable[[TokenBatch], None],
     error_event: ErrorEvent,
     on_end: OnEnd,
+    count_first: bool = True,
 ) -> AsyncIterator[bytes]:
     """The first client's SSE body: drives ``source`` (its ``first`` batch read), logging it.
+
+    ``on_batch`` sees every batch (the metrics), the first unless ``count_first``
+    is false (a stream taken over: its first batch is what another proxy relayed).
 
     Closing or cancelling the body closes ``source`` (the request is aborted
     upstream unless it finished); a client that goes away detaches it
@@ -403,7 +407,8 @@ async def drive(
         yield b""
         batch: TokenBatch | None = first
         while batch is not None:
-            on_batch(batch)
+            if batch is not first or count_first:
+                on_batch(batch)
             stream.record(batch)
             out = reader.feed(batch)
             if out:
