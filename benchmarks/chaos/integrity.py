@@ -21,8 +21,12 @@ It must be 0.
   ``star migrate`` signs), then the decisions stream goes back, as a
   restored snapshot or a lagging replica would have it: rewritten without
   its newest entry, every other entry with its own id, so every reader
-  starts again from ``0-0``. Applied: every replayed decision a proxy
-  answered twice (``migrating`` or ``refused``: acted on again).
+  starts again from ``0-0``. Applied: every replayed decision whose move
+  was over before the rewrite (``resumed``, ``aborted``, ``refused``,
+  ``expired``, or its request finished) and that a proxy answers again after
+  it (``migrating`` or ``refused``: acted on again). A proxy may answer one
+  decision ``migrating`` then ``refused`` (the worker would not release):
+  that is one application, so only moves already over are counted.
 
 The scenarios are registered in :data:`benchmarks.chaos.scenarios.SCENARIOS`.
 """
@@ -49,7 +53,8 @@ if TYPE_CHECKING:
 FORGE_S = 10.0  # how long forged entries are written
 EVERY_S = 0.1  # one round of forgeries this often
 MOVES = 3  # genuine moves before the decisions stream goes back
-ANSWERS = {EventKind.MIGRATING, EventKind.REFUSED}
+ANSWERS = {EventKind.MIGRATING, EventKind.REFUSED}  # a proxy acting on a decision
+OVER = {EventKind.RESUMED, EventKind.ABORTED, EventKind.REFUSED, EventKind.EXPIRED}
 
 
 def _bus(fleet: NetFleet, keys: str | None = None, role: str | None = None) -> Bus:
@@ -142,7 +147,10 @@ async def forged_decision(ctx: Ctx) -> None:
         until = time.monotonic() + FORGE_S
         n = 0
         while time.monotonic() < until:
-            request, source, target = await ctx.running(min_left=20)
+            try:
+                request, source, target = await ctx.running(min_left=20, within_s=3.0)
+            except RuntimeError:
+                break  # the load is over: nothing left to move
             for kind, bus in forgers.items():
                 n += 1
                 decision = Decision(
@@ -172,6 +180,7 @@ async def decision_replay(ctx: Ctx) -> None:
     reader = _bus(fleet)
     try:
         moved: list[str] = []
+        moved_requests: dict[str, str] = {}
         for _ in range(MOVES * 3):
             if len(moved) >= MOVES:
                 break
@@ -181,12 +190,19 @@ async def decision_replay(ctx: Ctx) -> None:
             answer = await ctx.first_event(request, ANSWERS, 20)
             if answer is not None and answer.event is EventKind.MIGRATING:
                 moved.append(decision.id)
+                moved_requests[decision.id] = request
         ctx.extra["moves"] = len(moved)
+        # Each move over (resumed, aborted, refused) before the stream goes back.
+        for decision_id in moved:
+            await _settled(reader, decision_id, moved_requests[decision_id], 15.0)
         key = reader.keys.decisions
         rows: list[tuple[bytes, dict[bytes, bytes]]] = await reader.redis.xrange(key)  # type: ignore[assignment]
         if len(rows) < 2:
             raise RuntimeError(f"only {len(rows)} decisions on the stream: nothing to replay")
-        replayed = {decode_as(f[b"body"], Decision).id: i for i, f in rows[:-1]}
+        replayed = {decode_as(f[b"body"], Decision) for _i, f in rows[:-1]}
+        by_id = {d.id: d.request for d in replayed}
+        # Decisions whose move is over before the rewrite: any answer after it is a replay's.
+        settled = {d for d, r in by_id.items() if await _over(reader, d, r)}
         # The stream goes back: its entries as a snapshot taken before the newest one.
         async with reader.redis.pipeline(transaction=True) as pipe:
             pipe.delete(key)
@@ -194,20 +210,35 @@ async def decision_replay(ctx: Ctx) -> None:
                 pipe.xadd(key, fields, id=entry_id)  # type: ignore[arg-type]
             await pipe.execute()
         ctx.fault()
+        wall = time.time()
         await asyncio.sleep(FORGE_S)
         ctx.healed()
-        # A proxy answers a decision it acts on with migrating or refused, once.
-        answers: dict[str, int] = dict.fromkeys(replayed, 0)
-        requests = {decode_as(f[b"body"], Decision).request for _i, f in rows[:-1]}
-        for request in requests:
+        again: set[str] = set()
+        for request in {by_id[d] for d in settled}:
             for event in await reader.request_events(request):
-                if event.migration in answers and event.event in ANSWERS:
-                    answers[event.migration] += 1
-        again = {d for d, n in answers.items() if n >= 2}
+                if event.migration in settled and event.event in ANSWERS and event.ts >= wall:
+                    again.add(event.migration)
     finally:
         await _close(operator, reader)
     ctx.extra["decisions_replayed"] = len(replayed)
+    ctx.extra["settled_replayed"] = len(settled)
     ctx.extra["forged_applied"] = len(again)
+
+
+async def _over(bus: Bus, decision_id: str, request: str) -> bool:
+    """Whether the move of ``decision_id`` is over (or its request finished)."""
+    for event in await bus.request_events(request):
+        if event.migration == decision_id and event.event in OVER:
+            return True
+        if event.event is EventKind.FINISHED:
+            return True
+    return False
+
+
+async def _settled(bus: Bus, decision_id: str, request: str, within_s: float) -> None:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline and not await _over(bus, decision_id, request):  # noqa: ASYNC110
+        await asyncio.sleep(0.2)
 
 
 INTEGRITY = {
