@@ -1,0 +1,211 @@
+"""A cut stream resumed on a real cluster (issue 26 item 1, same proxy).
+
+A proxy of its own (an API key, a short ``proxy.resume_grace_s``) in front of
+the package's workers. A client cut mid-stream resumes twice, by the plain
+resume path (curl's way) and by ``Last-Event-ID`` (EventSource's): the text
+and the token count equal an unbroken greedy run's. A forged tag and a wrong
+key are refused; a stream nobody resumes is aborted after the grace and its
+KV freed on the worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from proxy import sse
+from star.fleet import LocalCluster
+from star.model.task import Prompt
+from tests.e2e.conftest import latest_reports
+from tests.procs import proxy_process
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
+
+MODEL = "star-tiny"
+KEY = "sekrit"
+GRACE_S = 4.0
+ORPHAN_GRACE_S = 30.0  # worker.orphan_grace_s, the default the package's workers run with
+
+
+def _events(resp: httpx.Response, limit: int | None = None) -> list[sse.Event]:
+    decoder, got = sse.SSEDecoder(), []
+    for chunk in resp.iter_raw():
+        got += decoder.feed(chunk)
+        if limit is not None and len(got) >= limit:
+            return got[:limit]
+    return got
+
+
+def _text(events: list[sse.Event]) -> str:
+    out = []
+    for ev in events:
+        if ev.data != sse.DONE_DATA:
+            for choice in json.loads(ev.data)["choices"]:
+                out.append(choice.get("text") or choice.get("delta", {}).get("content") or "")
+    return "".join(out)
+
+
+def _usage(events: list[sse.Event]) -> dict[str, int]:
+    (usage,) = [json.loads(e.data)["usage"] for e in events if '"usage":{' in e.data]
+    return dict(usage)
+
+
+def _decode_requests(cluster: LocalCluster) -> tuple[int, int]:
+    reports = [r for r in latest_reports(cluster).values() if r.role == "decode"]
+    return sum(len(r.requests) for r in reports), sum(r.used_tokens for r in reports)
+
+
+def _wait(predicate: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.25)
+
+
+def test_a_cut_stream_resumes_exactly_and_an_abandoned_one_is_freed(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    env = {
+        **cluster.env,
+        "STAR_PROXY_API_KEY": KEY,
+        "STAR_PROXY_RESUME_GRACE_S": str(GRACE_S),
+        "STAR_LOG_FORMAT": "json",
+    }
+    with contextlib.ExitStack() as stack:
+        proxy = stack.enter_context(proxy_process(env, tmp_path / "proxy.log"))
+        proxy.wait(
+            lambda: len((proxy.health(KEY) or {}).get("decode", [])) == 2, "both decode", 300
+        )
+        c = httpx.Client(
+            base_url=proxy.url, headers={"authorization": f"Bearer {KEY}"}, timeout=300
+        )
+        stack.enter_context(c)
+        prompt = Prompt(topic="fruits", size="medium", start="plum")
+        common = {
+            "model": MODEL,
+            "max_tokens": 64,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        for path, body in (
+            ("/v1/completions", {**common, "prompt": "give me a tiny list of colors, teal first."}),
+            ("/v1/chat/completions", {**common, "messages": prompt.messages()}),
+        ):
+            with c.stream("POST", path, json=body) as resp:
+                whole = _events(resp)
+            with c.stream("POST", path, json=body) as resp:
+                first = _events(resp, 6)  # then the client is cut
+            time.sleep(0.5)  # the request decodes on meanwhile
+            with c.stream("GET", f"/v1/streams/{first[-1].id}") as resp:
+                assert resp.status_code == 200, resp.read()
+                second = _events(resp, 8)
+            request_id = (first[-1].id or "").split(".")[0]
+            last = {"last-event-id": second[-1].id or ""}
+            with c.stream("GET", f"/v1/streams/{request_id}", headers=last) as resp:
+                third = _events(resp)
+            assert _text(first + second + third) == _text(whole) != ""
+            assert _usage(first + second + third) == _usage(whole)
+            assert (first + second + third)[-1].data == sse.DONE_DATA
+
+        # Refused: a forged tag, a wrong key; then a stream nobody resumes is freed.
+        _wait(lambda: _decode_requests(cluster) == (0, 0), 180, "idle decode workers")
+        long = {**common, "prompt": "count", "max_tokens": 3000, "ignore_eos": True}
+        with c.stream("POST", "/v1/completions", json=long) as resp:
+            cut = _events(resp, 3)
+        good = cut[-1].id or ""
+        forged = good[:-4] + ("AAAA" if not good.endswith("AAAA") else "BBBB")
+        assert c.get(f"/v1/streams/{forged}").status_code == 403
+        wrong = c.get(f"/v1/streams/{good}", headers={"authorization": "Bearer nope"})
+        assert wrong.status_code == 401
+        held_at = time.monotonic()
+        _wait(lambda: _decode_requests(cluster)[0] == 1, 60, "the held request on a worker")
+        # Freed once the grace has run out (reports come every second or so).
+        _wait(lambda: _decode_requests(cluster) == (0, 0), GRACE_S + 60, "its KV to be freed")
+        assert time.monotonic() - held_at >= GRACE_S - 1.0  # held, not aborted at the cut
+        gone = c.get(f"/v1/streams/{good}")
+        assert gone.status_code == 404 and gone.json()["error"]["code"] == "stream_not_found"
+        log = (tmp_path / "proxy.log").read_text()
+        assert '"held_stream_aborted"' in log
+
+
+def test_a_stream_resumes_on_another_proxy_after_its_proxy_is_killed(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """Issue 26 item 1 across proxies: SIGKILL the proxy mid-stream, resume on another.
+
+    The decode worker holds the request (worker.orphan_grace_s), the second
+    proxy takes it over (Attach) and serves the rest: text and count exact.
+    A stream whose client never comes back is aborted on the worker after
+    the grace, its KV freed.
+    """
+    env = {**cluster.env, "STAR_LOG_FORMAT": "json"}  # the cluster's secret: one tag key
+    common = {
+        "model": MODEL,
+        "max_tokens": 160,  # still decoding when its proxy is killed
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    prompt = Prompt(topic="animals", size="medium", start="owl")
+    cases = [
+        ("/v1/chat/completions", {**common, "messages": prompt.messages()}),
+        ("/v1/completions", {**common, "prompt": "name three fruits, plum first."}),
+    ]
+    with contextlib.ExitStack() as stack:
+        b = stack.enter_context(proxy_process(env, tmp_path / "b.log"))
+        _ready(b)
+        cb = stack.enter_context(httpx.Client(base_url=b.url, timeout=300))
+        for k, (path, body) in enumerate(cases):
+            a = stack.enter_context(proxy_process(env, tmp_path / f"a{k}.log"))
+            _ready(a)
+            with cb.stream("POST", path, json=body) as resp:
+                whole = _events(resp)
+            with (
+                httpx.Client(base_url=a.url, timeout=300) as ca,
+                contextlib.suppress(httpx.HTTPError),
+            ):
+                with ca.stream("POST", path, json=body) as resp:
+                    first = _events(resp, 5)
+                    os.killpg(a.proc.pid, signal.SIGKILL)  # mid-stream: no cleanup runs
+            a.proc.wait(30)
+            with cb.stream("GET", f"/v1/streams/{first[-1].id}") as resp:
+                assert resp.status_code == 200, resp.read()
+                rest = _events(resp)
+            assert _text(first + rest) == _text(whole) != ""
+            assert _usage(rest) == _usage(whole)
+            assert rest[-1].data == sse.DONE_DATA
+        assert (tmp_path / "b.log").read_text().count('"stream_adopted"') == len(cases)
+
+        # Nobody comes back: the worker holds the orphan, decoding on, then frees it (after
+        # worker.orphan_grace_s, or when it finishes first: the tiny model is fast).
+        _wait(lambda: _decode_requests(cluster) == (0, 0), 180, "idle decode workers")
+        c = stack.enter_context(proxy_process(env, tmp_path / "c.log"))
+        _ready(c)
+        long = {**common, "prompt": "count", "max_tokens": 3000, "ignore_eos": True}
+        with (
+            httpx.Client(base_url=c.url, timeout=300) as cc,
+            contextlib.suppress(httpx.HTTPError),
+        ):
+            with cc.stream("POST", "/v1/completions", json=long) as resp:
+                cut = _events(resp, 3)
+                os.killpg(c.proc.pid, signal.SIGKILL)
+        request_id = json.loads(cut[0].data)["id"]
+        time.sleep(3)
+        assert _decode_requests(cluster)[0] == 1, "the orphan is held, still decoding"
+        _wait(lambda: _decode_requests(cluster) == (0, 0), ORPHAN_GRACE_S + 60, "its KV freed")
+        logs = "".join(p.read_text() for p in Path(cluster.run_dir).glob("decode-*.log"))
+        held = [line for line in logs.splitlines() if '"request_orphaned"' in line]
+        assert any(request_id in line for line in held)
+
+
+def _ready(proxy: Any) -> None:
+    proxy.wait(lambda: len((proxy.health() or {}).get("decode", [])) == 2, "both decode", 300)
