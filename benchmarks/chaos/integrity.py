@@ -37,7 +37,7 @@ import asyncio
 import contextlib
 import secrets
 import time
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import msgspec
 
@@ -45,10 +45,25 @@ from benchmarks.chaos.fleet import SECRET_ENV, NetFleet
 from star.bus import Bus
 from star.fleet import manual_decision
 from star.settings import BusSettings, RedisSettings
-from star.wire import Decision, EventKind, LoadEntry, decode_as, encode
+from star.wire import Decision, Event, EventKind, LoadEntry, decode_as, encode
 
-if TYPE_CHECKING:
-    from benchmarks.chaos.scenarios import Ctx
+
+class Ctx(Protocol):
+    """What these scenarios use of :class:`benchmarks.chaos.scenarios.Ctx` (which
+    imports this module, so it is not imported here)."""
+
+    fleet: NetFleet
+    extra: dict[str, Any]
+
+    def fault(self) -> None: ...
+    def healed(self) -> None: ...
+    async def running(
+        self, min_left: int = 60, within_s: float = 20.0, avoid: str | None = None
+    ) -> tuple[str, str, str]: ...
+    async def first_event(
+        self, request: str, kinds: set[EventKind], within_s: float
+    ) -> Event | None: ...
+
 
 FORGE_S = 10.0  # how long forged entries are written
 EVERY_S = 0.1  # one round of forgeries this often
