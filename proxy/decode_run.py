@@ -309,6 +309,7 @@ def resumable(frame: Generate, context: bytes) -> ResumableGenerate:
         kv_transfer_params=frame.kv_transfer_params,
         continued=frame.continued,
         fusion=frame.fusion,
+        resume=frame.resume,
         context=context,
     )
 

@@ -65,22 +65,28 @@ def leg_frame(
 ) -> Generate:
     """The Generate that opens a leg: the first, or a continuation after ``generated`` tokens.
 
-    A continuation's prompt is the original prompt plus every token sent, its
-    budgets are reduced (:func:`star.sampling.continuation`), and it says how
-    many tokens came before (``continued``, which the target's predictor tap
-    reads: its first row there is mid-answer) and the source's predictor
-    state (``fusion``, from the :class:`Handoff`), which the tap continues.
+    A continuation is sent as a true one (``resume``, docs/design.md §5.4):
+    its prompt is the original prompt plus every token sent, of which the
+    last ``continued`` are the request's outputs so far, with the request's
+    own sampling and budgets; the target makes them its output tokens (or,
+    with ``worker.true_continuation`` off, re-submits them as prompt with the
+    budgets reduced, :func:`star.sampling.continuation`). ``continued`` is also
+    read by the target's predictor tap (its first row there is mid-answer),
+    which continues the source's predictor state (``fusion``, from the
+    :class:`Handoff`).
     """
     if not generated:
         return Generate(stream, request_id, list(prompt), sampling, kv)
+    continuation(sampling, len(generated))  # raises when nothing is left to generate
     return Generate(
         stream,
         request_id,
         list(prompt) + generated,
-        continuation(sampling, len(generated)),
+        sampling,
         kv,
         continued=len(generated),
         fusion=fusion,
+        resume=True,
     )
 
 

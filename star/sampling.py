@@ -1,26 +1,31 @@
 """Which sampling state survives a D->D migration, and how a continuation is sampled (docs/design.md §5.4).
 
-A migration continues a request on another instance by submitting
-prompt + every token the client has been sent as a new prompt, with the
-budget reduced by what was generated. What depends only on the next token's
-logits (temperature, top-p/k, min-p, logit bias, allowed / stop token ids,
-``ignore_eos``) carries over unchanged; ``max_tokens`` and ``min_tokens``
-are reduced. What depends on which tokens were *generated* or on a random
-stream does not survive the re-submission, so such a request is refused
-migration with the reason :func:`migration_blocker` gives:
+A migration continues a request on another instance as a *true
+continuation* (``worker.true_continuation``, the default): the target gets
+the original prompt, the original sampling parameters and budgets, and the
+tokens generated so far as the request's output tokens (their KV pulled
+through NIXL or recomputed). Penalties, ``min_tokens``, ``bad_words`` and
+stop token ids read those outputs, and a seeded random stream is skipped
+ahead by one draw per generated token where the engine proved at start that
+its sampler draws exactly that (``workers.continuation``), so all of them
+continue exactly. What still cannot migrate is refused with the reason
+:func:`migration_blocker` gives:
 
-* presence / frequency / repetition penalties (count generated tokens;
-  repetition penalty also treats prompt tokens differently);
-* ``seed`` (the seeded random stream restarts on the target);
-* ``logprobs`` / ``prompt_logprobs`` (per-token bookkeeping; the target
-  would also return prompt logprobs over the generated text);
-* ``structured_outputs`` (the grammar's state is not carried);
-* ``bad_words`` (multi-token words match against generated tokens);
+* ``logprobs`` / ``prompt_logprobs`` (the target would also return prompt
+  logprobs over the generated text; new tokens' logprobs not yet proven exact);
+* ``structured_outputs`` (the grammar's state is not replayed on the target yet);
 * ``n > 1`` (several sequences share one request);
+* ``seed`` on an engine whose sampler the skip-ahead does not match;
 * ``logits_processors`` and anything else not known here.
 
-The proxy (when it accepts a request) and the worker (in its reports) use this
-one rule.
+With ``worker.true_continuation`` off, a continuation is a new request whose
+prompt is the old prompt plus every generated token, budgets reduced
+(:func:`continuation`); then what depends on which tokens were generated or
+on a random stream does not survive, and ``resume=False`` gives the stricter
+rule: penalties, ``seed`` and ``bad_words`` are refused too.
+
+The proxy (when it accepts a request) and the worker (in its reports, and
+when asked to release) use this one rule.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from typing import Any
 
 _NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
 _STATEFUL = ("seed", "logprobs", "prompt_logprobs", "structured_outputs", "bad_words")
+# What a true continuation does not carry yet (the rest of _STATEFUL it does).
+_NOT_RESUMED = ("logprobs", "prompt_logprobs", "structured_outputs")
 _CARRIED = frozenset(
     {
         "max_tokens",
@@ -54,19 +61,30 @@ _CARRIED = frozenset(
 )
 
 
-def migration_blocker(sampling: Mapping[str, Any]) -> str | None:
-    """Why a request with these ``SamplingParams`` keyword arguments cannot migrate (None: it can)."""
+def migration_blocker(
+    sampling: Mapping[str, Any], *, resume: bool = True, seeded: bool = True
+) -> str | None:
+    """Why a request with these ``SamplingParams`` keyword arguments cannot migrate (None: it can).
+
+    ``resume``: migrations continue as true continuations; False: by
+    re-submission (prompt + generated tokens, :func:`continuation`).
+    ``seeded``: the engine's seeded sampling can be skipped ahead exactly.
+    """
     try:
         if int(sampling.get("n", 1) or 1) != 1:
             return "n > 1"
-        for key in _STATEFUL:
+        stateful = _NOT_RESUMED if resume else _STATEFUL
+        for key in stateful:
             value = sampling.get(key)
             if value is not None and value != [] and value is not False:
                 return f"{key} is set"
-        for key, neutral in _NEUTRAL.items():
-            value = sampling.get(key)
-            if value is not None and float(value) != neutral:
-                return f"{key} is {value}"
+        if resume and not seeded and sampling.get("seed") is not None:
+            return "seed is set (this engine's sampler cannot be skipped ahead exactly)"
+        if not resume:
+            for key, neutral in _NEUTRAL.items():
+                value = sampling.get(key)
+                if value is not None and float(value) != neutral:
+                    return f"{key} is {value}"
     except (TypeError, ValueError):
         return "unreadable sampling parameters"
     unknown = sorted(k for k in sampling if k not in _CARRIED)

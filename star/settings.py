@@ -263,6 +263,7 @@ class WorkerSettings:
     engine_args: tuple[str, ...] = _opt((), "extra vLLM engine arguments, KEY=VALUE")
     drain_timeout_s: float = _opt(30.0, "on SIGTERM, wait this long for running requests", positive)
     orphan_grace_s: float = _opt(30.0, "a request a client may resume (proxy.resume_grace_s) whose proxy connection went away decodes on this long, its tokens kept, for another proxy to take over (a resume on any proxy), then is aborted and its KV freed (0 = abort at once, as before)", non_negative)
+    true_continuation: bool = _opt(True, "a migrated request continues on its target as a true continuation: original prompt, sampling and budgets, the tokens generated so far as its output tokens (penalties, min_tokens, bad_words, stop token ids and seeded sampling continue exactly, so such requests migrate); false = as a new request whose prompt is the old prompt plus the generated tokens, budgets reduced, and those requests are refused migration. Set it the same on every worker")
     device_step_ms: float = _opt(0.0, "emulated device timing (decode role): pad every step to device_step_ms + device_us_per_token * KV tokens in the batch + device_prefill_us_per_token * tokens prefilled (0 = off, real timing; docs/e2e.md)", non_negative)
     device_us_per_token: float = _opt(0.0, "emulated device: microseconds per token in the batch's KV", non_negative)
     device_prefill_us_per_token: float = _opt(0.0, "emulated device: microseconds per token prefilled in a step", non_negative)

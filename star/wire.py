@@ -286,6 +286,11 @@ class Generate(Message, frozen=True, tag="generate"):
     generated; they end ``prompt_token_ids`` (0 for a fresh request).
     ``fusion``: on a continuation, the length predictor's state the source
     handed over (:class:`Handoff`), or None.
+    ``resume``: True on a continuation sent as one (docs/design.md §5.4): the
+    ``continued`` tokens ending the prompt are the request's outputs so far
+    and ``sampling`` is the request's own, budgets not reduced. UNSET (not
+    written, so a frame without it keeps its bytes): ``sampling`` is already
+    the continuation's (:func:`star.sampling.continuation`).
     """
 
     stream: int
@@ -295,6 +300,7 @@ class Generate(Message, frozen=True, tag="generate"):
     kv_transfer_params: dict[str, Any] | None = None
     continued: Count = 0
     fusion: list[float] | None = None
+    resume: bool | msgspec.UnsetType = msgspec.UNSET
 
 
 class Tokens(Message, frozen=True, tag="tokens"):

@@ -27,7 +27,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
 from star.ports import free_port
-from star.sampling import migration_blocker
+from star.sampling import continuation, migration_blocker
 from workers.engine_config import (
     EngineSpec,
     build_engine_args,
@@ -166,6 +166,9 @@ class EngineHandle:
         self._closed = False
         self.tap = TapClient(llm)
         self.paced = False
+        # A seeded request can be skipped ahead exactly on this engine's sampler
+        # (workers.continuation; set at start).
+        self.seeded_resume = True
 
     @property
     def role(self) -> str:
@@ -226,6 +229,9 @@ class EngineHandle:
         try:
             # Before any request: a seeded one with a chunked prompt kills a CPU engine without it.
             await handle.llm.collective_rpc("star_seeded_install")
+            if spec.true_continuation:
+                hooks = await handle.llm.collective_rpc("star_continuation_install")
+                handle.seeded_resume = all(bool(h["seeded"]) for h in hooks)
         except BaseException:
             await handle.shutdown()
             raise
@@ -245,20 +251,40 @@ class EngineHandle:
         rid = request.request_id
         if rid in self._live:
             raise DuplicateRequest(f"request {rid!r} is already running on this worker")
-        params = sampling_params(request, self.role)
         prompt = list(request.prompt_token_ids)
         if not prompt:
             raise BadRequest("prompt_token_ids is empty")
+        resume = request.resume and 0 < request.continued < len(prompt)
+        blocker = migration_blocker(
+            request.sampling, resume=self.spec.true_continuation, seeded=self.seeded_resume
+        )
+        # The request as this leg counts it: a continuation's prompt ends with
+        # the tokens generated before, its budgets reduced by them.
+        sampling = request.sampling
+        if request.resume:
+            try:
+                sampling = continuation(request.sampling, request.continued)
+            except (ValueError, KeyError, TypeError) as exc:
+                raise BadRequest(f"bad continuation: {exc}") from None
+        if resume and self.spec.true_continuation:
+            # docs/design.md §5.4: original prompt and sampling, the tokens as outputs.
+            params = sampling_params(request, self.role)
+            engine_prompt = prompt[: -request.continued]
+        else:
+            params = sampling_params(
+                dataclasses.replace(request, sampling=sampling, resume=False), self.role
+            )
+            engine_prompt = prompt
         budget = (
-            length_budget(request.sampling, len(prompt), self.max_model_len)
+            length_budget(sampling, len(prompt), self.max_model_len)
             if self.role == "decode"
             else None
         )
-        live = _Live(len(prompt), migration_blocker(request.sampling), budget)
+        live = _Live(len(prompt), blocker, budget)
         self._live[rid] = live
         try:
             async with contextlib.aclosing(
-                self.llm.generate(tokens_input(prompt), params, rid)
+                self.llm.generate(tokens_input(engine_prompt), params, rid)
             ) as outputs:
                 async for out in outputs:
                     completion = out.outputs[0]

@@ -22,6 +22,7 @@ from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from vllm.utils.torch_utils import get_dtype_size, kv_cache_dtype_str_to_dtype
 
 from star.settings import WorkerSettings
+from workers.continuation import RESUME_KEY
 from workers.extension import QUALNAME as WORKER_EXTENSION
 from workers.nixl_auth import SECRET_ENV as NIXL_SECRET_ENV
 from workers.protocol import (
@@ -71,6 +72,7 @@ class EngineSpec:
     cpu_threads: int = 0
     nixl_secret: str = field(default="", repr=False)
     transfer_us_per_token: float = 0.0
+    true_continuation: bool = True
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -101,6 +103,7 @@ class EngineSpec:
             "nixl_host": settings.host,
             "cpu_threads": settings.cpu_threads,
             "transfer_us_per_token": settings.device_transfer_us_per_token,
+            "true_continuation": settings.true_continuation,
         }
         values.update(overrides)
         return cls(**values)
@@ -315,6 +318,9 @@ def sampling_params(request: GenerateRequest, role: str) -> SamplingParams:
         # on as they are (star.wire.LogprobTokens): no Logprob object per entry.
         kwargs["flat_logprobs"] = True
     extra: dict[str, Any] = {"kv_transfer_params": kv} if kv else {}
+    if request.resume and request.continued > 0:
+        # A true continuation: these become its output tokens (workers.vllm_ext.StarScheduler).
+        extra[RESUME_KEY] = [int(t) for t in request.prompt_token_ids[-request.continued :]]
     if request.continued > 0:
         # The tap (workers/tap.py) reads it: this request's first row is mid-answer,
         # and it may continue the source's fusion.

@@ -104,6 +104,7 @@ class GenerateRequest:
     kv_transfer_params: Mapping[str, Any] | None = None
     continued: int = 0  # tokens generated before this leg (they end the prompt)
     fusion: list[float] | None = None  # the source's predictor state (workers.tap.FUSION_KEY)
+    resume: bool = False  # a true continuation: the continued tokens are outputs, sampling original
 
     @classmethod
     def from_frame(cls, msg: Generate) -> GenerateRequest:
@@ -115,6 +116,7 @@ class GenerateRequest:
             kv_transfer_params=msg.kv_transfer_params,
             continued=msg.continued,
             fusion=msg.fusion,
+            resume=msg.resume is True,
         )
 
 

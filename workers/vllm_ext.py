@@ -23,6 +23,7 @@ from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
+from workers.continuation import resume_tokens
 from workers.nixl_auth import SECRET_ENV, secure_nixl_side_channel
 from workers.pacing import PulledKvPacer
 from workers.parent import end_with_parent
@@ -53,14 +54,59 @@ def parse_release_id(marked: str) -> tuple[str, str] | None:
 class StarScheduler(Scheduler):
     """vLLM's scheduler plus the release of a running request at a step boundary.
 
-    It runs in the engine-core process, and also ends that process when the
-    worker that started it is gone (:func:`end_with_parent`).
+    A continuation (a request with ``extra_args[RESUME_KEY]``, docs/design.md
+    §5.4) enters with those tokens as its output tokens, as a request
+    preempted after generating them would be: its budgets and stop checks
+    count them, and it computes (or pulls) prompt + outputs but the last
+    before it samples on. It runs in the engine-core process, and also ends
+    that process when the worker that started it is gone (:func:`end_with_parent`).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.star_pending: dict[str, str] = {}  # internal id -> migration id
+        self.star_grammar: dict[str, list[int]] = {}  # continuations whose grammar awaits replay
+        self.star_failed: set[str] = set()  # continuations whose grammar rejected the replay
         end_with_parent()
+
+    def add_request(self, request: Request) -> None:
+        tokens = resume_tokens(request.sampling_params)
+        if tokens and request.request_id not in self.requests and not request.num_output_tokens:
+            request.append_output_token_ids(tokens)
+            # vLLM asserts a first prefill's cache hit stays within the prompt;
+            # a continuation's runs past it (local prefix cache or the pull).
+            request.prefill_stats = None
+            if request.use_structured_output:
+                # Its grammar compiles meanwhile; it is advanced over them before its first mask.
+                self.star_grammar[request.request_id] = tokens
+        super().add_request(request)
+
+    def get_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> Any:
+        if self.star_grammar:
+            self._star_replay_grammars()
+        return super().get_grammar_bitmask(scheduler_output)
+
+    def _star_replay_grammars(self) -> None:
+        """Advance each continuation's compiled grammar over the tokens it generated before.
+
+        vLLM calls this right after ``schedule()``, which promotes a request
+        whose grammar is ready and may schedule it in the same step: replayed
+        here, its first mask is the one after those tokens. A grammar that
+        rejects them (it cannot, for tokens generated under the same one) ends
+        the request in error at the end of the step.
+        """
+        for rid, tokens in list(self.star_grammar.items()):
+            request = self.requests.get(rid)
+            if request is None or request.is_finished():
+                del self.star_grammar[rid]
+                continue
+            structured = request.structured_output_request
+            grammar = structured.grammar if structured is not None else None
+            if grammar is None or isinstance(grammar, Exception):
+                continue  # still compiling (vLLM reports a failed compile itself)
+            del self.star_grammar[rid]
+            if not self.structured_output_manager.accept_tokens(request, tokens):
+                self.star_failed.add(rid)
 
     def finish_requests(
         self, request_ids: str | Iterable[str] | None, finished_status: RequestStatus
@@ -88,7 +134,16 @@ class StarScheduler(Scheduler):
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         if self.star_pending:
             self._star_release(outputs)
+        if self.star_failed:
+            self._star_fail(outputs)
         return outputs
+
+    def _star_fail(self, outputs: dict[int, EngineCoreOutputs]) -> None:
+        """End every continuation whose grammar rejected its replay (``finish_reason`` error)."""
+        for rid in list(self.star_failed):
+            self.star_failed.discard(rid)
+            for request in super().finish_requests(rid, RequestStatus.FINISHED_ERROR):
+                self._star_output(outputs, request, None)
 
     def _star_release(self, outputs: dict[int, EngineCoreOutputs]) -> None:
         """Release every pending request that is running now (this is a step boundary)."""
@@ -97,8 +152,14 @@ class StarScheduler(Scheduler):
             if request is None or request.is_finished():
                 del self.star_pending[rid]  # it finished on its own: nothing to release
                 continue
-            if request.status != RequestStatus.RUNNING or request.num_output_tokens == 0:
-                continue  # waiting (KV pull, preempted): release once it runs again
+            if (
+                request.status != RequestStatus.RUNNING
+                or request.num_output_tokens == 0
+                or request.num_computed_tokens < request.num_tokens - 1
+            ):
+                # Waiting (KV pull, preempted) or prefilling (a continuation's
+                # outputs count before they are computed): release once it decodes.
+                continue
             del self.star_pending[rid]
             self.running = [r for r in self.running if r is not request]
             if isinstance(self.connector, StarNixlConnector):
@@ -109,19 +170,26 @@ class StarScheduler(Scheduler):
             if kv_params is not None:
                 kv_params[RELEASE_KEY] = migration
                 kv_params["star_num_tokens"] = request.num_tokens
-            final = EngineCoreOutput(
-                request_id=rid,
-                new_token_ids=[],
-                finish_reason=request.get_finished_reason(),
-                events=request.take_events(),
-                kv_transfer_params=kv_params,
-                trace_headers=request.trace_headers,
-            )
-            eco = outputs.get(request.client_index)
-            if eco is None:
-                outputs[request.client_index] = EngineCoreOutputs(outputs=[final])
-            else:
-                eco.outputs.append(final)
+            self._star_output(outputs, request, kv_params)
+
+    @staticmethod
+    def _star_output(
+        outputs: dict[int, EngineCoreOutputs], request: Request, kv_params: Any
+    ) -> None:
+        """Add the last output of ``request``, ended here, to this step's ``outputs``."""
+        final = EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=[],
+            finish_reason=request.get_finished_reason(),
+            events=request.take_events(),
+            kv_transfer_params=kv_params,
+            trace_headers=request.trace_headers,
+        )
+        eco = outputs.get(request.client_index)
+        if eco is None:
+            outputs[request.client_index] = EngineCoreOutputs(outputs=[final])
+        else:
+            eco.outputs.append(final)
 
 
 def is_release(params: dict[str, Any]) -> bool:
@@ -257,7 +325,38 @@ class StarNixlConnector(NixlPullConnector):
         if readback_tried(request.kv_transfer_params):
             # ABORTED pull (docs/design.md §5.4): recompute prompt + generated tokens here.
             return 0, False
+        if resume_tokens(request.sampling_params):
+            return self._continuation_match(request, num_computed_tokens)
         return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def _continuation_match(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """What a continuation pulls from its source: every token but the last (P + N - 1).
+
+        vLLM's pull stops at the prompt (``min(remote_num_tokens,
+        num_prompt_tokens)``); a continuation's prompt is the original one and
+        its generated tokens are outputs, which would be recomputed. The same
+        rule otherwise: only a complete D->D readback, none under
+        ``kv_recompute_threshold`` tokens.
+        """
+        sched = self.connector_scheduler
+        assert sched is not None
+        params = request.kv_transfer_params
+        keys = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
+        if not (
+            params
+            and params.get("do_remote_decode")
+            and params.get("remote_block_ids")
+            and all(k in params for k in keys)
+        ):
+            return 0, False
+        remote = int(params.get("remote_num_tokens") or 0)
+        count = min(remote, request.num_tokens - 1) - num_computed_tokens
+        threshold = sched.kv_recompute_threshold
+        if count <= 0 or (threshold > 0 and count < threshold):
+            return 0, False
+        return count, True
 
     def request_finished(
         self, request: Request, block_ids: list[int]

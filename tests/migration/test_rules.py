@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 import pytest
 
 from proxy.migration import (
@@ -16,35 +17,59 @@ from proxy.migration import (
     refusal,
 )
 from star.sampling import continuation, migration_blocker
-from star.wire import Decision
+from star.wire import Decision, decode, encode
 from tests.reports import report
 
 
 @pytest.mark.parametrize(
-    ("sampling", "reason"),
+    ("sampling", "reason", "resubmitted"),
     [
-        ({"max_tokens": 10, "temperature": 0.7, "top_p": 0.9, "top_k": 5, "min_p": 0.1}, None),
-        ({"logit_bias": {5: 1.0}, "allowed_token_ids": [1, 2]}, None),  # no generated-token state
-        ({"stop_token_ids": [3], "ignore_eos": True, "min_tokens": 4}, None),
-        ({"presence_penalty": 0.0, "repetition_penalty": 1.0}, None),
-        ({"presence_penalty": 0.5}, "presence_penalty is 0.5"),
-        ({"frequency_penalty": -0.1}, "frequency_penalty is -0.1"),
-        ({"repetition_penalty": 1.1}, "repetition_penalty is 1.1"),
-        ({"seed": 3}, "seed is set"),
-        ({"logprobs": 0}, "logprobs is set"),
-        ({"prompt_logprobs": 1}, "prompt_logprobs is set"),
-        ({"structured_outputs": {"regex": "a+"}}, "structured_outputs is set"),
-        ({"bad_words": ["x"]}, "bad_words is set"),
-        ({"n": 2}, "n > 1"),
-        ({"presence_penalty": "lots"}, "unreadable sampling parameters"),
+        (
+            {"max_tokens": 10, "temperature": 0.7, "top_p": 0.9, "top_k": 5, "min_p": 0.1},
+            None,
+            None,
+        ),
+        ({"logit_bias": {5: 1.0}, "allowed_token_ids": [1, 2]}, None, None),
+        ({"stop_token_ids": [3], "ignore_eos": True, "min_tokens": 4}, None, None),
+        ({"presence_penalty": 0.0, "repetition_penalty": 1.0}, None, None),
+        # A true continuation carries the generated tokens and the seeded stream ...
+        ({"presence_penalty": 0.5}, None, "presence_penalty is 0.5"),
+        ({"frequency_penalty": -0.1}, None, "frequency_penalty is -0.1"),
+        ({"repetition_penalty": 1.1}, None, "repetition_penalty is 1.1"),
+        ({"seed": 3, "temperature": 0.8}, None, "seed is set"),
+        ({"bad_words": ["x"]}, None, "bad_words is set"),
+        # ... not (yet) these.
+        ({"logprobs": 0}, "logprobs is set", "logprobs is set"),
+        ({"prompt_logprobs": 1}, "prompt_logprobs is set", "prompt_logprobs is set"),
+        (
+            {"structured_outputs": {"regex": "a+"}},
+            "structured_outputs is set",
+            "structured_outputs is set",
+        ),
+        ({"n": 2}, "n > 1", "n > 1"),
+        ({"presence_penalty": "lots"}, None, "unreadable sampling parameters"),
+        ({"n": "two"}, "unreadable sampling parameters", "unreadable sampling parameters"),
         (
             {"logits_processors": ["x"]},
+            "sampling parameter logits_processors is not carried across a migration",
             "sampling parameter logits_processors is not carried across a migration",
         ),
     ],
 )
-def test_migration_blocker(sampling: dict[str, object], reason: str | None) -> None:
+def test_migration_blocker(
+    sampling: dict[str, object], reason: str | None, resubmitted: str | None
+) -> None:
     assert migration_blocker(sampling) == reason
+    assert migration_blocker(sampling, resume=False) == resubmitted
+
+
+def test_seed_migrates_only_where_the_skip_ahead_matches_the_sampler() -> None:
+    seeded = {"seed": 3, "temperature": 0.8, "max_tokens": 10}
+    assert migration_blocker(seeded, seeded=True) is None
+    assert migration_blocker(seeded, seeded=False) == (
+        "seed is set (this engine's sampler cannot be skipped ahead exactly)"
+    )
+    assert migration_blocker({"temperature": 0.8}, seeded=False) is None
 
 
 def test_continuation_reduces_the_budgets() -> None:
@@ -60,16 +85,21 @@ def test_a_continuation_leg_carries_every_token_sent_and_says_how_many() -> None
     sampling = {"max_tokens": 100, "min_tokens": 30, "temperature": 0.0}
     first = leg_frame(1, "r", [5, 6], sampling, [], None)
     assert (first.prompt_token_ids, first.sampling, first.continued) == ([5, 6], sampling, 0)
+    assert first.resume is msgspec.UNSET  # a first leg's frame keeps its bytes
     kv = {"do_remote_decode": True}
     moved = leg_frame(2, "r", [5, 6], sampling, [7, 8, 9], kv)
     assert moved.prompt_token_ids == [5, 6, 7, 8, 9]
-    assert moved.sampling == {"max_tokens": 97, "min_tokens": 27, "temperature": 0.0}
+    # A true continuation: the request's own sampling and budgets, the last 3 are outputs.
+    assert moved.sampling == sampling and moved.resume is True
     assert (moved.continued, moved.kv_transfer_params, moved.stream) == (3, kv, 2)
     assert moved.fusion is None and first.fusion is None
+    assert decode(encode(moved)) == moved
     # The source's predictor state (from its Handoff) goes on with a continuation only.
     carried = leg_frame(3, "r", [5, 6], sampling, [7, 8, 9], kv, [2.5, 400.0])
     assert carried.fusion == [2.5, 400.0]
     assert leg_frame(4, "r", [5, 6], sampling, [], None, [2.5, 400.0]).fusion is None
+    with pytest.raises(ValueError, match="no tokens left"):
+        leg_frame(5, "r", [5, 6], {"max_tokens": 3}, [7, 8, 9], kv)
 
 
 def test_every_transition_of_the_table() -> None:

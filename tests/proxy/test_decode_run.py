@@ -196,7 +196,8 @@ async def test_a_migration_delivers_each_token_once() -> None:
     moved = continuation(target)
     assert moved.prompt_token_ids == [*PROMPT, 1, 2, 3]
     assert (moved.continued, moved.kv_transfer_params, moved.fusion) == (3, KV, [1.0, 2.0])
-    assert moved.sampling["max_tokens"] == 97
+    # A true continuation: the request's own budget, its 3 tokens as outputs.
+    assert (moved.sampling["max_tokens"], moved.resume) == (100, True)
     assert source.closed and not source.got(Abort)  # released, not aborted
     target.tokens(4)
     target.tokens(5, finish="stop")

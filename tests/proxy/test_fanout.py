@@ -47,12 +47,12 @@ def client(proxy: Proxy) -> openai.AsyncOpenAI:
     [
         # n > 1: one prompt, n children; a seed s gives child i the seed s + i (vLLM 0.32)
         ({"n": 3}, [0, 0, 0], [None, None, None], [True] * 3),
-        ({"n": 3, "seed": 5}, [0, 0, 0], [5, 6, 7], [False] * 3),
-        ({"n": 2, "seed": -1}, [0, 0], [-1, 0], [False] * 2),
+        ({"n": 3, "seed": 5}, [0, 0, 0], [5, 6, 7], [True] * 3),
+        ({"n": 2, "seed": -1}, [0, 0], [-1, 0], [True] * 2),
         # a batch: choice k is prompt k // n, each prompt's children seeded alike
         ({"prompt": ["a", "b"]}, [0, 1], [None, None], [True] * 2),
-        ({"prompt": ["a", "b"], "seed": 9}, [0, 1], [9, 9], [False] * 2),
-        ({"prompt": [[5, 6], [7]], "n": 2, "seed": 7}, [0, 0, 1, 1], [7, 8, 7, 8], [False] * 4),
+        ({"prompt": ["a", "b"], "seed": 9}, [0, 1], [9, 9], [True] * 2),
+        ({"prompt": [[5, 6], [7]], "n": 2, "seed": 7}, [0, 0, 1, 1], [7, 8, 7, 8], [True] * 4),
         ({"prompt": ["a", "b", "c"], "n": 2}, [0, 0, 1, 1, 2, 2], [None] * 6, [True] * 6),
     ],
 )

@@ -185,13 +185,15 @@ def test_completion_request_becomes_a_generation_request(card: ModelCard) -> Non
     [
         ({}, True),
         ({"temperature": 0.8, "top_p": 0.9, "logit_bias": {"5": 2}}, True),
-        ({"seed": 1}, False),
-        ({"presence_penalty": 0.5}, False),
-        ({"frequency_penalty": 0.1}, False),
-        ({"repetition_penalty": 1.1}, False),
+        # A true continuation carries the seeded stream and the generated tokens.
+        ({"seed": 1}, True),
+        ({"presence_penalty": 0.5}, True),
+        ({"frequency_penalty": 0.1}, True),
+        ({"repetition_penalty": 1.1}, True),
         ({"repetition_penalty": 1.0}, True),
         ({"n": 2}, True),  # fanned out into single requests, each migratable
-        ({"n": 2, "seed": 1}, False),
+        ({"n": 2, "seed": 1}, True),
+        ({"logprobs": 1}, False),
         ({"response_format": {"type": "json_object"}}, False),
         ({"guided_regex": "a+"}, False),
     ],

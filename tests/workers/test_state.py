@@ -165,15 +165,16 @@ def test_capacity_and_used_tokens_are_block_granular(
     [
         ({"max_tokens": 10, "temperature": 0.7, "top_p": 0.9}, True),
         ({"presence_penalty": 0.0, "repetition_penalty": 1.0}, True),
-        ({"seed": 3}, False),
-        ({"presence_penalty": 0.5}, False),
-        ({"frequency_penalty": -0.1}, False),
-        ({"repetition_penalty": 1.1}, False),
+        # A true continuation carries the seeded stream and the generated tokens.
+        ({"seed": 3}, True),
+        ({"presence_penalty": 0.5}, True),
+        ({"frequency_penalty": -0.1}, True),
+        ({"repetition_penalty": 1.1}, True),
         ({"n": 2}, False),
         ({"logprobs": 1}, False),
         ({"structured_outputs": {"regex": "a+"}}, False),
         ({"logit_bias": {5: 1.0}}, True),  # bias does not depend on generated tokens
-        ({"presence_penalty": "lots"}, False),
+        ({"n": "lots"}, False),
     ],
 )
 def test_is_migratable(sampling: dict[str, object], expected: bool) -> None:
