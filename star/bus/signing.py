@@ -38,6 +38,8 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
+from star.settings import SettingsError
+
 SIG = "sig"
 """The field (stream entry) beside ``body`` that carries the tag, ``<role>:<hex>``."""
 
@@ -78,8 +80,9 @@ _READS: Mapping[str, tuple[str, ...]] = {
 }
 
 
-class KeyringError(ValueError):
-    """A keyring file that cannot be used."""
+class KeyringError(SettingsError):
+    """A keyring file that cannot be used, or a role it holds no key of (a
+    settings error: the commands print it as one line)."""
 
 
 def _kind(name: str) -> str:

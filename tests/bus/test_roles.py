@@ -10,6 +10,7 @@ import contextlib
 import os
 import stat
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -28,8 +29,12 @@ from star.bus.signing import (
     new_keyrings,
 )
 from star.cli.main import main
+from star.fleet.manual import migrate
+from star.settings import ClusterSettings, Settings
 from star.wire import Decision, LoadEntry, decode_as
+from tests.conftest import redis_settings
 from tests.proxy.fakes import Recorder
+from tests.redis_server import RedisServer
 from tests.scheduler.reports import report
 
 SECRET = "s3cret-of-this-cluster"
@@ -155,3 +160,56 @@ def test_star_config_keyring_writes_one_private_file_per_role(
         assert stat.S_IMODE(os.stat(f).st_mode) == 0o600
         assert Keyring.load(f).role == f.stem
     assert "cluster.keyring" in capsys.readouterr().err
+
+
+async def test_star_migrate_signs_as_the_operator_of_its_keyring(bus: Bus, tmp_path: Path) -> None:
+    """``star migrate`` (star.fleet.manual.migrate) with the operator's keyring file is
+    applied; given a worker's file it refuses to sign, and a decision written with
+    the worker's key anyway is dead-lettered as wrong_role."""
+    for role in ("operator", "worker"):
+        (tmp_path / f"{role}.keyring").write_text(RINGS[role].to_json())
+
+    def settings(role: str) -> Settings:
+        keyring = str(tmp_path / f"{role}.keyring")
+        return Settings(
+            redis=bus.redis_settings, bus=bus.settings, cluster=ClusterSettings(keyring=keyring)
+        )
+
+    mine, _ = await migrate(settings("operator"), "r-1", "decode-1", source="decode-0")
+    with pytest.raises(KeyringError, match="no signing key for role 'operator'"):
+        await migrate(settings("worker"), "r-2", "decode-1", source="decode-0")
+    # Written by hand with the worker's key (what a compromised worker host can do).
+    await as_role(bus, RINGS["worker"]).publish("decisions", decision("by-a-worker"))
+    migrator = Recorder()
+    reader = as_role(bus, RINGS["proxy"])
+    follower = asyncio.create_task(follow_decisions(reader, migrator, 15.0, start="0-0"))
+    try:
+        deadline = time.monotonic() + 10
+        while not migrator.applied and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)
+    finally:
+        follower.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await follower
+    assert migrator.applied == [mine.id]
+    assert reader.refusals.total == {WRONG_ROLE: 1}
+
+
+def test_star_migrate_with_a_worker_keyring_says_so_in_one_line(
+    redis_server: RedisServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "worker.keyring"
+    path.write_text(RINGS["worker"].to_json())
+    env = {
+        "STAR_CLUSTER_KEYRING": str(path),
+        "STAR_REDIS_URL": redis_settings(redis_server).url,
+        "STAR_BUS_PREFIX": f"t{uuid.uuid4().hex[:8]}",
+    }
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in env.items():
+            mp.setenv(k, v)
+        code = main(["migrate", "r-1", "--to", "decode-1", "--from", "decode-0"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "no signing key for role 'operator'" in err and "Traceback" not in err
