@@ -42,7 +42,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 
-from proxy import adopt, resume
+from proxy import adopt, chat_tools, resume
 from proxy.backend import Backend, BackendError, GenerationRequest, TokenBatch
 from proxy.fanout import FanIn, children
 from proxy.http import (
@@ -197,7 +197,7 @@ class ProxyApp:
         if not models:
             raise ValueError("ProxyApp needs at least one model")
         self.backend = backend
-        self.models = {card.name: card for card in models}
+        self.models = {card.name: _with_parsers(card, settings) for card in models}
         self.settings = settings
         self.metrics = metrics or ProxyMetrics()
         self.active = 0  # generation requests in flight (the gauge, readable)
@@ -363,7 +363,12 @@ class ProxyApp:
     def _resumable(parsed: ParsedRequest) -> bool:
         """Streamed, one choice, no logprobs: its events carry ids (proxy.resume)."""
         gen = parsed.gen
-        return gen.stream and parsed.num_choices == 1 and "logprobs" not in gen.sampling
+        return (
+            gen.stream
+            and parsed.num_choices == 1
+            and "logprobs" not in gen.sampling
+            and parsed.chat is None  # another proxy would not rebuild its parser state
+        )
 
     def _error_event(self, relay: Relay, exc: BaseException) -> bytes:
         """The in-band error of a stream whose headers are out (logged here, once)."""
@@ -573,6 +578,19 @@ async def _aclose(stream: AsyncIterator[Any]) -> None:
     aclose = getattr(stream, "aclose", None)
     if aclose is not None:
         await aclose()
+
+
+def _with_parsers(card: ModelCard, settings: ProxySettings) -> ModelCard:
+    """``card`` with the proxy's reasoning and tool-call parsers (checked: they must load)."""
+    if settings.reasoning_parser or settings.tool_call_parser or settings.enable_auto_tool_choice:
+        card = dataclasses.replace(
+            card,
+            reasoning_parser=settings.reasoning_parser,
+            tool_call_parser=settings.tool_call_parser,
+            enable_auto_tool_choice=settings.enable_auto_tool_choice,
+        )
+    chat_tools.check(card)
+    return card
 
 
 def create_server(app: ProxyApp, settings: ProxySettings, **kwargs: Any) -> HttpServer:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from json.encoder import encode_basestring
 from typing import Any
 
-from proxy import sse
+from proxy import chat_tools, sse
 from proxy.backend import GenerationRequest, RequestKind, TokenBatch, is_migratable
 from proxy.detok import TextStream
 from proxy.http import HttpError
@@ -70,6 +70,8 @@ class ParsedRequest:
     card: ModelCard
     prompts: tuple[list[int], ...] = ()
     echo: tuple[str, ...] = ()
+    # A chat's tools / tool_choice and reasoning (proxy.chat_tools), or None.
+    chat: chat_tools.ChatCall | None = None
 
     @property
     def batch(self) -> tuple[list[int], ...]:
@@ -142,13 +144,7 @@ def parse_chat(body: bytes, models: Mapping[str, ModelCard]) -> ParsedRequest:
     f = Fields(parse_object(body))
     card = find_model(models, f.raw("model"))
     messages = _messages(f)
-    if f.raw("tools"):
-        raise HttpError(
-            400,
-            "'tools' (function calling) is not supported",
-            param="tools",
-            code="unsupported_parameter",
-        )
+    tooling = chat_tools.prepare(f.data, card)
     logprobs = _chat_logprobs(f)
     f.reject_present("prompt_logprobs", _NO_PROMPT_LOGPROBS)
     f.reject_truthy("echo", "'echo' is not supported")
@@ -158,6 +154,9 @@ def parse_chat(body: bytes, models: Mapping[str, ModelCard]) -> ParsedRequest:
     reserved = sorted(set(template_kwargs) & {"messages", "add_generation_prompt"})
     if reserved:
         f.fail("chat_template_kwargs", f"'{{param}}' may not set {', '.join(reserved)}")
+    if tooling is not None and tooling.tools is not None:
+        # vLLM gives the tools to the template (a request's own kwargs win)
+        template_kwargs = {"tools": tooling.tools, **template_kwargs}
     try:
         prompt = card.encode_chat(messages, add_generation_prompt, **template_kwargs)
     except ChatTemplateError as exc:
@@ -167,7 +166,20 @@ def parse_chat(body: bytes, models: Mapping[str, ModelCard]) -> ParsedRequest:
     if "max_completion_tokens" in f.data and f.raw("max_completion_tokens") is not None:
         f.data["max_tokens"] = f.data["max_completion_tokens"]
         f.param_alias["max_tokens"] = "max_completion_tokens"
-    return _finish_parse(f, card, [prompt], "chat", "chatcmpl-", None, logprobs=logprobs)
+    parsed = _finish_parse(f, card, [prompt], "chat", "chatcmpl-", None, logprobs=logprobs)
+    if tooling is None:
+        return parsed
+    gen = parsed.gen
+    if tooling.structured_outputs is not None:
+        # A forced tool choice decodes under the tools' schema (vLLM drops response_format).
+        sampling = {**gen.sampling, "structured_outputs": tooling.structured_outputs}
+        gen = dataclasses.replace(
+            gen,
+            sampling=sampling,
+            migratable=is_migratable({k: v for k, v in sampling.items() if k != "n"}),
+        )
+    call = dataclasses.replace(tooling.call, prompt_token_ids=tuple(prompt))
+    return dataclasses.replace(parsed, gen=gen, chat=call)
 
 
 def _logprobs_count(f: Fields, name: str) -> int | None:
@@ -557,6 +569,15 @@ class Relay:
                 ChoiceLogprobs(names, gen.kind == "chat", text.logprobs, keep=not gen.stream)
                 for _ in range(count)
             ]
+        # vLLM's reasoning / tool-call parser per choice (proxy.chat_tools), and
+        # the token ids each choice took (the parser reads them too).
+        self._parsers: list[chat_tools.ChoiceParser] | None = None
+        if parsed.chat is not None and chat_tools.configured(parsed.card):
+            self._parsers = [
+                chat_tools.ChoiceParser(parsed.card, parsed.chat, batch[k // n])
+                for k in range(count)
+            ]
+        self._ids: list[list[int]] = [[] for _ in range(count)]
         # Characters of text each choice has released; a resumed stream starts
         # at the client's count and skips that much (proxy.resume).
         self.released = [0] * count
@@ -631,6 +652,8 @@ class Relay:
         finish = choice.finish_reason
         if finish is not None:
             self._open -= 1
+        if self._parsers is not None:
+            return self._parsed(index, text, batch.token_ids[: choice.num_tokens - before], scores)
         if not self._stream:
             if text:
                 self._texts[index].append(text)
@@ -638,6 +661,33 @@ class Relay:
         if not text and finish is None and scores is None:
             return b"" if self._started else self._start()
         chunk = self._chunk(index, text, finish, scores)
+        return chunk if self._started else self._start() + chunk
+
+    def _parsed(
+        self, index: int, text: str, token_ids: list[int], scores: dict[str, Any] | None
+    ) -> bytes:
+        """A choice's new text through vLLM's parser (reasoning, content, tool call deltas)."""
+        finish = self.choices[index].finish_reason
+        parser = self._parsers[index]  # type: ignore[index]
+        if parser.hides_metadata:
+            scores = None
+        if not self._stream:
+            self._texts[index].append(text)
+            self._ids[index].extend(token_ids)
+            return b""
+        delta = (
+            parser.delta(text, token_ids, finish is not None)
+            if text or token_ids or finish is not None
+            else None
+        )
+        if delta is None and finish is None and scores is None:
+            return b"" if self._started else self._start()
+        if finish is not None:
+            finish = parser.stream_finish(finish)
+        head = b"data: " + self._head + str(index).encode() + b',"delta":' + _j(delta or {})
+        tail = b',"logprobs":' + (b"null" if scores is None else _j(scores))
+        reason = b"null" if finish is None else _j(finish)
+        chunk = head + tail + b',"finish_reason":' + reason + self._end + b"\n\n"
         return chunk if self._started else self._start() + chunk
 
     def resume_at(self, chars: int) -> None:
@@ -671,12 +721,19 @@ class Relay:
         for i, choice in enumerate(self.choices):
             text = "".join(self._texts[i])
             item: dict[str, Any] = {"index": i}
-            if chat:
+            finish = choice.finish_reason
+            if self._parsers is not None:
+                item["message"], finish = self._parsers[i].message(
+                    text, self._ids[i], finish or "stop"
+                )
+            elif chat:
                 item["message"] = {"role": "assistant", "content": text}
             else:
                 item["text"] = text
-            item["logprobs"] = None if self._scores is None else self._scores[i].result()
-            item["finish_reason"] = choice.finish_reason
+            hidden = self._parsers is not None and self._parsers[i].hides_metadata
+            scored = self._scores is not None and not hidden
+            item["logprobs"] = self._scores[i].result() if scored else None  # type: ignore[index]
+            item["finish_reason"] = finish
             choices.append(item)
         return {
             "id": self.req.request_id,

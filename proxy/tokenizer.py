@@ -69,6 +69,11 @@ class ModelCard:
     # Where ``tokenizer`` was read from: a worker process loads it from there
     # (see __reduce__) instead of being sent its JSON.
     tokenizer_file: str | None = None
+    # vLLM's --reasoning-parser, --tool-call-parser and --enable-auto-tool-choice
+    # for this model (proxy.chat_tools; set from the proxy's settings).
+    reasoning_parser: str = ""
+    tool_call_parser: str = ""
+    enable_auto_tool_choice: bool = False
     # The most bytes of prompt text one token can stand for, or None when the
     # tokenizer allows no such bound (see bytes_per_token).
     max_bytes_per_token: int | None = field(init=False, repr=False)

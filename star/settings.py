@@ -291,6 +291,9 @@ class ProxySettings:
     drain_timeout_s: float = _opt(30.0, "on SIGTERM, wait this long for open streams", positive)
     resume_grace_s: float = _opt(30.0, "a single-choice stream whose client went away goes on decoding this long (its tokens kept) for the client to resume it (GET /v1/streams/{event id}), then is aborted and its KV freed; a finished one is kept as long for a client that missed its end (0 = abort at once on disconnect)", non_negative)
     write_stall_timeout_s: float = _opt(60.0, "cut a stream whose client leaves the proxy's write buffer for it full this long (a client that stopped reading)", positive)
+    reasoning_parser: str = _opt("", "vLLM's --reasoning-parser for the served model (e.g. deepseek_r1): chat responses carry `reasoning` split from the text by vLLM's own parser, streamed and not (empty = off; the proxy host needs vllm installed, and a name vLLM does not know or the model's tokenizer cannot serve is refused at start)")
+    tool_call_parser: str = _opt("", "vLLM's --tool-call-parser for the served model (e.g. hermes): with enable_auto_tool_choice, chat `tools` with tool_choice auto, required or a named function are served through vLLM's own parser (empty = only tool_choice none)")
+    enable_auto_tool_choice: bool = _opt(False, "vLLM's --enable-auto-tool-choice: load tool_call_parser and serve tool_choice auto, required and named (forced choices are decoded under structured outputs built from the tools' parameters); needs tool_call_parser")
 
 
 @dataclass(frozen=True)

@@ -117,10 +117,12 @@ def test_chat_bad_messages(card: ModelCard, messages: Any, param: str) -> None:
     assert (info.value.status, info.value.param) == (400, param)
 
 
-def test_chat_rejects_tools_and_template_errors(card: ModelCard) -> None:
+def test_chat_refuses_auto_tools_without_a_parser_and_template_errors(card: ModelCard) -> None:
+    # As vLLM's server without --enable-auto-tool-choice (tests/proxy/test_chat_tools.py)
     with pytest.raises(HttpError) as info:
         chat(card, tools=[{"type": "function", "function": {"name": "f"}}])
-    assert info.value.param == "tools"
+    assert info.value.param == "tool_choice"
+    assert "proxy.enable_auto_tool_choice" in info.value.message
     strict = ModelCard(
         name=MODEL,
         tokenizer=card.tokenizer,

@@ -1,0 +1,505 @@
+"""Tools and reasoning in chat (proxy.chat_tools) against vLLM's own serving code.
+
+The oracle is vLLM 0.32's ``OpenAIServingChat``: its
+``chat_completion_full_generator`` and ``chat_completion_stream_generator``
+run on the same generated tokens (as the engine's ``RequestOutput`` objects,
+one per step) with the same parser settings, and the proxy's response and
+streamed chunks must equal theirs field by field (tool call ids are random on
+both sides: compared by shape). The tokenizer is the tiny model's with the
+markup tokens of the DeepSeek-R1 and Hermes formats added, as those models
+have them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from proxy import chat_tools, sse
+from proxy.backend import TokenBatch
+from proxy.http import HttpError
+from proxy.openai import ParsedRequest, Relay, parse_chat
+from proxy.tokenizer import ModelCard
+from star.model import tiny_model_path
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+    pytest.mark.timeout(300),
+]
+
+MODEL = "tiny"
+MARKUP = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "the weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            "required": ["city"],
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}},
+}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model's tokenizer with <think> and <tool_call> markup as added tokens."""
+    from tokenizers import Tokenizer
+
+    root = tmp_path_factory.mktemp("markup")
+    src = tiny_model_path()
+    for name in ("tokenizer_config.json", "special_tokens_map.json", "config.json"):
+        shutil.copy(src / name, root / name)
+    tok = Tokenizer.from_file(str(src / "tokenizer.json"))
+    tok.add_tokens(MARKUP)
+    tok.save(str(root / "tokenizer.json"))
+    config = json.loads((src / "tokenizer_config.json").read_text())
+    for token in MARKUP:  # transformers reads its added tokens from here
+        config["added_tokens_decoder"][str(tok.token_to_id(token))] = {
+            "content": token,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": False,
+        }
+    (root / "tokenizer_config.json").write_text(json.dumps(config))
+    return root
+
+
+def card_for(model_dir: Path, **parsers: Any) -> ModelCard:
+    card = ModelCard.load(model_dir, MODEL)
+    card = dataclasses.replace(card, **parsers)
+    chat_tools.check(card)
+    return card
+
+
+R1: dict[str, Any] = {"reasoning_parser": "deepseek_r1"}
+HERMES: dict[str, Any] = {"tool_call_parser": "hermes", "enable_auto_tool_choice": True}
+
+
+def encode(card: ModelCard, text: str) -> list[int]:
+    return list(card.tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+def parse(card: ModelCard, **kw: Any) -> ParsedRequest:
+    kw.setdefault("messages", [{"role": "user", "content": "hi"}])
+    return parse_chat(json.dumps({"model": MODEL, **kw}).encode(), {MODEL: card})
+
+
+def steps_of(card: ModelCard, text: str, per: int = 1) -> list[list[int]]:
+    ids = encode(card, text)
+    return [ids[i : i + per] for i in range(0, len(ids), per)]
+
+
+# -- the proxy ------------------------------------------------------------------------
+
+
+def star_run(
+    parsed: ParsedRequest, steps: Sequence[list[int]], finish: str
+) -> dict[str, Any] | list[dict[str, Any]]:
+    relay = Relay(parsed, created=1)
+    out = b""
+    for k, step in enumerate(steps):
+        last = k == len(steps) - 1
+        out += relay.feed(TokenBatch(list(step), finish if last else None))  # type: ignore[arg-type]
+    if not parsed.gen.stream:
+        return relay.response()
+    out += relay.end()
+    events = [e.data for e in sse.SSEDecoder().feed(out)]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+# -- vLLM's server --------------------------------------------------------------------
+
+
+def vllm_server(card: ModelCard) -> Any:
+    """An ``OpenAIServingChat`` holding what its two generators read (no engine)."""
+    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+
+    server: Any = OpenAIServingChat.__new__(OpenAIServingChat)
+    cls = chat_tools.parser_class(card)
+    fields = {
+        "parser_cls": cls,
+        "enable_auto_tools": card.enable_auto_tool_choice,
+        "response_role": "assistant",
+        "model_config": None,
+        "chat_template": None,
+        "chat_template_content_format": "auto",
+        "default_chat_template_kwargs": {},
+        "_include_reasoning_tokens_details": bool(card.reasoning_parser),
+        "enable_prompt_tokens_details": False,
+        "enable_force_include_usage": False,
+        "enable_per_request_metrics": False,
+        "enable_log_outputs": False,
+        "request_logger": None,
+        "system_fingerprint": None,
+        "return_tokens_as_token_ids": False,
+    }
+    for key, value in fields.items():
+        object.__setattr__(server, key, value)
+    return server
+
+
+def vllm_request(card: ModelCard, body: dict[str, Any]) -> Any:
+    """The request as vLLM's server has it when generating (after ``adjust_request``)."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    request = ChatCompletionRequest.model_validate(
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **body}
+    )
+    cls = chat_tools.parser_class(card)
+    if cls is not None and (cls.reasoning_parser_cls is not None or request.tool_choice != "none"):
+        request = cls(chat_tools.vllm_tokenizer(card), request.tools).adjust_request(request)
+    return request
+
+
+def vllm_run(
+    card: ModelCard,
+    body: dict[str, Any],
+    prompt: list[int],
+    steps: Sequence[list[int]],
+    finish: str,
+) -> dict[str, Any] | list[dict[str, Any]]:
+    from vllm.entrypoints.generate.base.protocol import RequestResponseMetadata
+    from vllm.outputs import CompletionOutput, RequestOutput
+
+    server = vllm_server(card)
+    request = vllm_request(card, body)
+    tok = chat_tools.vllm_tokenizer(card)
+    stream = bool(body.get("stream"))
+    outputs = []
+    done: list[int] = []
+    for k, step in enumerate(steps):
+        before = tok.decode(done, skip_special_tokens=True)
+        done = done + list(step)
+        text = tok.decode(done, skip_special_tokens=True)
+        last = k == len(steps) - 1
+        outputs.append((text[len(before) :], list(step), text, list(done), last))
+
+    def result(delta: str, ids: list[int], text: str, all_ids: list[int], last: bool) -> Any:
+        out = CompletionOutput(
+            index=0,
+            text=delta if stream else text,
+            token_ids=ids if stream else all_ids,
+            cumulative_logprob=None,
+            logprobs=None,
+            finish_reason=finish if last else None,
+            stop_reason=None,
+        )
+        return RequestOutput(
+            request_id="x",
+            prompt=None,
+            prompt_token_ids=prompt,
+            prompt_logprobs=None,
+            outputs=[out],
+            finished=last,
+            num_cached_tokens=0,
+        )
+
+    async def results() -> Any:
+        for item in outputs if stream else outputs[-1:]:
+            yield result(*item)
+
+    metadata = RequestResponseMetadata(request_id="x")
+
+    async def run() -> Any:
+        if stream:
+            chunks = []
+            async for event in server.chat_completion_stream_generator(
+                request, results(), "x", MODEL, [], tok, metadata
+            ):
+                chunks.append(event)
+            return chunks
+        parser = None
+        if server.parser_cls is not None:
+            parser = server._make_parser(request, tok, {})
+        return await server.chat_completion_full_generator(
+            request, results(), "x", MODEL, [], tok, metadata, parser=parser
+        )
+
+    got = asyncio.run(run())
+    if not stream:
+        response: dict[str, Any] = json.loads(got.model_dump_json())
+        return response
+    data = "".join(got)
+    events = [e.data for e in sse.SSEDecoder().feed(data.encode())]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def _call_shape(call: dict[str, Any]) -> dict[str, Any]:
+    call = dict(call)
+    if "id" in call:
+        assert isinstance(call["id"], str) and call["id"].startswith("chatcmpl-tool-")
+        call["id"] = "ID"
+    return call
+
+
+def message_of(response: Any) -> tuple[dict[str, Any], str]:
+    choice = response["choices"][0]
+    msg = choice["message"]
+    out = {
+        "content": msg.get("content"),
+        "reasoning": msg.get("reasoning"),
+        "tool_calls": [_call_shape(c) for c in msg.get("tool_calls") or []],
+    }
+    return out, choice["finish_reason"]
+
+
+def deltas_of(chunks: list[dict[str, Any]]) -> list[tuple[dict[str, Any], Any]]:
+    out = []
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            delta = dict(choice["delta"])
+            if "tool_calls" in delta:
+                delta["tool_calls"] = [_call_shape(c) for c in delta["tool_calls"]]
+            out.append((delta, choice["finish_reason"]))
+    return out
+
+
+# -- the table ------------------------------------------------------------------------
+
+# (parsers, request fields, generated text, tokens per step, finish)
+CASES = [
+    pytest.param(R1, {}, "<think>a plan, then</think>The answer is 4.", 1, "stop", id="r1"),
+    pytest.param(R1, {}, "<think>a plan</think>The answer", 3, "length", id="r1-3-per-step"),
+    pytest.param(R1, {}, "no markup at all here", 1, "stop", id="r1-none"),
+    pytest.param(R1, {}, "thinking without a start</think>then text", 2, "stop", id="r1-no-start"),
+    pytest.param(R1, {}, "<think>cut off in the middle", 1, "length", id="r1-unfinished"),
+    pytest.param(
+        R1, {"include_reasoning": False}, "<think>hidden</think>shown", 1, "stop", id="r1-hidden"
+    ),
+    pytest.param(
+        HERMES,
+        {"tools": [WEATHER]},
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+        1,
+        "stop",
+        id="hermes-auto-call",
+    ),
+    pytest.param(
+        HERMES, {"tools": [WEATHER]}, "It is sunny in Paris.", 1, "stop", id="hermes-auto-text"
+    ),
+    pytest.param(
+        HERMES,
+        {"tools": [WEATHER, TIME]},
+        'Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", '
+        '"days": 2}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n'
+        "</tool_call>",
+        2,
+        "stop",
+        id="hermes-auto-two-calls",
+    ),
+    pytest.param(
+        HERMES,
+        {"tools": [WEATHER, TIME], "parallel_tool_calls": False},
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',
+        1,
+        "stop",
+        id="hermes-auto-not-parallel",
+    ),
+    pytest.param(
+        HERMES,
+        {"tools": [WEATHER], "tool_choice": "required"},
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>',
+        1,
+        "stop",
+        id="hermes-required",
+    ),
+    pytest.param(
+        HERMES,
+        {
+            "tools": [WEATHER, TIME],
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        },
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>',
+        1,
+        "stop",
+        id="hermes-named",
+    ),
+    pytest.param(
+        HERMES,
+        {"tools": [WEATHER], "tool_choice": "none"},
+        '<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>',
+        1,
+        "stop",
+        id="hermes-none",
+    ),
+    pytest.param(
+        {**R1, **HERMES},
+        {"tools": [WEATHER]},
+        '<think>need weather</think><tool_call>\n{"name": "get_weather", "arguments": '
+        '{"city": "Lima"}}\n</tool_call>',
+        1,
+        "stop",
+        id="r1-hermes",
+    ),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["full", "stream"])
+@pytest.mark.parametrize(("parsers", "fields", "text", "per", "finish"), CASES)
+def test_responses_equal_vllm_servers(
+    model_dir: Path,
+    parsers: dict[str, Any],
+    fields: dict[str, Any],
+    text: str,
+    per: int,
+    finish: str,
+    stream: bool,
+) -> None:
+    card = card_for(model_dir, **parsers)
+    body = {**fields, "stream": stream}
+    parsed = parse(card, **body)
+    assert parsed.chat is not None
+    steps = steps_of(card, text, per)
+    got = star_run(parsed, steps, finish)
+    want = vllm_run(card, body, parsed.gen.prompt_token_ids, steps, finish)
+    if stream:
+        assert isinstance(got, list) and isinstance(want, list)
+        assert deltas_of(got) == deltas_of(want)
+    else:
+        assert message_of(got) == message_of(want)
+
+
+def test_streamed_deltas_put_together_equal_the_response(model_dir: Path) -> None:
+    card = card_for(model_dir, **R1, **HERMES)
+    text = (
+        '<think>plan</think>Sure.<tool_call>\n{"name": "get_weather", "arguments": '
+        '{"city": "Nice"}}\n</tool_call>'
+    )
+    full = star_run(parse(card, tools=[WEATHER]), steps_of(card, text), "stop")
+    chunks = star_run(parse(card, tools=[WEATHER], stream=True), steps_of(card, text), "stop")
+    assert isinstance(full, dict) and isinstance(chunks, list)
+    msg = full["choices"][0]["message"]
+    assert msg["reasoning"] == "plan"
+    assert msg["content"] == "Sure."
+    (call,) = msg["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Nice"}'}
+    assert full["choices"][0]["finish_reason"] == "tool_calls"
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert "".join(d.get("reasoning") or "" for d in deltas) == "plan"
+    assert "".join(d.get("content") or "" for d in deltas) == "Sure."
+    args = "".join(
+        t["function"].get("arguments") or "" for d in deltas for t in d.get("tool_calls", [])
+    )
+    assert json.loads(args) == {"city": "Nice"}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_forced_tool_choices_decode_under_structured_outputs(model_dir: Path) -> None:
+    card = card_for(model_dir, **HERMES)
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        parsed = parse(
+            card, tools=[WEATHER], tool_choice=choice, response_format={"type": "json_object"}
+        )
+        want = vllm_request(card, {"tools": [WEATHER], "tool_choice": choice}).structured_outputs
+        got = parsed.gen.sampling["structured_outputs"]
+        assert got == {"structural_tag": want.structural_tag}
+        assert "get_weather" in got["structural_tag"]
+    auto = parse(card, tools=[WEATHER])
+    assert "structured_outputs" not in auto.gen.sampling
+
+
+def test_tools_reach_the_chat_template(model_dir: Path) -> None:
+    card = card_for(model_dir, **HERMES)
+    template = "{% for t in tools %}{{ t.function.name }};{% endfor %}{{ messages[0].content }}"
+    card = dataclasses.replace(card, chat_template=template)
+    parsed = parse(card, tools=[WEATHER, TIME], tool_choice="none")
+    assert card.tokenizer.decode(parsed.gen.prompt_token_ids) == "get_weather;get_time;hi"
+
+
+@pytest.mark.parametrize(
+    ("parsers", "fields", "param", "says"),
+    [
+        ({}, {"tools": [WEATHER]}, "tool_choice", '"auto" tool choice requires'),
+        ({}, {"tools": [WEATHER], "tool_choice": "required"}, "tool_choice", "tool_call_parser"),
+        (
+            {"tool_call_parser": "hermes"},
+            {
+                "tools": [WEATHER],
+                "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+            },
+            "tool_choice",
+            'function "get_weather"',
+        ),
+        (HERMES, {"tool_choice": "required"}, "tool_choice", "`tools` must be set"),
+        (
+            HERMES,
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+            "does not match any",
+        ),
+        (HERMES, {"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice", "sometimes"),
+        (HERMES, {"tools": [{"type": "function"}]}, "tools", ""),
+    ],
+)
+def test_tool_requests_vllm_refuses_are_400s(
+    model_dir: Path, parsers: dict[str, Any], fields: dict[str, Any], param: str, says: str
+) -> None:
+    card = card_for(model_dir, **parsers)
+    with pytest.raises(HttpError) as err:
+        parse(card, **fields)
+    assert err.value.status == 400
+    assert says in err.value.message
+
+
+def test_tool_choice_none_without_parsers_is_plain_text(model_dir: Path) -> None:
+    card = card_for(model_dir)
+    parsed = parse(card, tools=[WEATHER], tool_choice="none")
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>'
+    got = star_run(parsed, steps_of(card, text), "stop")
+    assert isinstance(got, dict)
+    assert got["choices"][0]["message"] == {"role": "assistant", "content": text}
+    assert got["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize(
+    ("parsers", "says"),
+    [
+        ({"reasoning_parser": "no_such_parser"}, "no_such_parser"),
+        ({"enable_auto_tool_choice": True}, "needs proxy.tool_call_parser"),
+        ({"tool_call_parser": "no_such", "enable_auto_tool_choice": True}, "no_such"),
+    ],
+)
+def test_unknown_parsers_are_refused_at_start(parsers: dict[str, Any], says: str) -> None:
+    card = dataclasses.replace(ModelCard.load(tiny_model_path(), MODEL), **parsers)
+    with pytest.raises(chat_tools.ParserConfigError, match=says):
+        chat_tools.check(card)
+
+
+def test_a_tokenizer_without_the_markup_is_refused_at_start() -> None:
+    card = dataclasses.replace(ModelCard.load(tiny_model_path(), MODEL), **R1)
+    with pytest.raises(chat_tools.ParserConfigError, match="think"):
+        chat_tools.check(card)
+
+
+def test_the_proxy_refuses_a_parser_it_cannot_load_at_start(model_dir: Path) -> None:
+    from proxy.app import ProxyApp
+    from star.settings import ProxySettings
+    from tests.proxy.fakes import FakeBackend, Script
+
+    card = ModelCard.load(tiny_model_path(), MODEL)
+    backend = FakeBackend(card.tokenizer, Script(text="x"))
+    with pytest.raises(chat_tools.ParserConfigError, match="deepseek_r1"):
+        ProxyApp(backend, [card], ProxySettings(reasoning_parser="deepseek_r1"))
+    good = ModelCard.load(model_dir, MODEL)
+    app = ProxyApp(backend, [good], ProxySettings(reasoning_parser="deepseek_r1"))
+    assert app.models[MODEL].reasoning_parser == "deepseek_r1"
