@@ -19,7 +19,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from star.aio import raise_swallowed_cancel
-from star.bus.signing import Keyring, RefusalCounter, Signer, bus_keys
+from star.bus.signing import Keyring, KeyringError, RefusalCounter, Signer, bus_keys
 from star.redis_sentinel import SentinelMaster, connect_master, describe
 from star.redis_tls import tls_kwargs
 from star.settings import BusSettings, RedisSettings, Settings
@@ -271,6 +271,13 @@ class Connection:
         """A process's connection: its settings' Redis and bus, signing as ``role``
         with ``cluster.keyring`` if set, else with keys derived from ``cluster.secret``."""
         keys = bus_keys(settings.cluster.secret, settings.cluster.keyring)
+        if keys is not None and role != "operator" and not keys.signs_as(role):
+            # A service that would fail at its first write fails now (an operator's
+            # read-only command may read with any role's file).
+            raise KeyringError(
+                f"cluster.keyring {settings.cluster.keyring} is a {keys.role}'s: it cannot "
+                f"sign as the {role} (give this process its role's file from star config keyring)"
+            )
         return cls.from_settings(settings.redis, settings.bus, keys, role)
 
     async def close(self) -> None:

@@ -111,6 +111,10 @@ class Keyring:
         public = {r: k.public_key() for r, k in private.items()}
         return cls(None, hmac_keys, private, public)
 
+    def signs_as(self, role: str) -> bool:
+        """Whether this keyring holds ``role``'s signing key."""
+        return role in self.hmac_keys or role in self.private
+
     def for_role(self, role: str) -> Keyring:
         """What a process of ``role`` needs and no more (its file from ``star config keyring``)."""
         if role not in ROLES:

@@ -213,3 +213,14 @@ def test_star_migrate_with_a_worker_keyring_says_so_in_one_line(
     assert code == 2
     err = capsys.readouterr().err
     assert "no signing key for role 'operator'" in err and "Traceback" not in err
+
+
+def test_a_service_given_another_roles_keyring_fails_at_start(tmp_path: Path) -> None:
+    path = tmp_path / "worker.keyring"
+    path.write_text(RINGS["worker"].to_json())
+    settings = Settings(cluster=ClusterSettings(keyring=str(path)))
+    for role in ("proxy", "scheduler"):
+        with pytest.raises(KeyringError, match=f"worker's: it cannot sign as the {role}"):
+            Bus.for_cluster(settings, role)
+    Bus.for_cluster(settings, "operator")  # star status, star inspect: reading only
+    Bus.for_cluster(settings, "worker")
