@@ -148,6 +148,22 @@ def parser_class(card: ModelCard) -> Any:
     return cls
 
 
+def _parses_plain_chats(card: ModelCard) -> bool:
+    """Whether a chat without tools can come out of vLLM's parser other than as plain text.
+
+    Only with a reasoning parser or an engine-based tool parser: a legacy
+    tool parser passes the text of a request without tools (tool_choice
+    none) through as content, so such a chat is served as one without
+    parsers (and stays resumable).
+    """
+    cls = parser_class(card)
+    if cls is None:
+        return False
+    tool_parser = cls.tool_parser_cls
+    engine_based = tool_parser is not None and tool_parser.engine_based_streaming
+    return cls.reasoning_parser_cls is not None or bool(engine_based)
+
+
 def _vllm_request(card: ModelCard, fields: Mapping[str, Any]) -> Any:
     _import_vllm()
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
@@ -181,7 +197,7 @@ class Prepared:
 def prepare(body: Mapping[str, Any], card: ModelCard) -> Prepared | None:
     """Check ``tools`` / ``tool_choice`` as vLLM does; None when neither is asked nor configured."""
     fields = {k: body[k] for k in _FIELDS if body.get(k) is not None}
-    if "tools" not in fields and "tool_choice" not in fields and not configured(card):
+    if "tools" not in fields and "tool_choice" not in fields and not _parses_plain_chats(card):
         return None
     try:
         from vllm.exceptions import VLLMValidationError
