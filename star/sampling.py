@@ -5,15 +5,16 @@ continuation* (``worker.true_continuation``, the default): the target gets
 the original prompt, the original sampling parameters and budgets, and the
 tokens generated so far as the request's output tokens (their KV pulled
 through NIXL or recomputed). Penalties, ``min_tokens``, ``bad_words`` and
-stop token ids read those outputs, and a seeded random stream is skipped
-ahead by one draw per generated token where the engine proved at start that
-its sampler draws exactly that (``workers.continuation``), so all of them
-continue exactly. What still cannot migrate is refused with the reason
-:func:`migration_blocker` gives:
+stop token ids read those outputs, a structured-output grammar is advanced
+over them, and a seeded random stream is skipped ahead by one draw per
+generated token where the engine proved at start that its sampler draws
+exactly that (``workers.continuation``), so all of them continue exactly.
+What still cannot migrate is refused with the reason :func:`migration_blocker`
+gives:
 
 * ``logprobs`` / ``prompt_logprobs`` (the target would also return prompt
-  logprobs over the generated text; new tokens' logprobs not yet proven exact);
-* ``structured_outputs`` (the grammar's state is not replayed on the target yet);
+  logprobs over the generated text; new tokens' logprobs are not yet shown
+  equal after a migration);
 * ``n > 1`` (several sequences share one request);
 * ``seed`` on an engine whose sampler the skip-ahead does not match;
 * ``logits_processors`` and anything else not known here.
@@ -22,7 +23,7 @@ With ``worker.true_continuation`` off, a continuation is a new request whose
 prompt is the old prompt plus every generated token, budgets reduced
 (:func:`continuation`); then what depends on which tokens were generated or
 on a random stream does not survive, and ``resume=False`` gives the stricter
-rule: penalties, ``seed`` and ``bad_words`` are refused too.
+rule: penalties, ``seed``, ``bad_words`` and structured outputs are refused too.
 
 The proxy (when it accepts a request) and the worker (in its reports, and
 when asked to release) use this one rule.
@@ -35,8 +36,8 @@ from typing import Any
 
 _NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
 _STATEFUL = ("seed", "logprobs", "prompt_logprobs", "structured_outputs", "bad_words")
-# What a true continuation does not carry yet (the rest of _STATEFUL it does).
-_NOT_RESUMED = ("logprobs", "prompt_logprobs", "structured_outputs")
+# What a true continuation does not carry (the rest of _STATEFUL it does).
+_NOT_RESUMED = ("logprobs", "prompt_logprobs")
 _CARRIED = frozenset(
     {
         "max_tokens",

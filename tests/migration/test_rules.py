@@ -38,14 +38,10 @@ from tests.reports import report
         ({"repetition_penalty": 1.1}, None, "repetition_penalty is 1.1"),
         ({"seed": 3, "temperature": 0.8}, None, "seed is set"),
         ({"bad_words": ["x"]}, None, "bad_words is set"),
+        ({"structured_outputs": {"regex": "a+"}}, None, "structured_outputs is set"),
         # ... not (yet) these.
         ({"logprobs": 0}, "logprobs is set", "logprobs is set"),
         ({"prompt_logprobs": 1}, "prompt_logprobs is set", "prompt_logprobs is set"),
-        (
-            {"structured_outputs": {"regex": "a+"}},
-            "structured_outputs is set",
-            "structured_outputs is set",
-        ),
         ({"n": 2}, "n > 1", "n > 1"),
         ({"presence_penalty": "lots"}, None, "unreadable sampling parameters"),
         ({"n": "two"}, "unreadable sampling parameters", "unreadable sampling parameters"),

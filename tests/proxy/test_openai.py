@@ -196,8 +196,9 @@ def test_completion_request_becomes_a_generation_request(card: ModelCard) -> Non
         ({"n": 2}, True),  # fanned out into single requests, each migratable
         ({"n": 2, "seed": 1}, True),
         ({"logprobs": 1}, False),
-        ({"response_format": {"type": "json_object"}}, False),
-        ({"guided_regex": "a+"}, False),
+        # Its grammar is replayed on the target.
+        ({"response_format": {"type": "json_object"}}, True),
+        ({"guided_regex": "a+"}, True),
     ],
 )
 def test_migratable_flag(card: ModelCard, fields: dict[str, Any], migratable: bool) -> None:

@@ -172,7 +172,7 @@ def test_capacity_and_used_tokens_are_block_granular(
         ({"repetition_penalty": 1.1}, True),
         ({"n": 2}, False),
         ({"logprobs": 1}, False),
-        ({"structured_outputs": {"regex": "a+"}}, False),
+        ({"structured_outputs": {"regex": "a+"}}, True),
         ({"logit_bias": {5: 1.0}}, True),  # bias does not depend on generated tokens
         ({"n": "lots"}, False),
     ],
