@@ -65,7 +65,7 @@ def leg_frame(
 ) -> Generate:
     """The Generate that opens a leg: the first, or a continuation after ``generated`` tokens.
 
-    A continuation is sent as a true one (``resume``, docs/design.md §5.4):
+    A continuation is sent as a true one (``resume``, docs/design.md §5.2):
     its prompt is the original prompt plus every token sent, of which the
     last ``continued`` are the request's outputs so far, with the request's
     own sampling and budgets; the target makes them its output tokens (or,

@@ -1,4 +1,4 @@
-"""Which sampling state survives a D->D migration, and how a continuation is sampled (docs/design.md §5.4).
+"""Which sampling state survives a D->D migration, and how a continuation is sampled (docs/design.md §5.2).
 
 A migration continues a request on another instance as a *true
 continuation* (``worker.true_continuation``, the default): the target gets

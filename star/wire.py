@@ -286,7 +286,7 @@ class Generate(Message, frozen=True, tag="generate"):
     generated; they end ``prompt_token_ids`` (0 for a fresh request).
     ``fusion``: on a continuation, the length predictor's state the source
     handed over (:class:`Handoff`), or None.
-    ``resume``: True on a continuation sent as one (docs/design.md §5.4): the
+    ``resume``: True on a continuation sent as one (docs/design.md §5.2): the
     ``continued`` tokens ending the prompt are the request's outputs so far
     and ``sampling`` is the request's own, budgets not reduced. UNSET (not
     written, so a frame without it keeps its bytes): ``sampling`` is already

@@ -1,4 +1,4 @@
-"""A migrated request resumed as a true continuation, on the worker side (docs/design.md §5.4).
+"""A migrated request resumed as a true continuation, on the worker side (docs/design.md §5.2).
 
 A continuation reaches the engine as its original prompt with the tokens it
 generated elsewhere in ``SamplingParams.extra_args[RESUME_KEY]``;
@@ -103,7 +103,7 @@ def install(runner: Any) -> dict[str, bool]:
     and got the hook, and whether seeded requests continue exactly on it.
     A runner without an ``input_batch`` (vLLM's model runner V2, the GPU
     default) builds its state from the scheduler's token list and needs
-    nothing (docs/design.md §5.4); its seeded noise depends on positions only.
+    nothing (docs/design.md §5.2); its seeded noise depends on positions only.
     """
     resumer = getattr(runner, "_star_resumer", None)
     if resumer is not None:

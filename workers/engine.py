@@ -267,7 +267,7 @@ class EngineHandle:
             except (ValueError, KeyError, TypeError) as exc:
                 raise BadRequest(f"bad continuation: {exc}") from None
         if resume and self.spec.true_continuation:
-            # docs/design.md §5.4: original prompt and sampling, the tokens as outputs.
+            # docs/design.md §5.2: original prompt and sampling, the tokens as outputs.
             params = sampling_params(request, self.role)
             engine_prompt = prompt[: -request.continued]
         else:
@@ -292,7 +292,7 @@ class EngineHandle:
                     live.generated += len(new)
                     live.started = True
                     finished = bool(out.finished)
-                    scores = delta_logprobs(completion.logprobs, len(new))
+                    scores = delta_logprobs(completion.logprobs, len(new), params.logprobs)
                     if finished and (out.kv_transfer_params or {}).get(RELEASE_KEY) is not None:
                         # Released (D->D): the stream ends here without a final delta.
                         if new:

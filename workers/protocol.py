@@ -163,27 +163,40 @@ class TokenDelta:
         )
 
 
-def delta_logprobs(logprobs: Any, count: int) -> dict[str, Any]:
+def delta_logprobs(logprobs: Any, count: int, k: int | None = None) -> dict[str, Any]:
     """A delta's logprobs as :class:`TokenDelta` fields ({} when the request asked for none).
 
     ``logprobs`` is vLLM's ``CompletionOutput.logprobs`` for the delta's
     ``count`` tokens, as :class:`vllm.logprobs.FlatLogprobs`
     (``flat_logprobs``, which :func:`workers.engine_config.sampling_params` sets):
     per position the sampled token first, then the top k in rank order.
+    ``k``: the top count the request asked for. vLLM merges the deltas of
+    steps a slow reader has not taken yet (``RequestOutput.add``) with
+    ``FlatLogprobs.extend``, which rebuilds each position as a map: a
+    sampled token that is also among the top k then appears once, and
+    that position holds k - 1 top entries. Given ``k``, it is put back in
+    the top list at its rank, so every position carries k.
     """
     if logprobs is None:
         return {}
     starts, ends = list(logprobs.start_indices), list(logprobs.end_indices)
     if len(starts) != count:
         raise EngineFailed(f"the engine gave logprobs for {len(starts)} of {count} tokens")
-    values, ids = logprobs.logprobs, logprobs.token_ids
+    values, ids, ranks = logprobs.logprobs, logprobs.token_ids, logprobs.ranks
     sampled: list[float] = []
     top_ids: list[int] = []
     top_logprobs: list[float] = []
     for start, end in zip(starts, ends, strict=True):
         sampled.append(float(values[start]))
-        top_ids.extend(int(t) for t in ids[start + 1 : end])
-        top_logprobs.extend(float(v) for v in values[start + 1 : end])
+        pos_ids = [int(t) for t in ids[start + 1 : end]]
+        pos_values = [float(v) for v in values[start + 1 : end]]
+        if k is not None and len(pos_ids) == k - 1 and int(ids[start]) not in pos_ids:
+            at = int(ranks[start]) - 1  # merged away: the sampled token was ranked <= k
+            if 0 <= at <= len(pos_ids):
+                pos_ids.insert(at, int(ids[start]))
+                pos_values.insert(at, float(values[start]))
+        top_ids.extend(pos_ids)
+        top_logprobs.extend(pos_values)
     return {"logprobs": sampled, "top_ids": top_ids, "top_logprobs": top_logprobs}
 
 

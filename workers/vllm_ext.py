@@ -55,7 +55,7 @@ class StarScheduler(Scheduler):
     """vLLM's scheduler plus the release of a running request at a step boundary.
 
     A continuation (a request with ``extra_args[RESUME_KEY]``, docs/design.md
-    §5.4) enters with those tokens as its output tokens, as a request
+    §5.2) enters with those tokens as its output tokens, as a request
     preempted after generating them would be: its budgets and stop checks
     count them, and it computes (or pulls) prompt + outputs but the last
     before it samples on. It runs in the engine-core process, and also ends

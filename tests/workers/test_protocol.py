@@ -138,6 +138,37 @@ def test_logprobs_of_a_delta_from_vllms_flat_arrays() -> None:
         delta_logprobs(flat[:1], 2)
 
 
+def test_logprobs_of_deltas_vllm_merged_keep_k_top_entries_a_position() -> None:
+    from vllm.logprobs import FlatLogprobs
+
+    def step(sampled: tuple[int, float, int], top: list[tuple[int, float]]) -> FlatLogprobs:
+        # One step as vLLM's sampler writes it: the sampled token, then the top k.
+        flat = FlatLogprobs()
+        token, value, rank = sampled
+        ranks = iter([rank, *range(1, len(top) + 1)])
+        ids = [token, *(t for t, _ in top)]
+        flat.append_fast(ids, [value, *(v for _, v in top)], ranks, [None] * len(ids))
+        return flat
+
+    steps = [
+        step((7, -0.5, 1), [(7, -0.5), (3, -1.0)]),  # greedy: the sampled one ranked first
+        step((3, -2.0, 2), [(4, -0.25), (3, -2.0)]),  # sampled second
+        step((9, -4.0, 5), [(4, -0.25), (3, -2.0)]),  # sampled outside the top 2
+    ]
+    apart = [delta_logprobs(s, 1, 2) for s in steps]
+    # A reader that fell behind: vLLM merges the three deltas (RequestOutput.add).
+    merged = step((7, -0.5, 1), [(7, -0.5), (3, -1.0)])
+    merged.extend(steps[1])
+    merged.extend(steps[2])
+    sizes = [e - s for s, e in zip(merged.start_indices, merged.end_indices, strict=True)]
+    assert sizes == [3, 2, 3]  # the second's sampled entry merged with its top-2 twin
+    fields = delta_logprobs(merged, 3, 2)
+    assert fields == {key: [x for a in apart for x in a[key]] for key in fields}
+    assert fields["top_ids"] == [7, 3, 4, 3, 4, 3]
+    frame = TokenDelta([7, 3, 9], None, **fields).to_frame(1)
+    assert isinstance(frame, LogprobTokens) and frame.consistent() and frame.top_k == 2
+
+
 def test_a_delta_without_logprobs_or_tokens_is_a_plain_tokens_frame() -> None:
     assert type(TokenDelta([7]).to_frame(1)) is Tokens
     # The last delta of a request with logprobs may carry no token: nothing to score.
