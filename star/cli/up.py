@@ -8,7 +8,10 @@ engine-core children included, nothing is left behind; a ``star up`` killed
 outright (SIGKILL) takes them along too (``PR_SET_PDEATHSIG``). A cluster
 already live on the same Redis and prefix is refused, named, rather than
 joined. Logs go to one file per process under the run directory; a process
-that dies is reported by its one-line cause. The fleet itself is
+that dies is reported by its one-line cause and stops the cluster, except the
+proxy: one that dies unexpectedly is started again on the same port (a few
+times in a row, with growing pauses, each said on stderr), so a client whose
+stream it cut resumes it there (``docs/operations.md``, "Resuming a stream"). The fleet itself is
 :class:`star.fleet.LocalCluster`; this module parses the flags and reports.
 """
 
@@ -93,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
         model=model,
         run_dir=Path(args.run_dir) if args.run_dir else None,
         env=env,
+        restart_proxy=True,
+        notify=lambda message: print(f"star up: {message}", file=sys.stderr, flush=True),
     )
     port = cluster.port
 

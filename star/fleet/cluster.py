@@ -35,6 +35,7 @@ from star.fleet.private_redis import (
     write_secret,
 )
 from star.fleet.processes import (
+    Child,
     Launcher,
     SigHandler,
     Terminated,
@@ -151,6 +152,20 @@ def refuse_a_second_cluster(settings: Settings) -> None:
 
 SECRET_ENV = env_key("cluster.secret")
 
+# A proxy that dies unexpectedly is started again after each of these pauses
+# in turn (``restart_proxy``); one more death within PROXY_STABLE_S of its
+# last start stops the cluster. A proxy that ran that long starts afresh.
+PROXY_RESTART_DELAYS_S = (0.5, 1.0, 2.0, 4.0, 8.0)
+PROXY_STABLE_S = 60.0
+
+
+def _startup_failed(path: Path) -> bool:
+    """The process logged that it could not start (a setting, a port): no restart helps."""
+    try:
+        return '"startup_failed"' in path.read_text(errors="replace")
+    except OSError:
+        return False
+
 
 class LocalCluster:
     """Redis (given or private), workers, scheduler and proxy as child process groups.
@@ -170,6 +185,17 @@ class LocalCluster:
     vLLM's engine-core children go too. Unless ``env`` names a
     ``cluster.secret``, the cluster draws its own (:attr:`secret`), so its
     token protocol is authenticated even on loopback.
+
+    With ``restart_proxy`` (``star up``), a proxy that dies while the cluster
+    runs (SIGKILL, a crash, an OOM kill) is started again on the same socket,
+    as systemd's ``Restart=always`` would: at most
+    ``len(PROXY_RESTART_DELAYS_S)`` times in a row, after those pauses, each
+    one told to ``notify``; the log of the one that died is kept as
+    ``proxy.N.log``. Clients meanwhile wait in the socket's backlog, and a
+    cut stream resumes on the new proxy (the decode workers hold its requests,
+    ``worker.orphan_grace_s``). A proxy that could not start
+    (``startup_failed``), or any other process that exits, stops the cluster
+    through :meth:`check`; :meth:`stop` restarts nothing.
     """
 
     def __init__(
@@ -185,6 +211,8 @@ class LocalCluster:
         worker_args: list[str] | None = None,
         proxy_args: list[str] | None = None,
         scheduler: bool = True,
+        restart_proxy: bool = False,
+        notify: Callable[[str], None] | None = None,
     ) -> None:
         if prefill < 1 or decode < 1:
             raise FleetError("--prefill and --decode must be at least 1")
@@ -223,6 +251,13 @@ class LocalCluster:
         self.redis_password = ""
         self.redis_password_file = self.run_dir / "redis.password"
         self._previous_sigterm: SigHandler = None
+        self.restart_proxy = restart_proxy
+        self.notify = notify or (lambda message: None)
+        self.proxy_restarts = 0  # in a row (reset once a proxy ran PROXY_STABLE_S)
+        self._proxy_started_at = 0.0
+        self._proxy_died_at: float | None = None
+        self._proxy_logs = 0  # proxy.N.log kept so far
+        self._stopping = False
 
     @property
     def secret(self) -> str:
@@ -340,6 +375,7 @@ class LocalCluster:
         if self._proxy_sock is None:
             raise FleetError("this cluster was stopped")
         fd = self._proxy_sock.fileno()
+        self._proxy_started_at = time.monotonic()
         self.launcher.start(
             "proxy",
             [*star, "proxy", "--fd", str(fd), *model_args, *self.proxy_args],
@@ -347,9 +383,11 @@ class LocalCluster:
         )
 
     def check(self) -> None:
-        """Raise :class:`ClusterError` if a process has exited."""
-        dead = self.launcher.dead()
-        if dead is not None:
+        """Raise :class:`ClusterError` if a process has exited (a proxy with
+        ``restart_proxy``: once it is not to be started again)."""
+        for dead in [c for c in self.launcher.children if c.proc and c.proc.poll() is not None]:
+            if dead.name == "proxy" and self._restarting_proxy(dead):
+                continue
             status = dead.proc.returncode if dead.proc else "?"
             cause = _cause(dead.log)
             if cause is not None:
@@ -359,6 +397,40 @@ class LocalCluster:
             raise ClusterError(
                 f"{dead.name} exited with status {status}; last lines of {dead.log}:\n{_tail(dead.log)}"
             )
+
+    def _restarting_proxy(self, dead: Child) -> bool:
+        """Whether the dead proxy is (being) started again; starts it once its pause is over."""
+        if not self.restart_proxy or self._stopping or self._proxy_sock is None:
+            return False
+        if _startup_failed(dead.log):
+            return False
+        now = time.monotonic()
+        if self._proxy_died_at is None:
+            if now - self._proxy_started_at >= PROXY_STABLE_S:
+                self.proxy_restarts = 0
+            if self.proxy_restarts >= len(PROXY_RESTART_DELAYS_S):
+                self.notify(
+                    f"the proxy died {self.proxy_restarts + 1} times in a row; not starting it again"
+                )
+                return False
+            self._proxy_died_at = now
+            status = dead.proc.returncode if dead.proc else "?"
+            self.notify(
+                f"the proxy exited with status {status}; starting it again in "
+                f"{PROXY_RESTART_DELAYS_S[self.proxy_restarts]:g} s (restart "
+                f"{self.proxy_restarts + 1} of {len(PROXY_RESTART_DELAYS_S)} in a row)"
+            )
+            return True
+        if now - self._proxy_died_at < PROXY_RESTART_DELAYS_S[self.proxy_restarts]:
+            return True
+        self.proxy_restarts += 1
+        self._proxy_logs += 1
+        old_log = self.run_dir / f"proxy.{self._proxy_logs}.log"
+        again = self.launcher.restart(dead, old_log)
+        self._proxy_started_at, self._proxy_died_at = time.monotonic(), None
+        pid = again.proc.pid if again.proc else "?"
+        self.notify(f"proxy started again (pid {pid}; the log of the one that died: {old_log})")
+        return True
 
     def health(self) -> dict[str, object] | None:
         """The proxy's ``/health`` document, or None while it does not answer."""
@@ -396,6 +468,7 @@ class LocalCluster:
 
     def stop(self, timeout_s: float = 20.0) -> None:
         """Stop everything (SIGTERM, then SIGKILL of whole process groups)."""
+        self._stopping = True
         self.launcher.stop(timeout_s)
         if self._proxy_sock is not None:
             self._proxy_sock.close()

@@ -72,6 +72,17 @@ class Launcher:
             child.proc.stdin.close()
         return child
 
+    def restart(self, child: Child, log: Path) -> Child:
+        """Start ``child``'s command again in its place; its old log is renamed ``log``."""
+        with contextlib.suppress(OSError):
+            child.log.rename(log)
+        index = self.children.index(child)
+        self.children.remove(child)
+        again = self.start(child.name, child.argv, child.extra_env, child.pass_fds)
+        self.children.remove(again)
+        self.children.insert(index, again)
+        return again
+
     def dead(self) -> Child | None:
         for child in self.children:
             if child.proc is not None and child.proc.poll() is not None:
