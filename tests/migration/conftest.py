@@ -175,8 +175,11 @@ async def stream_with(
     max_tokens: int,
     scenario: Callable[[str], Awaitable[None]],
     on_chunk: Callable[[Completion], Awaitable[None]] | None = None,
+    **extra: Any,
 ) -> Completion:
     """Stream ``prompt``; ``scenario(request id)`` runs alongside once the client has a chunk.
+
+    ``extra``: more request fields (sampling), as for :func:`complete`.
 
     The scenario's own failure is raised first (it would otherwise leave the
     client waiting on a stream that cannot end); a stream that ends without
@@ -194,7 +197,7 @@ async def stream_with(
         await scenario(await started)
 
     driver = asyncio.create_task(drive())
-    client = asyncio.create_task(complete(fleet, prompt, max_tokens, each))
+    client = asyncio.create_task(complete(fleet, prompt, max_tokens, each, **extra))
     try:
         done, _ = await asyncio.wait({driver, client}, return_when=asyncio.FIRST_EXCEPTION)
         if driver in done and (failed := driver.exception()) is not None:
