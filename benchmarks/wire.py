@@ -5,7 +5,10 @@ with ``decode(raw, Report)``, a frame with ``decode(raw, FRAMES)``), in this
 process, the best of ``--repeat`` runs of ``--number`` calls (the machine's
 load only ever adds time). "k last" decodes a Report whose map has its kind
 last, as ``star.wire`` wrote it while the messages were dataclasses (the body
-of a worker from before then). Run it from two trees, alternated, to compare::
+of a worker from before then). A frame of the token protocol is also sealed
+and opened as a connection with ``cluster.secret`` does (AES-256-GCM,
+:class:`star.handshake.Channel`; "seal µs" and "open µs", on top of encode
+and decode). Run it from two trees, alternated, to compare::
 
     python -m benchmarks.wire --repeat 7
 """
@@ -23,6 +26,7 @@ import msgpack
 import numpy as np
 
 from benchmarks.common import bench_main, text_table
+from star.handshake import Channel
 from star.wire import (
     FRAMES,
     Decision,
@@ -103,6 +107,23 @@ def best_us(fn: Callable[[], object], number: int, repeat: int) -> float:
     return best / number * 1e6
 
 
+def sealed_us(body: bytes, number: int, repeat: int) -> tuple[float, float]:
+    """µs per seal and per open of ``body``, the best of ``repeat`` runs of ``number``
+    frames (each run a fresh connection: frames open only in the order sealed)."""
+    session = bytes(range(32))
+    best_seal = best_open = float("inf")
+    for _ in range(repeat):
+        proxy, worker = Channel(session, "proxy"), Channel(session, "worker")
+        t0 = time.perf_counter()
+        sealed = [proxy.seal(body) for _ in range(number)]
+        t1 = time.perf_counter()
+        for data in sealed:
+            worker.open(data)
+        t2 = time.perf_counter()
+        best_seal, best_open = min(best_seal, t1 - t0), min(best_open, t2 - t1)
+    return best_seal / number * 1e6, best_open / number * 1e6
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=64, help="requests in the Report")
     parser.add_argument("--number", type=int, default=0, help="calls per run (0: ~20 ms worth)")
@@ -117,20 +138,25 @@ def run(args: argparse.Namespace) -> int:
         enc = functools.partial(encode, msg)
         dec = functools.partial(decode, raw, expect)
         number = args.number or max(10, int(20_000 / max(1.0, best_us(enc, 10, 1))))
+        seal, open_ = sealed_us(raw, number, args.repeat) if expect is FRAMES else (None, None)
         rows.append(
             {
                 "message": name,
                 "bytes": len(raw),
                 "encode_us": best_us(enc, number, args.repeat),
                 "decode_us": best_us(dec, number, args.repeat),
+                "seal_us": seal,
+                "open_us": open_,
             }
         )
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    table = [["message", "bytes", "encode µs", "decode µs"]]
+    table = [["message", "bytes", "encode µs", "decode µs", "seal µs", "open µs"]]
     table += [
-        [r["message"], r["bytes"], f"{r['encode_us']:.2f}", f"{r['decode_us']:.2f}"] for r in rows
+        [str(r["message"]), str(r["bytes"]), f"{r['encode_us']:.2f}", f"{r['decode_us']:.2f}"]
+        + ["-" if r[k] is None else f"{r[k]:.2f}" for k in ("seal_us", "open_us")]
+        for r in rows
     ]
     print(text_table(table, left=1, rule=True))
     return 0
