@@ -6,15 +6,15 @@ the original prompt, the original sampling parameters and budgets, and the
 tokens generated so far as the request's output tokens (their KV pulled
 through NIXL or recomputed). Penalties, ``min_tokens``, ``bad_words`` and
 stop token ids read those outputs, a structured-output grammar is advanced
-over them, and a seeded random stream is skipped ahead by one draw per
-generated token where the engine proved at start that its sampler draws
-exactly that (``workers.continuation``), so all of them continue exactly.
+over them, the logprobs of the new tokens are the target's own, and a
+seeded random stream is skipped ahead by one draw per generated token where
+the engine proved at start that its sampler draws exactly that
+(``workers.continuation``), so all of them continue exactly.
 What still cannot migrate is refused with the reason :func:`migration_blocker`
 gives:
 
-* ``logprobs`` / ``prompt_logprobs`` (the target would also return prompt
-  logprobs over the generated text; new tokens' logprobs are not yet shown
-  equal after a migration);
+* ``prompt_logprobs`` (the target would also return prompt logprobs over
+  the generated text);
 * ``n > 1`` (several sequences share one request);
 * ``seed`` on an engine whose sampler the skip-ahead does not match;
 * ``logits_processors`` and anything else not known here.
@@ -23,7 +23,8 @@ With ``worker.true_continuation`` off, a continuation is a new request whose
 prompt is the old prompt plus every generated token, budgets reduced
 (:func:`continuation`); then what depends on which tokens were generated or
 on a random stream does not survive, and ``resume=False`` gives the stricter
-rule: penalties, ``seed``, ``bad_words`` and structured outputs are refused too.
+rule: penalties, ``seed``, ``bad_words``, structured outputs and ``logprobs``
+are refused too.
 
 The proxy (when it accepts a request) and the worker (in its reports, and
 when asked to release) use this one rule.
@@ -37,7 +38,7 @@ from typing import Any
 _NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
 _STATEFUL = ("seed", "logprobs", "prompt_logprobs", "structured_outputs", "bad_words")
 # What a true continuation does not carry (the rest of _STATEFUL it does).
-_NOT_RESUMED = ("logprobs", "prompt_logprobs")
+_NOT_RESUMED = ("prompt_logprobs",)
 _CARRIED = frozenset(
     {
         "max_tokens",

@@ -12,7 +12,9 @@ prefix cache then holds most of it). The tokens and the finish reason must
 equal the unmigrated run's, token for token, for greedy decoding, presence +
 frequency and repetition penalties, ``min_tokens`` just before a forced EOS,
 ``bad_words``, ``stop_token_ids``, seeded sampling (temperature, and top-p +
-top-k) and structured outputs (a JSON schema, a regex, a choice).
+top-k), structured outputs (a JSON schema, a regex, a choice) and logprobs
+(each new token's and its top 3, within 1e-4). ``STAR_TEST_CONTINUATION_CASES``
+(comma-separated case names) runs a subset.
 
 Negative control: run this module with ``STAR_TEST_NO_RESUME_HOOK=1`` (the
 workers' resume hook installed but doing nothing, ``workers.continuation``);
@@ -34,7 +36,7 @@ import pytest
 from proxy.upstream import WorkerClient
 from star.bus import Bus
 from star.fleet import LocalCluster
-from star.wire import Generate, Handoff, Release, Tokens
+from star.wire import Generate, Handoff, LogprobTokens, Release, Tokens
 from tests.migration.conftest import DECODE, engine_paused
 
 pytestmark = [
@@ -43,6 +45,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
 ]
 
+Logprobs = list[tuple[float, list[int], list[float]]]  # per new token: its logprob, the top k
 HOOK = os.environ.get("STAR_TEST_NO_RESUME_HOOK") != "1"
 MAX_TOKENS = 170
 EOS = 2  # the tiny model's
@@ -82,6 +85,8 @@ CASES: dict[str, dict[str, Any]] = {
     "stop_token_ids": {"temperature": 1.0, "seed": 99, "ignore_eos": True},
     "bad_words": GREEDY,
     # Structured outputs: the target's grammar replayed over the tokens generated before.
+    # New tokens' logprobs and their 3 most likely, as well as the tokens.
+    "logprobs": {**GREEDY, "logprobs": 3},
     "json_schema": {
         "temperature": 0.0,
         "structured_outputs": {
@@ -125,6 +130,7 @@ async def run(
     generated: list[int] | None = None,
     release_at: int | None = None,
     paused: Callable[[], AbstractContextManager[object]] | None = None,
+    logprobs: Logprobs | None = None,
 ) -> tuple[list[int], str | None, Handoff | None]:
     """One request on one worker: (new tokens, finish reason, the Handoff if it was released).
 
@@ -156,6 +162,11 @@ async def run(
                 return ids, None, msg
             assert isinstance(msg, Tokens), msg
             ids += msg.token_ids
+            if logprobs is not None and isinstance(msg, LogprobTokens):
+                k = msg.top_k
+                for i, lp in enumerate(msg.logprobs):
+                    top = slice(i * k, (i + 1) * k)
+                    logprobs.append((lp, list(msg.top_ids[top]), list(msg.top_logprobs[top])))
             if release_at is not None and len(ids) >= release_at:
                 with paused() if paused else contextlib.nullcontext():
                     await client.send(Release(stream.id, "continuation-test"))
@@ -210,7 +221,10 @@ async def workers(fleet: LocalCluster, bus: Bus) -> Any:
 async def test_the_exactness_matrix(fleet: LocalCluster, workers: Any) -> None:
     a, b = workers
     results: dict[str, dict[str, str]] = {}
+    only = os.environ.get("STAR_TEST_CONTINUATION_CASES")  # a comma-separated subset
     for c, name in enumerate(CASES):
+        if only and name not in only.split(","):
+            continue
         try:
             results[name] = await matrix_row(fleet, a, b, c, name)
         except Exception as exc:  # one case's failure must not hide the others'
@@ -234,18 +248,21 @@ async def matrix_row(
     # Recompute: the target gets the prompt and the tokens so far, no KV.
     p = prompt(10 * c + 1)
     sampling = await sampling_for(a, name, p)
-    ref, ref_finish, _ = await run(a, p, sampling)
+    ref_lp: Logprobs = []
+    ref, ref_finish, _ = await run(a, p, sampling, logprobs=ref_lp)
     for k in RECOMPUTE_AT:
         if k >= len(ref):
             legs[f"recompute@{k}"] = f"not run: the request ends at {len(ref)}"
             continue
-        rest, finish, _ = await run(b, p, sampling, generated=ref[:k])
-        legs[f"recompute@{k}"] = verdict(ref, ref_finish, ref[:k] + rest, finish)
+        lp: Logprobs = []
+        rest, finish, _ = await run(b, p, sampling, generated=ref[:k], logprobs=lp)
+        legs[f"recompute@{k}"] = verdict(ref, ref_finish, ref[:k] + rest, finish, ref_lp[k:], lp)
     # Pull: a real release on the source, the target pulls P + n - 1 tokens of KV.
     for j, k in enumerate(PULL_AT):
         p = prompt(10 * c + 2 + j)
         sampling = await sampling_for(a, name, p)
-        ref, ref_finish, _ = await run(a, p, sampling)
+        ref_lp = []
+        ref, ref_finish, _ = await run(a, p, sampling, logprobs=ref_lp)
         if k + 5 >= len(ref):
             legs[f"pull@{k}"] = f"not run: the request ends at {len(ref)}"
             continue
@@ -256,8 +273,11 @@ async def matrix_row(
         n = len(first)
         assert first == ref[:n], name  # the source's part is the unmigrated run's
         assert handoff.num_tokens == PROMPT_LEN + n
-        rest, finish, _ = await run(b, p, sampling, kv=handoff.kv_transfer_params, generated=first)
-        legs[f"pull@{n}"] = verdict(ref, ref_finish, first + rest, finish)
+        lp = []
+        rest, finish, _ = await run(
+            b, p, sampling, kv=handoff.kv_transfer_params, generated=first, logprobs=lp
+        )
+        legs[f"pull@{n}"] = verdict(ref, ref_finish, first + rest, finish, ref_lp[n:], lp)
         if j == 0 and name in THERE_AND_BACK:
             # And back: released on the target 20 tokens later, continued on the source
             # (whose prefix cache holds most of it: a hit past the prompt).
@@ -278,9 +298,37 @@ async def matrix_row(
     return legs
 
 
-def verdict(ref: list[int], ref_finish: str | None, got: list[int], finish: str | None) -> str:
-    """'exact', or where and how the migrated run left the unmigrated one."""
-    if got == ref and finish == ref_finish:
+def verdict(
+    ref: list[int],
+    ref_finish: str | None,
+    got: list[int],
+    finish: str | None,
+    ref_lp: Logprobs | None = None,
+    lp: Logprobs | None = None,
+) -> str:
+    """'exact', or where and how the migrated run left the unmigrated one.
+
+    With logprobs, also each new token's: its logprob and the top k's within
+    1e-4 (a recompute's KV is one prefill's, not the decode steps', so the
+    last bits may differ) and the same top ids, but for equal values
+    (torch.topk orders ties arbitrarily).
+    """
+    if got != ref or finish != ref_finish:
+        at = next((i for i, (x, y) in enumerate(zip(got, ref, strict=False)) if x != y), None)
+        return f"differs at {at} (len {len(got)} vs {len(ref)}, finish {finish} vs {ref_finish})"
+    if not ref_lp:
         return "exact"
-    at = next((i for i, (x, y) in enumerate(zip(got, ref, strict=False)) if x != y), None)
-    return f"differs at {at} (len {len(got)} vs {len(ref)}, finish {finish} vs {ref_finish})"
+    lp = lp or []
+    if len(lp) != len(ref_lp):
+        return f"logprobs for {len(lp)} tokens, not {len(ref_lp)}"
+    for i, ((x, ids, vals), (y, ref_ids, ref_vals)) in enumerate(zip(lp, ref_lp, strict=True)):
+        if len(vals) != len(ref_vals) or abs(x - y) > 1e-4:
+            return f"logprobs differ at {i}: {(x, ids, vals)} vs {(y, ref_ids, ref_vals)}"
+        if any(abs(u - v) > 1e-4 for u, v in zip(vals, ref_vals, strict=True)):
+            return f"logprobs differ at {i}: {(x, ids, vals)} vs {(y, ref_ids, ref_vals)}"
+        tied = [
+            any(abs(v - w) <= 1e-6 for w in vals[:j] + vals[j + 1 :]) for j, v in enumerate(vals)
+        ]
+        if any(a != b and not t for a, b, t in zip(ids, ref_ids, tied, strict=True)):
+            return f"top ids differ at {i}: {(x, ids, vals)} vs {(y, ref_ids, ref_vals)}"
+    return "exact"

@@ -39,8 +39,8 @@ from tests.reports import report
         ({"seed": 3, "temperature": 0.8}, None, "seed is set"),
         ({"bad_words": ["x"]}, None, "bad_words is set"),
         ({"structured_outputs": {"regex": "a+"}}, None, "structured_outputs is set"),
+        ({"logprobs": 0}, None, "logprobs is set"),
         # ... not (yet) these.
-        ({"logprobs": 0}, "logprobs is set", "logprobs is set"),
         ({"prompt_logprobs": 1}, "prompt_logprobs is set", "prompt_logprobs is set"),
         ({"n": 2}, "n > 1", "n > 1"),
         ({"presence_penalty": "lots"}, None, "unreadable sampling parameters"),

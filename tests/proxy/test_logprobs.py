@@ -70,8 +70,8 @@ def test_completion_logprobs_reach_the_engine(
     parsed = completion(card, **fields)
     assert parsed.gen.sampling.get("logprobs") == engine_k
     assert parsed.text.logprobs == shown
-    # Still not migratable (star.sampling's reason), 0 included.
-    assert parsed.gen.migratable is (engine_k is None)
+    # Migratable: a true continuation's new logprobs are the target's (issue 28).
+    assert parsed.gen.migratable is True
 
 
 @pytest.mark.parametrize(
@@ -91,7 +91,7 @@ def test_chat_logprobs_reach_the_engine(
     parsed = chat(card, **fields)
     assert parsed.gen.sampling.get("logprobs") == engine_k
     assert parsed.text.logprobs == engine_k
-    assert parsed.gen.migratable is (engine_k is None)
+    assert parsed.gen.migratable is True
 
 
 @pytest.mark.parametrize(

@@ -195,7 +195,7 @@ def test_completion_request_becomes_a_generation_request(card: ModelCard) -> Non
         ({"repetition_penalty": 1.0}, True),
         ({"n": 2}, True),  # fanned out into single requests, each migratable
         ({"n": 2, "seed": 1}, True),
-        ({"logprobs": 1}, False),
+        ({"logprobs": 1}, True),
         # Its grammar is replayed on the target.
         ({"response_format": {"type": "json_object"}}, True),
         ({"guided_regex": "a+"}, True),

@@ -171,7 +171,7 @@ def test_capacity_and_used_tokens_are_block_granular(
         ({"frequency_penalty": -0.1}, True),
         ({"repetition_penalty": 1.1}, True),
         ({"n": 2}, False),
-        ({"logprobs": 1}, False),
+        ({"logprobs": 1}, True),
         ({"structured_outputs": {"regex": "a+"}}, True),
         ({"logit_bias": {5: 1.0}}, True),  # bias does not depend on generated tokens
         ({"n": "lots"}, False),
