@@ -263,15 +263,7 @@ async def decode_kill_mid_handoff(ctx: Ctx) -> None:
     source releases and hands off but the target cannot pull yet: the
     source dies holding the blocks the target was about to read.
     """
-    with ctx.paused_target() as hold:
-        request, source, _target = await ctx.move(hold)
-        await ctx.wait_event(request, EventKind.RELEASED)
-        ctx.extra["moved"] = request
-        ctx.fault()
-        ctx.fleet.kill(source)
-    ctx.healed()
-    ctx.extra["killed"] = source
-    ctx.restart(source)
+    await _kill_mid_handoff(ctx, victim=0)
 
 
 async def target_kill_mid_pull(ctx: Ctx) -> None:
@@ -281,15 +273,21 @@ async def target_kill_mid_pull(ctx: Ctx) -> None:
     source releases and hands off but the target has not pulled yet: the
     target dies with the handoff taken and the KV unread on the source.
     """
+    await _kill_mid_handoff(ctx, victim=1)
+
+
+async def _kill_mid_handoff(ctx: Ctx, victim: int) -> None:
+    """Hold a move after the source's release; SIGKILL its source (0) or target (1)."""
     with ctx.paused_target() as hold:
-        request, _source, target = await ctx.move(hold)
+        request, source, target = await ctx.move(hold)
         await ctx.wait_event(request, EventKind.RELEASED)
         ctx.extra["moved"] = request
+        killed = (source, target)[victim]
         ctx.fault()
-        ctx.fleet.kill(target)
+        ctx.fleet.kill(killed)
     ctx.healed()
-    ctx.extra["killed"] = target
-    ctx.restart(target)
+    ctx.extra["killed"] = killed
+    ctx.restart(killed)
 
 
 async def prefill_kill(ctx: Ctx) -> None:
