@@ -239,9 +239,13 @@ def report_body(fleet: Fleet, inst: Emulated, ts: float) -> tuple[bytes, int]:
         "predictor": True,
     }
     # As encode writes it: the kind, the fields in order (at their defaults where
-    # not set here), the version.
+    # not set here; an unset optional field, e.g. incarnation, left out), the version.
     body = {"k": Report.KIND}
-    body.update((name, values.get(name, default)) for name, default in _REPORT_FIELDS)
+    body.update(
+        (name, value)
+        for name, default in _REPORT_FIELDS
+        if (value := values.get(name, default)) is not msgspec.UNSET
+    )
     body["v"] = SCHEMA_VERSION
     return msgpack.packb(body, use_bin_type=True), used
 
