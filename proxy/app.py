@@ -306,7 +306,8 @@ class ProxyApp:
                     502, "upstream ended the stream before any token", code="upstream_error"
                 ) from None
             if self._resumable(parsed):
-                response = self._held(parsed, relay, stream, first, timing)
+                ids = wants_event_ids(request)
+                response = self._held(parsed, relay, stream, first, timing, ids)
             else:
                 response = StreamingResponse(self._relay(relay, stream, first, timing))
             # Run the body to its first (empty) yield: only a started generator
@@ -341,8 +342,13 @@ class ProxyApp:
         stream: AsyncIterator[TokenBatch],
         first: TokenBatch,
         timing: _Timing,
+        ids: bool = True,
     ) -> StreamingResponse:
         """A single-choice stream: every event with its id, held for a resume (proxy.resume).
+
+        ``ids``: the client asked for SSE (:func:`wants_event_ids`); without it
+        the events carry no ``id:`` line, and the stream is resumable only from
+        its start (``x-star-stream-id``).
 
         Not yet: fan-out (n > 1, batched prompts) and streams with logprobs
         (the log keeps token ids only). With ``resume_grace_s`` the server
@@ -353,7 +359,7 @@ class ProxyApp:
         def on_end(outcome: str, error: BaseException | None) -> None:
             self._done(relay, timing, outcome, error=None if error is None else repr(error))
 
-        reader = resume.Reader(relay, resume.Position(), self.streams.tagger)
+        reader = resume.Reader(relay, resume.Position(), self.streams.tagger, ids)
         body = resume.drive(held, reader, stream, first, timing.batch, self._error_event, on_end)
         start = self.streams.tagger.format(held.request_id, resume.Position())
         detach = held.detach_driver if self.streams.grace_s > 0 else None
@@ -603,3 +609,13 @@ def create_server(app: ProxyApp, settings: ProxySettings, **kwargs: Any) -> Http
         observer=app.metrics.observe_response,
         **kwargs,
     )
+
+
+def wants_event_ids(request: Request) -> bool:
+    """Whether a stream's events carry SSE ``id:`` lines: the client asked for
+    ``text/event-stream`` (as EventSource does, or ``curl -H 'Accept:
+    text/event-stream'``) or sent a ``Last-Event-ID``. Not by default: vLLM's
+    ``vllm bench serve`` client, like other line parsers of OpenAI streams,
+    takes every event for ``data: <json>`` and fails on an ``id:`` line."""
+    accept = (request.header("accept") or "").lower()
+    return "text/event-stream" in accept or request.header("last-event-id") is not None

@@ -337,9 +337,12 @@ class Reader:
     skipped, and the closing events the client has).
     """
 
-    def __init__(self, relay: Relay, since: Position, tagger: Tagger) -> None:
+    def __init__(self, relay: Relay, since: Position, tagger: Tagger, ids: bool = True) -> None:
         self.relay = relay
         self.since = since
+        # Without ``ids`` the events go out as plain ``data:`` lines (a client
+        # that did not ask for SSE: vLLM's bench client reads nothing else).
+        self.ids = ids
         if since.stage >= TEXT:
             relay.resume_at(since.chars)
         self._id = tagger.format(relay.req.request_id, Position(), "").rsplit(".", 4)[0]
@@ -360,7 +363,7 @@ class Reader:
         return f"{self._id}.{at.tokens}.{at.chars}.{at.stage}.{self._tag}".encode()
 
     def _with_ids(self, out: bytes, started: bool, closing: bool = False) -> bytes:
-        if not out:
+        if not out or not self.ids:
             return out
         relay, choice = self.relay, self.relay.choices[0]
         kept = []

@@ -29,6 +29,8 @@ import httpx
 from benchmarks.chaos.fleet import MODEL
 from benchmarks.client import payload
 
+SSE = {"accept": "text/event-stream"}  # proxy.app.wants_event_ids
+
 WORDS = "river lantern copper meadow falcon quartz harbor ember violet canyon".split()
 
 
@@ -107,7 +109,8 @@ async def stream(
 async def _read(client: httpx.AsyncClient, method: str, url: str, body: Any, out: Stream) -> None:
     """Read one response of a stream into ``out`` (error, cut or done set there)."""
     try:
-        async with client.stream(method, url, json=body) as resp:
+        # An SSE client (accept: text/event-stream): its events carry ids to resume from.
+        async with client.stream(method, url, json=body, headers=SSE) as resp:
             if resp.status_code != 200:
                 out.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
                 return

@@ -27,6 +27,9 @@ from star.model.task import Prompt
 from tests.e2e.conftest import latest_reports
 from tests.procs import proxy_process
 
+# An SSE client: its events carry ids (proxy.app.wants_event_ids).
+SSE = {"accept": "text/event-stream"}
+
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 
 MODEL = "star-tiny"
@@ -85,7 +88,7 @@ def test_a_cut_stream_resumes_exactly_and_an_abandoned_one_is_freed(
             lambda: len((proxy.health(KEY) or {}).get("decode", [])) == 2, "both decode", 300
         )
         c = httpx.Client(
-            base_url=proxy.url, headers={"authorization": f"Bearer {KEY}"}, timeout=300
+            base_url=proxy.url, headers={"authorization": f"Bearer {KEY}", **SSE}, timeout=300
         )
         stack.enter_context(c)
         prompt = Prompt(topic="fruits", size="medium", start="plum")
@@ -163,14 +166,14 @@ def test_a_stream_resumes_on_another_proxy_after_its_proxy_is_killed(
     with contextlib.ExitStack() as stack:
         b = stack.enter_context(proxy_process(env, tmp_path / "b.log"))
         _ready(b)
-        cb = stack.enter_context(httpx.Client(base_url=b.url, timeout=300))
+        cb = stack.enter_context(httpx.Client(base_url=b.url, timeout=300, headers=SSE))
         for k, (path, body) in enumerate(cases):
             a = stack.enter_context(proxy_process(env, tmp_path / f"a{k}.log"))
             _ready(a)
             with cb.stream("POST", path, json=body) as resp:
                 whole = _events(resp)
             with (
-                httpx.Client(base_url=a.url, timeout=300) as ca,
+                httpx.Client(base_url=a.url, timeout=300, headers=SSE) as ca,
                 contextlib.suppress(httpx.HTTPError),
             ):
                 with ca.stream("POST", path, json=body) as resp:
@@ -192,7 +195,7 @@ def test_a_stream_resumes_on_another_proxy_after_its_proxy_is_killed(
         _ready(c)
         long = {**common, "prompt": "count", "max_tokens": 3000, "ignore_eos": True}
         with (
-            httpx.Client(base_url=c.url, timeout=300) as cc,
+            httpx.Client(base_url=c.url, timeout=300, headers=SSE) as cc,
             contextlib.suppress(httpx.HTTPError),
         ):
             with cc.stream("POST", "/v1/completions", json=long) as resp:

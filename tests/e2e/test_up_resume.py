@@ -30,6 +30,9 @@ from star.fleet import group_members
 from star.model.task import Prompt
 from tests.procs import cluster_env, reaper, sigkill, wait_gone
 
+# An SSE client: its events carry ids (proxy.app.wants_event_ids).
+SSE = {"accept": "text/event-stream"}
+
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 
 
@@ -108,7 +111,7 @@ def test_a_stream_resumes_on_star_ups_proxy_after_it_was_killed(tmp_path: Path) 
                 "stream_options": {"include_usage": True},
             }
             path = "/v1/chat/completions"
-            with httpx.Client(base_url=url, timeout=300) as c:
+            with httpx.Client(base_url=url, timeout=300, headers=SSE) as c:
                 with c.stream("POST", path, json=body) as resp:
                     whole = _events(resp)
                 killed = _proxy_pid(up)

@@ -36,6 +36,9 @@ from tests.reports import report
 from tests.workers.fakes import Client, FakeEngine
 from workers.server import TokenServer
 
+# An SSE client: its events carry ids (proxy.app.wants_event_ids).
+SSE = {"accept": "text/event-stream"}
+
 SECRET = "cluster-secret"
 TOKENS = 40
 FIRST = 36  # "A" in the test tokenizer
@@ -151,7 +154,9 @@ async def test_a_stream_of_a_dead_proxy_resumes_on_another_exactly(
     ids = [FIRST + i for i in range(TOKENS)]
     whole = sse.SSEDecoder().feed(whole_reader.feed(TokenBatch(ids, "length")) + whole_reader.end())
     await asyncio.sleep(0.1)  # the orphan decodes on
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{http.port}", timeout=30) as c:
+    async with httpx.AsyncClient(
+        base_url=f"http://127.0.0.1:{http.port}", timeout=30, headers=SSE
+    ) as c:
         async with c.stream("GET", f"/v1/streams/{before[-1].id}") as resp:
             assert resp.status_code == 200, await resp.aread()
             decoder, after = sse.SSEDecoder(), []
@@ -170,7 +175,9 @@ async def test_a_stream_no_worker_holds_is_404_and_a_forged_one_403(
     _, http = second_proxy
     unknown = Tagger(SECRET).format("cmpl-nowhere", Position(3, 9, 1))
     forged = Tagger("another").format("cmpl-nowhere", Position(3, 9, 1))
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{http.port}", timeout=30) as c:
+    async with httpx.AsyncClient(
+        base_url=f"http://127.0.0.1:{http.port}", timeout=30, headers=SSE
+    ) as c:
         missing = await c.get(f"/v1/streams/{unknown}")
         refused = await c.get(f"/v1/streams/{forged}")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "stream_not_found"
@@ -202,7 +209,9 @@ async def test_an_adopted_stream_is_held_too_and_aborted_after_the_grace(
     assert isinstance(await first.recv(), Tokens)
     await first.close()
     start = Tagger(SECRET).format(gen.request_id, Position())
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{http.port}", timeout=30) as c:
+    async with httpx.AsyncClient(
+        base_url=f"http://127.0.0.1:{http.port}", timeout=30, headers=SSE
+    ) as c:
         async with c.stream("GET", f"/v1/streams/{start}") as resp:
             assert resp.status_code == 200
             async for _chunk in resp.aiter_raw():
@@ -239,7 +248,9 @@ async def test_a_stopping_proxy_hands_its_streams_to_the_workers(
     }
     first: list[sse.Event] = []
     try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{http_a.port}", timeout=30) as c:
+        async with httpx.AsyncClient(
+            base_url=f"http://127.0.0.1:{http_a.port}", timeout=30, headers=SSE
+        ) as c:
             async with c.stream("POST", "/v1/completions", json=body) as resp:
                 decoder = sse.SSEDecoder()
                 async for chunk in resp.aiter_raw():
@@ -256,7 +267,9 @@ async def test_a_stopping_proxy_hands_its_streams_to_the_workers(
     app.close()
     await pool.close()
     assert first and engine.live == {first_request(engine)}  # held by the worker, not aborted
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{http_b.port}", timeout=30) as c:
+    async with httpx.AsyncClient(
+        base_url=f"http://127.0.0.1:{http_b.port}", timeout=30, headers=SSE
+    ) as c:
         async with c.stream("GET", f"/v1/streams/{first[-1].id}") as resp:
             assert resp.status_code == 200, await resp.aread()
             decoder, rest = sse.SSEDecoder(), []

@@ -120,6 +120,7 @@ async def test_sse_wire_format_ends_with_done(make_proxy: ProxyFactory) -> None:
         proxy,
         "/v1/completions",
         {"model": "tiny", "prompt": "x", "stream": True, "stream_options": {"include_usage": True}},
+        accept="text/event-stream",  # an SSE client: ids (without: tests/proxy/test_resume.py)
     )
     assert resp.status == 200
     assert resp.headers["content-type"] == "text/event-stream; charset=utf-8"

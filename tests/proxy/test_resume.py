@@ -26,6 +26,9 @@ from tests.proxy.conftest import Proxy, ProxyFactory
 from tests.proxy.fakes import CORPUS, Script
 from tests.proxy.rawhttp import request_bytes, until
 
+# An SSE client: its events carry ids (proxy.app.wants_event_ids).
+SSE = {"accept": "text/event-stream"}
+
 ANSWER = "Héllo wörld, 你好 😀! The answer is 42. STOP here. Done!"
 
 # -- the id codec -------------------------------------------------------------------
@@ -183,7 +186,7 @@ def test_a_resume_from_any_event_joins_exactly_whatever_the_batching(
 def _client(proxy: Proxy, key: str = "none") -> httpx.AsyncClient:
     return httpx.AsyncClient(
         base_url=f"http://127.0.0.1:{proxy.port}",
-        headers={"authorization": f"Bearer {key}"},
+        headers={"authorization": f"Bearer {key}", **SSE},
         timeout=30,
     )
 
@@ -208,6 +211,33 @@ def _body(chat: bool) -> dict[str, Any]:
     if chat:
         return body | {"messages": [{"role": "user", "content": "x"}]}
     return body | {"prompt": "x"}
+
+
+async def test_a_client_that_does_not_ask_for_sse_gets_plain_data_lines(
+    make_proxy: ProxyFactory,
+) -> None:
+    """vLLM's ``vllm bench serve`` takes every event for ``data: <json>``: without
+    ``accept: text/event-stream`` the events carry no ``id:`` line (the text is
+    the same), with it every event has one."""
+    proxy = await make_proxy(Script(text=ANSWER, delay_s=0.001))
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{proxy.port}", timeout=30) as c:
+        async with c.stream("POST", "/v1/completions", json=_body(False)) as resp:
+            raw = b"".join([chunk async for chunk in resp.aiter_raw()])
+        async with c.stream("POST", "/v1/completions", json=_body(False), headers=SSE) as resp:
+            with_ids = await _read(resp)
+    events = [e for e in raw.split(b"\n\n") if e]
+    assert events and all(e.startswith(b"data: ") and b"\nid: " not in e for e in events)
+    assert all(e.id for e in with_ids if e.data != sse.DONE_DATA)
+    plain = [e.removeprefix(b"data: ") for e in events]
+    assert (
+        _text(with_ids)
+        == ANSWER
+        == "".join(
+            json.loads(d)["choices"][0]["text"]
+            for d in plain
+            if d != b"[DONE]" and json.loads(d)["choices"]
+        )
+    )
 
 
 @pytest.mark.parametrize("chat", [False, True])

@@ -18,7 +18,8 @@ from workers.protocol import (
 
 @dataclass
 class FakeEngine:
-    """Streams ``sampling["max_tokens"]`` tokens (ids ``first_id``, +1, ...), one per ``step_s``.
+    """Streams ``sampling["max_tokens"]`` tokens (ids ``first_id``, +1, ...), one per ``step_s``
+    (a true continuation of ``continued`` tokens: the rest of them, ids from ``first_id + continued``).
 
     ``sampling["fail"]`` makes the request fail with BadRequest after that many
     tokens. ``aborted`` lists request ids whose generator was closed or
@@ -40,8 +41,11 @@ class FakeEngine:
         self.live.add(request.request_id)
         self.idle.clear()
         done = False
+        # A true continuation (``resume``): its continued tokens are outputs, so
+        # they count toward max_tokens, and the ids go on from there.
+        first = request.continued if request.resume else 0
         try:
-            for i in range(n):
+            for i in range(first, n):
                 if fail is not None and i == fail:
                     raise BadRequest(f"scripted failure of {request.request_id}")
                 await asyncio.sleep(self.step_s)
