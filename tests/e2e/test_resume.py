@@ -25,10 +25,8 @@ from proxy import sse
 from star.fleet import LocalCluster
 from star.model.task import Prompt
 from tests.e2e.conftest import latest_reports
+from tests.e2e.streams import SSE, events, text, usage
 from tests.procs import proxy_process
-
-# An SSE client: its events carry ids (proxy.app.wants_event_ids).
-SSE = {"accept": "text/event-stream"}
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 
@@ -36,29 +34,6 @@ MODEL = "star-tiny"
 KEY = "sekrit"
 GRACE_S = 4.0
 ORPHAN_GRACE_S = 30.0  # worker.orphan_grace_s, the default the package's workers run with
-
-
-def _events(resp: httpx.Response, limit: int | None = None) -> list[sse.Event]:
-    decoder, got = sse.SSEDecoder(), []
-    for chunk in resp.iter_raw():
-        got += decoder.feed(chunk)
-        if limit is not None and len(got) >= limit:
-            return got[:limit]
-    return got
-
-
-def _text(events: list[sse.Event]) -> str:
-    out = []
-    for ev in events:
-        if ev.data != sse.DONE_DATA:
-            for choice in json.loads(ev.data)["choices"]:
-                out.append(choice.get("text") or choice.get("delta", {}).get("content") or "")
-    return "".join(out)
-
-
-def _usage(events: list[sse.Event]) -> dict[str, int]:
-    (usage,) = [json.loads(e.data)["usage"] for e in events if '"usage":{' in e.data]
-    return dict(usage)
 
 
 def _decode_requests(cluster: LocalCluster) -> tuple[int, int]:
@@ -104,26 +79,26 @@ def test_a_cut_stream_resumes_exactly_and_an_abandoned_one_is_freed(
             ("/v1/chat/completions", {**common, "messages": prompt.messages()}),
         ):
             with c.stream("POST", path, json=body) as resp:
-                whole = _events(resp)
+                whole = events(resp)
             with c.stream("POST", path, json=body) as resp:
-                first = _events(resp, 6)  # then the client is cut
+                first = events(resp, 6)  # then the client is cut
             time.sleep(0.5)  # the request decodes on meanwhile
             with c.stream("GET", f"/v1/streams/{first[-1].id}") as resp:
                 assert resp.status_code == 200, resp.read()
-                second = _events(resp, 8)
+                second = events(resp, 8)
             request_id = (first[-1].id or "").split(".")[0]
             last = {"last-event-id": second[-1].id or ""}
             with c.stream("GET", f"/v1/streams/{request_id}", headers=last) as resp:
-                third = _events(resp)
-            assert _text(first + second + third) == _text(whole) != ""
-            assert _usage(first + second + third) == _usage(whole)
+                third = events(resp)
+            assert text(first + second + third) == text(whole) != ""
+            assert usage(first + second + third) == usage(whole)
             assert (first + second + third)[-1].data == sse.DONE_DATA
 
         # Refused: a forged tag, a wrong key; then a stream nobody resumes is freed.
         _wait(lambda: _decode_requests(cluster) == (0, 0), 180, "idle decode workers")
         long = {**common, "prompt": "count", "max_tokens": 3000, "ignore_eos": True}
         with c.stream("POST", "/v1/completions", json=long) as resp:
-            cut = _events(resp, 3)
+            cut = events(resp, 3)
         good = cut[-1].id or ""
         forged = good[:-4] + ("AAAA" if not good.endswith("AAAA") else "BBBB")
         assert c.get(f"/v1/streams/{forged}").status_code == 403
@@ -171,20 +146,20 @@ def test_a_stream_resumes_on_another_proxy_after_its_proxy_is_killed(
             a = stack.enter_context(proxy_process(env, tmp_path / f"a{k}.log"))
             _ready(a)
             with cb.stream("POST", path, json=body) as resp:
-                whole = _events(resp)
+                whole = events(resp)
             with (
                 httpx.Client(base_url=a.url, timeout=300, headers=SSE) as ca,
                 contextlib.suppress(httpx.HTTPError),
             ):
                 with ca.stream("POST", path, json=body) as resp:
-                    first = _events(resp, 5)
+                    first = events(resp, 5)
                     os.killpg(a.proc.pid, signal.SIGKILL)  # mid-stream: no cleanup runs
             a.proc.wait(30)
             with cb.stream("GET", f"/v1/streams/{first[-1].id}") as resp:
                 assert resp.status_code == 200, resp.read()
-                rest = _events(resp)
-            assert _text(first + rest) == _text(whole) != ""
-            assert _usage(rest) == _usage(whole)
+                rest = events(resp)
+            assert text(first + rest) == text(whole) != ""
+            assert usage(rest) == usage(whole)
             assert rest[-1].data == sse.DONE_DATA
         assert (tmp_path / "b.log").read_text().count('"stream_adopted"') == len(cases)
 
@@ -199,7 +174,7 @@ def test_a_stream_resumes_on_another_proxy_after_its_proxy_is_killed(
             contextlib.suppress(httpx.HTTPError),
         ):
             with cc.stream("POST", "/v1/completions", json=long) as resp:
-                cut = _events(resp, 3)
+                cut = events(resp, 3)
                 os.killpg(c.proc.pid, signal.SIGKILL)
         request_id = json.loads(cut[0].data)["id"]
         time.sleep(3)

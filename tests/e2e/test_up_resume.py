@@ -11,7 +11,6 @@ stop (SIGTERM of ``star up``) restarts nothing and leaves no process behind.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import signal
@@ -28,35 +27,10 @@ import pytest
 from proxy import sse
 from star.fleet import group_members
 from star.model.task import Prompt
+from tests.e2e.streams import SSE, events, text, usage
 from tests.procs import cluster_env, reaper, sigkill, wait_gone
 
-# An SSE client: its events carry ids (proxy.app.wants_event_ids).
-SSE = {"accept": "text/event-stream"}
-
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
-
-
-def _events(resp: httpx.Response, limit: int | None = None) -> list[sse.Event]:
-    decoder, got = sse.SSEDecoder(), []
-    for chunk in resp.iter_raw():
-        got += decoder.feed(chunk)
-        if limit is not None and len(got) >= limit:
-            return got[:limit]
-    return got
-
-
-def _text(events: list[sse.Event]) -> str:
-    out = []
-    for ev in events:
-        if ev.data != sse.DONE_DATA:
-            for choice in json.loads(ev.data)["choices"]:
-                out.append(choice.get("delta", {}).get("content") or choice.get("text") or "")
-    return "".join(out)
-
-
-def _usage(events: list[sse.Event]) -> dict[str, int]:
-    (usage,) = [json.loads(e.data)["usage"] for e in events if '"usage":{' in e.data]
-    return dict(usage)
 
 
 def _proxy_pid(up: subprocess.Popen[str]) -> int | None:
@@ -113,12 +87,12 @@ def test_a_stream_resumes_on_star_ups_proxy_after_it_was_killed(tmp_path: Path) 
             path = "/v1/chat/completions"
             with httpx.Client(base_url=url, timeout=300, headers=SSE) as c:
                 with c.stream("POST", path, json=body) as resp:
-                    whole = _events(resp)
+                    whole = events(resp)
                 killed = _proxy_pid(up)
                 assert killed is not None
                 with contextlib.suppress(httpx.HTTPError):
                     with c.stream("POST", path, json=body) as resp:
-                        first = _events(resp, 5)
+                        first = events(resp, 5)
                         os.killpg(killed, signal.SIGKILL)  # mid-stream: no cleanup runs
                 assert first[-1].data != sse.DONE_DATA
                 # star up starts the proxy again on the same port.
@@ -129,9 +103,9 @@ def test_a_stream_resumes_on_star_ups_proxy_after_it_was_killed(tmp_path: Path) 
                     time.sleep(0.25)
                 with c.stream("GET", f"/v1/streams/{first[-1].id}") as resp:
                     assert resp.status_code == 200, resp.read()
-                    rest = _events(resp)
-            assert _text(first + rest) == _text(whole) != ""
-            assert _usage(rest) == _usage(whole)
+                    rest = events(resp)
+            assert text(first + rest) == text(whole) != ""
+            assert usage(rest) == usage(whole)
             assert rest[-1].data == sse.DONE_DATA
             logs = (tmp_path / "run" / "proxy.log").read_text()
             assert '"stream_adopted"' in logs  # the new proxy took the request over
