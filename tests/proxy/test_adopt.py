@@ -31,13 +31,11 @@ from proxy.tokenizer import ModelCard
 from proxy.upstream import WorkerPool
 from star.settings import ProxySettings
 from star.wire import Hello, ResumableGenerate, Tokens
+from tests.e2e.streams import SSE
 from tests.proxy.rawhttp import until
 from tests.reports import report
 from tests.workers.fakes import Client, FakeEngine
 from workers.server import TokenServer
-
-# An SSE client: its events carry ids (proxy.app.wants_event_ids).
-SSE = {"accept": "text/event-stream"}
 
 SECRET = "cluster-secret"
 TOKENS = 40

@@ -22,12 +22,10 @@ from proxy.openai import ParsedRequest, Relay, parse_chat, parse_completion
 from proxy.resume import FINISH, START, TEXT, USAGE, Position, Reader, Tagger
 from proxy.tokenizer import ModelCard
 from star.settings import ProxySettings
+from tests.e2e.streams import SSE
 from tests.proxy.conftest import Proxy, ProxyFactory
 from tests.proxy.fakes import CORPUS, Script
 from tests.proxy.rawhttp import request_bytes, until
-
-# An SSE client: its events carry ids (proxy.app.wants_event_ids).
-SSE = {"accept": "text/event-stream"}
 
 ANSWER = "Héllo wörld, 你好 😀! The answer is 42. STOP here. Done!"
 
