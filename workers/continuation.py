@@ -3,15 +3,19 @@
 A continuation reaches the engine as its original prompt with the tokens it
 generated elsewhere in ``SamplingParams.extra_args[RESUME_KEY]``;
 :class:`workers.vllm_ext.StarScheduler` makes them the request's output
-tokens. vLLM 0.32's V1 model runner (the CPU one) does not take them from the
-scheduler: a new request starts with ``output_token_ids=[]`` and a generator
-seeded afresh. :func:`install` wraps the runner's ``input_batch.add_request``
-so that a resumed request enters the batch with those tokens as outputs
-(input ids, penalties, ``bad_words`` and ``min_tokens`` read them) and its
-seeded generator skipped ahead by one draw per token generated
-(:func:`skip`), as the source's was. :func:`skip_matches_sampler` checks at
-install that one step of the runner's own sampler draws exactly what
-:func:`skip` skips; where it does not, seeded requests stay non-migratable.
+tokens. vLLM 0.32's V1 model runner (the CPU one; on a GPU, where model
+runner V2 is off or unsupported) does not take them from the scheduler: a
+new request starts with ``output_token_ids=[]`` and a generator seeded
+afresh. :func:`install` wraps the runner's ``input_batch.add_request`` so
+that a resumed request enters the batch with those tokens as outputs (input
+ids, penalties, ``bad_words`` and ``min_tokens`` read them) and its seeded
+generator skipped ahead by one draw per token generated (:func:`skip`), as
+the source's was. :func:`skip_matches_sampler` checks at
+install, on the runner's device and with its vocabulary, that a step of the
+runner's own sampler draws exactly what :func:`skip` skips; where it does not,
+seeded requests stay non-migratable. Measured on an H200
+(docs/measured/gpu-continuation-h200.txt): on CUDA the skip matches while
+the vocabulary fits one Philox call per thread of the device's grid.
 """
 
 from __future__ import annotations
@@ -41,25 +45,39 @@ def skip(generator: torch.Generator, draws: int) -> None:
     """Advance ``generator`` by ``draws`` sampler steps of one seeded row each.
 
     vLLM 0.32's CPU sampler (``TopKTopPSampler.forward_cpu``) draws one
-    ``randint(0, 2**31, (1,))`` per seeded row per step.
+    ``randint(0, 2**31, (1,))`` per seeded row per step. On a CUDA generator
+    the same draw advances the Philox offset by 4, as one step of the V1 GPU
+    sampler (``q[i].exponential_``) does for a vocabulary up to four values
+    per thread of the device's grid (vLLM rewinds a discarded step by 4);
+    :func:`skip_matches_sampler` checks it for the engine's device and
+    vocabulary (docs/measured/gpu-continuation-*.txt).
     """
     for _ in range(draws):
-        torch.randint(0, 2**31, (1,), generator=generator, dtype=torch.long)
+        torch.randint(
+            0, 2**31, (1,), generator=generator, dtype=torch.long, device=generator.device
+        )
 
 
-def skip_matches_sampler(sampler: Any, vocab: int = 64, steps: int = 3) -> bool:
-    """Whether ``steps`` calls of ``sampler`` (vLLM's TopKTopPSampler) draw what :func:`skip` skips."""
-    stepped, skipped = torch.Generator(), torch.Generator()
+def skip_matches_sampler(
+    sampler: Any, vocab: int = 64, steps: int = 3, device: Any = "cpu"
+) -> bool:
+    """Whether ``steps`` calls of ``sampler`` (vLLM's TopKTopPSampler) draw what :func:`skip` skips.
+
+    Run on the engine's ``device`` with its ``vocab``: a request's generator
+    lives there (the V1 GPU runner seeds a CUDA generator), and on CUDA how
+    far one step's noise advances it depends on the vocabulary's size.
+    """
+    stepped, skipped = torch.Generator(device=device), torch.Generator(device=device)
     stepped.manual_seed(1234)
     skipped.manual_seed(1234)
-    logits = torch.linspace(-1.0, 1.0, vocab, dtype=torch.float32).unsqueeze(0)
+    logits = torch.linspace(-1.0, 1.0, vocab, dtype=torch.float32, device=device).unsqueeze(0)
     try:
         for _ in range(steps):
             sampler(logits.clone(), {0: stepped}, None, None)
-    except Exception as exc:  # a sampler this check cannot drive: not proven
+        skip(skipped, steps)
+    except Exception as exc:  # a sampler or device this check cannot drive: not proven
         log.warning("seeded_skip_check_failed", error=f"{type(exc).__name__}: {exc}")
         return False
-    skip(skipped, steps)
     return bool(torch.equal(stepped.get_state(), skipped.get_state()))
 
 
@@ -111,7 +129,9 @@ def install(runner: Any) -> dict[str, bool]:
     if not hasattr(runner, "input_batch") or not hasattr(runner, "_update_states"):
         return {"installed": False, "seeded": True}
     sampler = getattr(getattr(runner, "sampler", None), "topk_topp_sampler", None)
-    seeded = sampler is not None and skip_matches_sampler(sampler)
+    vocab = int(getattr(runner.input_batch, "vocab_size", 0) or 64)
+    device = getattr(runner, "device", None) or "cpu"
+    seeded = sampler is not None and skip_matches_sampler(sampler, vocab=vocab, device=device)
     if not seeded:
         log.warning(
             "seeded_requests_not_migratable",
