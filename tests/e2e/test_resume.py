@@ -177,12 +177,41 @@ def test_a_stream_resumes_on_another_proxy_after_its_proxy_is_killed(
                 cut = events(resp, 3)
                 os.killpg(c.proc.pid, signal.SIGKILL)
         request_id = json.loads(cut[0].data)["id"]
-        time.sleep(3)
-        assert _decode_requests(cluster)[0] == 1, "the orphan is held, still decoding"
+        # Held and still decoding: a decode report after the kill lists it with more tokens
+        # generated than its client saw (each report is at most worker.report_interval_s old).
+        seen = _wait_for_growth(cluster, request_id, len(cut), 20.0)
+        assert seen, (
+            f"the orphan is held, still decoding; decode logs: {_lines(cluster, request_id)}"
+        )
         _wait(lambda: _decode_requests(cluster) == (0, 0), ORPHAN_GRACE_S + 60, "its KV freed")
-        logs = "".join(p.read_text() for p in Path(cluster.run_dir).glob("decode-*.log"))
-        held = [line for line in logs.splitlines() if '"request_orphaned"' in line]
-        assert any(request_id in line for line in held)
+        held = [line for line in _lines(cluster, request_id) if '"request_orphaned"' in line]
+        assert held, _lines(cluster, request_id)
+
+
+def _generated(cluster: LocalCluster, request_id: str) -> int | None:
+    """Tokens ``request_id`` has generated as the newest decode reports say (None: not listed)."""
+    for report in latest_reports(cluster).values():
+        for load in report.requests if report.role == "decode" else ():
+            if load.id.startswith(request_id):
+                return load.generated
+    return None
+
+
+def _wait_for_growth(cluster: LocalCluster, request_id: str, after: int, timeout_s: float) -> bool:
+    """Whether a decode report lists ``request_id`` with more than ``after`` tokens in time."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        generated = _generated(cluster, request_id)
+        if generated is not None and generated > after:
+            return True
+        time.sleep(0.25)
+    return False
+
+
+def _lines(cluster: LocalCluster, request_id: str) -> list[str]:
+    """The decode workers' log lines that name ``request_id``."""
+    logs = "".join(p.read_text() for p in Path(cluster.run_dir).glob("decode-*.log"))
+    return [line for line in logs.splitlines() if request_id in line]
 
 
 def _ready(proxy: Any) -> None:
