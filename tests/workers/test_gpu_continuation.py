@@ -137,3 +137,25 @@ def test_install_checks_on_the_runners_device_and_vocabulary() -> None:
     )
     assert install(runner) == {"installed": True, "seeded": True}
     assert seen and set(seen) == {("cpu", 151_936)}
+
+
+@pytest.mark.engine
+async def test_a_cpu_engine_proves_its_skip_at_start() -> None:
+    """On a real CPU engine the check, driven with the runner's device and vocabulary, says True."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # import-time deprecations in torch/vLLM
+        from star.model import tiny_model_path
+        from workers.engine import EngineHandle
+        from workers.engine_config import EngineSpec
+
+    spec = EngineSpec(
+        model=str(tiny_model_path()), role="decode", max_model_len=1024, kv_cache_space_gib=0.25
+    )
+    handle = await EngineHandle.start(spec)
+    try:
+        assert spec.true_continuation
+        assert handle.seeded_resume is True
+    finally:
+        await handle.shutdown()
