@@ -58,18 +58,37 @@ class AuthFailed(ConnectionLost):
 
 
 class Stream:
-    """Frames of one stream, in order."""
+    """Frames of one stream, in order.
+
+    A stream whose frames came faster than its consumer relays them (a burst
+    after this proxy was starved of CPU, a worker outpacing the relay) holds a
+    backlog that ``next`` hands out without suspending: the consumer would
+    relay all of it in one go, and the event loop (every other stream, the
+    liveness Pongs a worker waits for) would wait meanwhile, seconds for a
+    long backlog. So ``next`` lets the loop run once every
+    :attr:`YIELD_EVERY` frames taken without waiting.
+    """
+
+    YIELD_EVERY = 32
 
     def __init__(self, client: WorkerClient, stream_id: int) -> None:
         self.client = client
         self.id = stream_id
         self._queue: asyncio.Queue[Message | BaseException] = asyncio.Queue()
+        self._unbroken = 0  # frames taken in a row without waiting
 
     def put(self, item: Message | BaseException) -> None:
         self._queue.put_nowait(item)
 
     async def next(self) -> Message:
         """The next frame of this stream; raises :class:`ConnectionLost`."""
+        if self._queue.empty():
+            self._unbroken = 0
+        else:
+            self._unbroken += 1
+            if self._unbroken >= self.YIELD_EVERY:
+                self._unbroken = 0
+                await asyncio.sleep(0)  # the backlog stays: only this task takes from it
         item = await self._queue.get()
         if isinstance(item, BaseException):
             raise item

@@ -14,6 +14,18 @@ So each end of a token-protocol connection (``cluster.liveness_timeout_s``,
   connection (the proxy's streams on it get ``ConnectionLost``, the worker
   aborts the connection's requests, as on a closed connection).
 
+Silence counts only while this end's own event loop was on time. A loop that
+could not run (starved of CPU under load, or held by a long callback) sent
+no Ping and read nothing meanwhile, so the peer had nothing to answer and no
+chance to be heard: the time :func:`watch` woke past its due time is
+excused (:meth:`Heartbeat.excuse`), and the check goes on from the end of
+the stall, with a Ping at once. Before this, a loop stalled past the bound
+declared a live peer dead as soon as it woke (issue 26: both decode workers
+dropped a proxy under a load average of 8). A peer that is really silent is
+still dropped after ``timeout_s`` of silence on time: one that goes silent
+while this loop is stalled, as soon as the rest of the bound has passed
+after the stall.
+
 Pinging on *receive* silence (not send silence) keeps both ends fed: a
 worker streaming tokens hears nothing from the proxy, so it pings and the
 proxy's Pongs come back; the proxy hears the tokens and sends no Ping. An
@@ -37,6 +49,10 @@ DEFAULT_TIMEOUT_S = 2.0
 """``cluster.liveness_timeout_s``'s default: a silent peer is dropped within this."""
 PING_FRACTION = 4
 """A Ping goes out after ``timeout_s / PING_FRACTION`` of silence: three go unanswered before death."""
+LATE_FRACTION = 0.2
+"""A check that runs later than this fraction of the ping interval past its due time (0.1 s
+with the default bound) found this end's loop stalled: the time past the due time is excused.
+Less is timer jitter, counted as usual."""
 
 
 class Verdict(enum.Enum):
@@ -88,6 +104,16 @@ class Heartbeat:
     def silent_for(self, now: float) -> float:
         return now - self.last_received
 
+    def excuse(self, due: float, now: float) -> float:
+        """This end's loop woke at ``now`` for a check due at ``due``: the silence since
+        ``due`` was a stall of ours, not the peer's. Moves :attr:`last_received` past it
+        (never beyond ``now``); the seconds excused."""
+        start = max(due, self.last_received)
+        if now <= start:
+            return 0.0
+        self.last_received += now - start
+        return now - start
+
 
 async def watch(
     beat: Heartbeat, ping: Callable[[int], None], dead: Callable[[float], None]
@@ -96,11 +122,17 @@ async def watch(
 
     ``ping(seq)`` writes a Ping; ``dead(silent_s)`` drops the connection
     (called once, then this returns). One sleep per due time: on an idle
-    connection about one wake-up per ping interval, nothing per frame.
+    connection about one wake-up per ping interval, nothing per frame. A wake
+    later than its due time by more than :data:`LATE_FRACTION` of the ping
+    interval (this loop stalled) excuses the stall (:meth:`Heartbeat.excuse`).
     """
     loop = asyncio.get_running_loop()
+    late_s = beat.timeout_s / PING_FRACTION * LATE_FRACTION
+    woke_for = loop.time()
     while True:
         now = loop.time()
+        if now - woke_for > late_s:
+            beat.excuse(woke_for, now)
         due = beat.poll(now)
         if due.verdict is Verdict.DEAD:
             # A loop that was stalled past the deadline may hold bytes it has
@@ -112,10 +144,21 @@ async def watch(
             if beat.poll(now).verdict is Verdict.DEAD:
                 dead(beat.silent_for(now))
                 return
+            woke_for = now
             continue
         if due.verdict is Verdict.PING:
             ping(beat.pinged(now))
+        woke_for = due.at
         await asyncio.sleep(max(0.0, due.at - loop.time()))
 
 
-__all__ = ["DEFAULT_TIMEOUT_S", "PING_FRACTION", "Due", "Heartbeat", "Verdict", "check", "watch"]
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "LATE_FRACTION",
+    "PING_FRACTION",
+    "Due",
+    "Heartbeat",
+    "Verdict",
+    "check",
+    "watch",
+]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
+from collections.abc import Callable
 
 import pytest
 
@@ -109,3 +111,95 @@ async def test_watch_stays_quiet_while_bytes_come_in() -> None:
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+@pytest.mark.parametrize(
+    ("last_received", "due", "now", "excused", "after"),
+    [
+        (10.0, 10.5, 10.5, 0.0, 10.0),  # woke on time: nothing excused
+        (10.0, 10.5, 10.4, 0.0, 10.0),  # early (timer rounding): nothing
+        (10.0, 10.5, 13.0, 2.5, 12.5),  # stalled 2.5 s past the due time: not the peer's
+        (10.0, 10.5, 10.501, 0.001, 10.001),  # a millisecond late: a millisecond
+        (12.0, 10.5, 13.0, 1.0, 13.0),  # heard during the stall: only since then, up to now
+    ],
+)
+def test_excuse_moves_the_silence_past_our_own_stall(
+    last_received: float, due: float, now: float, excused: float, after: float
+) -> None:
+    beat = Heartbeat(T, last_received)
+    assert beat.excuse(due, now) == pytest.approx(excused)
+    assert beat.last_received == pytest.approx(after)
+    assert beat.last_received <= now
+
+
+def _stall(seconds: float) -> None:
+    """Hold the running event loop (a callback that does not return, a starved process)."""
+    time.sleep(seconds)
+
+
+def _answering(beat: Heartbeat, rtt_s: float) -> Callable[[int], None]:
+    """A live peer: each Ping is answered ``rtt_s`` later (on the same loop, so a stall of
+    the loop stalls it too, as a whole box starved of CPU does)."""
+    loop = asyncio.get_running_loop()
+
+    def ping(seq: int) -> None:
+        loop.call_later(rtt_s, lambda: setattr(beat, "last_received", loop.time()))
+
+    return ping
+
+
+async def test_watch_does_not_drop_a_live_peer_after_a_stall_of_its_own_loop() -> None:
+    """Issue 26: a loop stalled past the bound (time.sleep here; CPU starvation under a
+    load average of 8 in the chaos run) woke with nothing read and no Ping sent during
+    the stall, and declared the peer dead at once. Now the stall is excused and the
+    peer is pinged first: it answers, and stays."""
+    loop = asyncio.get_running_loop()
+    bound = 0.4
+    beat = Heartbeat(bound, loop.time())
+    dead: list[float] = []
+    task = asyncio.create_task(watch(beat, _answering(beat, 0.01), dead.append))
+    await asyncio.sleep(0.25)  # beats on time: pinged and answered
+    assert beat.pings >= 1 and not dead
+    _stall(2.5 * bound)  # this loop stalls for 2.5 bounds
+    await asyncio.sleep(1.5 * bound)
+    assert dead == []
+    assert not task.done()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def test_watch_still_drops_a_silent_peer_after_a_stall_within_the_rest_of_the_bound() -> None:
+    """A peer silent before and after our stall: dropped once ``bound`` of silence has
+    passed on time (here 0.15 s before the stall), i.e. about 0.25 s after it."""
+    loop = asyncio.get_running_loop()
+    bound = 0.4
+    beat = Heartbeat(bound, loop.time())
+    dead: list[float] = []
+    pings: list[int] = []
+    task = asyncio.create_task(watch(beat, pings.append, dead.append))
+    await asyncio.sleep(0.15)
+    _stall(1.0)
+    stall_end = loop.time()
+    await asyncio.wait_for(task, 5)
+    took = loop.time() - stall_end
+    assert len(dead) == 1
+    assert 0.1 <= took < bound + 0.1
+    assert len(pings) >= 2  # one at once after the stall
+
+
+async def test_watch_drops_a_silent_peer_at_the_bound_on_a_busy_but_timely_loop() -> None:
+    """Short callbacks keep the loop busy (never past a due time by much): nothing to
+    excuse, so a silent peer is still dropped at the bound."""
+    loop = asyncio.get_running_loop()
+    bound = 0.3
+    beat = Heartbeat(bound, loop.time())
+    dead: list[float] = []
+    start = loop.time()
+    task = asyncio.create_task(watch(beat, lambda seq: None, dead.append))
+    while not task.done():
+        _stall(0.002)  # 2 ms of work per turn
+        await asyncio.sleep(0)
+    took = loop.time() - start
+    assert len(dead) == 1
+    assert bound <= took < bound + 0.1

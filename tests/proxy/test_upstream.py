@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from proxy.upstream import ConnectionLost, WorkerClient
-from star.wire import Error, Hello, frame
+from proxy.upstream import ConnectionLost, Stream, WorkerClient
+from star.wire import Error, Hello, Tokens, frame
 
 # Bounds a wait for something that must happen, on a loaded box.
 SETTLE_S = 10.0
@@ -185,3 +185,28 @@ def test_a_send_on_a_transport_closed_under_it_is_a_lost_connection() -> None:
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(scenario())
+
+
+async def test_a_backlog_on_a_stream_lets_the_event_loop_run() -> None:
+    """Frames queued faster than they are relayed (a burst after the proxy was starved, a
+    worker outpacing the relay) are handed out a few at a time between event-loop turns:
+    before, the relay took the whole backlog in one turn, and the loop answered no
+    worker's Ping meanwhile (the worker dropped the proxy as silent, issue 26)."""
+    client = WorkerClient("127.0.0.1:1")
+    stream = client.open()
+    backlog = 1000
+    for i in range(backlog):
+        stream.put(Tokens(stream.id, [i]))
+    taken = 0
+
+    async def relay() -> None:
+        nonlocal taken
+        for _ in range(backlog):
+            await stream.next()
+            taken += 1
+
+    task = asyncio.create_task(relay())
+    await asyncio.sleep(0)  # the relay's first turn, then this one's
+    assert 0 < taken <= Stream.YIELD_EVERY
+    await asyncio.wait_for(task, 5)
+    assert taken == backlog
