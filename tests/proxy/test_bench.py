@@ -28,3 +28,29 @@ def test_benchmark_rejects_bad_levels(capsys: pytest.CaptureFixture[str]) -> Non
     bench.configure(parser)
     assert bench.run(parser.parse_args(["--streams", "0"])) == 2
     assert "--streams" in capsys.readouterr().err
+
+
+def test_benchmark_relays_through_the_token_protocol_sealed_and_not(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--seal on,off``: a worker process serves the tokens over the token protocol, with
+    cluster.secret and without; every token arrives in both settings, interleaved."""
+    parser = argparse.ArgumentParser()
+    bench.configure(parser)
+    argv = "--seal on,off --streams 1,4 --tokens 200 --repeats 2 --relay-rate 2000 --json"
+    args = parser.parse_args(argv.split())
+    assert bench.run(args) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["streams"] for r in rows] == [1, 4]
+    for row in rows:
+        assert row["tokens"] == 200 and row["missing_tokens"] == 0
+        assert sorted(row["tokens_per_core_s"]) == ["off", "on"]
+        assert all(len(v) == 2 and min(v) > 0 for v in row["tokens_per_core_s"].values())
+        assert row["ratio_min"] <= row["ratio_on_off"] <= row["ratio_max"]
+
+
+def test_benchmark_rejects_an_unknown_seal_setting(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    bench.configure(parser)
+    assert bench.run(parser.parse_args(["--seal", "maybe"])) == 2
+    assert "--seal" in capsys.readouterr().err
