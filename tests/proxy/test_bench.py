@@ -47,6 +47,7 @@ def test_benchmark_relays_through_the_token_protocol_sealed_and_not(
         assert sorted(row["tokens_per_core_s"]) == ["off", "on"]
         assert all(len(v) == 2 and min(v) > 0 for v in row["tokens_per_core_s"].values())
         assert row["ratio_min"] <= row["ratio_on_off"] <= row["ratio_max"]
+        assert row["ratio_min"] <= row["ratio_p25"] <= row["ratio_p75"] <= row["ratio_max"]
 
 
 def test_benchmark_rejects_an_unknown_seal_setting(capsys: pytest.CaptureFixture[str]) -> None:
