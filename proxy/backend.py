@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from star.sampling import migration_blocker
-from star.wire import Error, ErrorCode
+from star.wire import Error, ErrorCode, PromptLogprobs
 
 FinishReason = Literal["stop", "length", "abort"]
 RequestKind = Literal["completion", "chat"]
@@ -87,7 +87,8 @@ class TokenBatch:
     several are merged into one stream (:class:`proxy.fanout.FanIn` sets it).
     A request with logprobs gets ``logprobs`` (one per token) and, flat, ``k``
     top ``(id, logprob)`` pairs per token in ``top_ids`` / ``top_logprobs``
-    (:class:`star.wire.LogprobTokens`); None: none asked for.
+    (:class:`star.wire.LogprobTokens`); None: none asked for. A request with
+    prompt logprobs gets them on its first batch (``prompt``).
     """
 
     token_ids: list[int]
@@ -97,6 +98,7 @@ class TokenBatch:
     logprobs: list[float] | None = None
     top_ids: list[int] | None = None
     top_logprobs: list[float] | None = None
+    prompt: PromptLogprobs | None = None
 
 
 class BackendError(Exception):

@@ -296,6 +296,12 @@ class ChoiceParser:
             self.tools_streamed = True
         return self._one_call(message.model_dump(mode="json", exclude_unset=True))
 
+    def reasoning_tokens(self, token_ids: Sequence[int]) -> int:
+        """The reasoning tokens among ``token_ids`` (vLLM's ``count_reasoning_tokens``)."""
+        if self.parser is None:
+            return 0
+        return int(self.parser.count_reasoning_tokens(tuple(token_ids)))
+
     def stream_finish(self, reason: str) -> str:
         """The streamed finish_reason: ``tool_calls`` after tool deltas (not for a named choice)."""
         if self.tools_streamed and self.named is None and reason == "stop":

@@ -49,7 +49,7 @@ from star.planner.dispatch import OutputMean, booking, choose_on_view
 from star.report_gate import SKEW_S, ReportGate, report_refusal
 from star.sampling import migration_blocker
 from star.settings import dispatch_policy
-from star.wire import Abort, Error, Event, EventKind, Generate, Report, Tokens
+from star.wire import Abort, Error, Event, EventKind, Generate, PromptLogprobs, Report, Tokens
 
 log = structlog.get_logger(__name__)
 
@@ -334,8 +334,11 @@ class ClusterBackend:
             raise RequestRejected("n > 1 reaches a backend fanned out (proxy.fanout), never as one")
         sampling = dict(req.sampling)
         sampling.pop("n", None)
-        kv_params = await self._prefill_or_local(req, sampling)
+        kv_params, prompt = await self._prefill_or_local(req, sampling)
         async for batch in self._decode(req, sampling, kv_params):
+            if prompt is not None and batch.prompt is None:
+                # The prefill's prompt logprobs go out with the first batch.
+                batch.prompt, prompt = prompt, None
             yield batch
 
     def collect(self) -> Iterator[Metric]:
@@ -348,8 +351,9 @@ class ClusterBackend:
 
     async def _prefill_or_local(
         self, req: GenerationRequest, sampling: dict[str, Any]
-    ) -> dict[str, Any] | None:
-        """The prefill's kv params, or None: the decode instance prefills it itself.
+    ) -> tuple[dict[str, Any] | None, PromptLogprobs | None]:
+        """The prefill's kv params (and the prompt's logprobs, if asked for), or
+        (None, None): the decode instance prefills it itself.
 
         None while no prefill instance answers: none up or reachable, or the
         chosen one went away (or is shutting down, its engine dead) before
@@ -357,7 +361,7 @@ class ClusterBackend:
         failure of the engine is the client's answer as before.
         """
         try:
-            kv_params = await self._prefill(req, sampling)
+            kv_params, prompt = await self._prefill(req, sampling)
         except BackendUnavailable as exc:
             if not self.prefill_fallback:
                 raise
@@ -370,11 +374,11 @@ class ClusterBackend:
                     error=str(exc),
                 )
             self._episode += 1
-            return None
+            return None, None
         if self._episode is not None:
             log.info("prefill_available_again", requests_prefilled_on_decode=self._episode)
             self._episode = None
-        return kv_params
+        return kv_params, prompt
 
     async def _connect(self, member: Member) -> WorkerClient:
         try:
@@ -417,11 +421,15 @@ class ClusterBackend:
         policy = self.directory.policy(self.policy)
         return await self.pick_reachable("decode", policy, prompt_tokens + 1)
 
-    async def _prefill(self, req: GenerationRequest, sampling: dict[str, Any]) -> dict[str, Any]:
+    async def _prefill(
+        self, req: GenerationRequest, sampling: dict[str, Any]
+    ) -> tuple[dict[str, Any], PromptLogprobs | None]:
+        """The prefill's kv params, and the prompt's logprobs when the request asked for them."""
         member = await self.pick_reachable("prefill", "current-load", len(req.prompt_token_ids))
         client = await self._connect(member)
         stream = client.open()
         finished = False
+        prompt: PromptLogprobs | None = None
         try:
             await client.send(
                 Generate(stream.id, f"{req.request_id}-p", list(req.prompt_token_ids), sampling)
@@ -430,13 +438,15 @@ class ClusterBackend:
                 msg = await stream.next()
                 if isinstance(msg, Error):
                     raise error_from(msg, member.instance)
+                if isinstance(msg, PromptLogprobs):
+                    prompt = msg
                 if isinstance(msg, Tokens) and msg.finish_reason is not None:
                     finished = True
                     if not msg.kv_transfer_params:
                         raise BackendError(
                             f"prefill on {member.instance} returned no kv_transfer_params"
                         )
-                    return dict(msg.kv_transfer_params)
+                    return dict(msg.kv_transfer_params), prompt
         except ConnectionLost as exc:
             raise BackendUnavailable(
                 f"prefill instance {member.instance} went away: {exc}"

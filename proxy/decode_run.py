@@ -57,6 +57,7 @@ from star.wire import (
     Generate,
     Handoff,
     Message,
+    PromptLogprobs,
     Release,
     ResumableGenerate,
     Tokens,
@@ -228,7 +229,7 @@ class DecodeRun:
                 return Lost(str(exc))
             finally:
                 self._waiting = None
-            if isinstance(msg, Tokens | Handoff | Error):
+            if isinstance(msg, Tokens | Handoff | Error | PromptLogprobs):
                 return Received(msg, time.monotonic())
             # nothing else belongs to a request's stream
 

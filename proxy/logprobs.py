@@ -20,6 +20,16 @@ them as ``vllm/entrypoints/openai`` does:
   logprob, bytes, top_logprobs: [...]}]}``, the first ``k`` entries, ``bytes``
   the string's UTF-8 (errors replaced);
 * every logprob written as ``max(logprob, -9999.0)`` (``-inf`` included).
+
+Prompt logprobs (:class:`star.wire.PromptLogprobs`, vLLM's ``prompt_logprobs``)
+are rendered as vLLM's engine and server render them: position 0 ``None``,
+then per prompt token a map of id to ``{logprob, rank, decoded_token}``, the
+prompt token first with its rank, then the top ``k`` ranked ``1..k`` (a token
+already there keeping its place and taking the later entry), the names
+corrected after up to 4 preceding *prompt* tokens (:func:`prompt_entries`,
+:func:`prompt_logprobs_json`); completions' ``echo`` puts them before the
+generated tokens' in the ``logprobs`` object, the first prompt token with
+``null`` logprob and top map (:meth:`ChoiceLogprobs.take_prompt`).
 """
 
 from __future__ import annotations
@@ -29,6 +39,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from tokenizers import Tokenizer
+
+from star.wire import PromptLogprobs
 
 MIN_LOGPROB = -9999.0
 """The least logprob written (vLLM's, OpenAI's): ``-inf`` and below become this."""
@@ -125,6 +137,48 @@ def _floor(value: float) -> float:
     return max(float(value), MIN_LOGPROB)
 
 
+PromptEntry = dict[int, tuple[float, int, str]]
+"""One prompt position as vLLM's ``dict[int, Logprob]``: id -> (logprob, rank, decoded_token)."""
+
+
+def prompt_entries(
+    names: TokenNames, prompt: Sequence[int], scores: PromptLogprobs
+) -> list[PromptEntry | None]:
+    """vLLM's ``RequestOutput.prompt_logprobs`` of ``prompt`` (``LogprobsProcessor``).
+
+    Raises ValueError when ``scores`` do not fit the prompt (a broken worker).
+    """
+    if not scores.consistent(len(prompt)):
+        raise ValueError(f"backend sent prompt logprobs that do not fit {len(prompt)} tokens")
+    k = scores.top_k
+    out: list[PromptEntry | None] = [None]
+    context: list[int] = []  # the preceding scored prompt tokens (vLLM's context)
+    for i, tid in enumerate(prompt[1:]):
+        ids = [tid, *scores.top_ids[i * k : (i + 1) * k]]
+        values = [scores.logprobs[i], *scores.top_logprobs[i * k : (i + 1) * k]]
+        ranks = [scores.ranks[i], *range(1, k + 1)]
+        decoded = names.names(ids, context)
+        entry: PromptEntry = {}
+        for t, v, r, d in zip(ids, values, ranks, decoded, strict=True):
+            entry[t] = (v, r, d)  # a repeated id keeps its place, takes the later entry
+        out.append(entry)
+        context = [*context[-(_CONTEXT - 1) :], tid]
+    return out
+
+
+def prompt_logprobs_json(entries: Sequence[PromptEntry | None]) -> list[Any]:
+    """The ``prompt_logprobs`` field vLLM's server writes (``clamp_prompt_logprobs`` applied)."""
+    return [
+        None
+        if entry is None
+        else {
+            str(t): {"logprob": _floor(v), "rank": r, "decoded_token": d}
+            for t, (v, r, d) in entry.items()
+        }
+        for entry in entries
+    ]
+
+
 class ChoiceLogprobs:
     """One choice's logprobs: :meth:`take` renders a batch's, :meth:`result` the whole.
 
@@ -178,6 +232,32 @@ class ChoiceLogprobs:
             else:
                 self._completion_entry(out, names, ids, entries)
             self._context = [*self._context[-(_CONTEXT - 1) :], tid]
+        if self._keep:
+            self._parts.append(out)
+        return out
+
+    def take_prompt(
+        self, prompt: Sequence[int], entries: Sequence[PromptEntry | None]
+    ) -> dict[str, Any]:
+        """The completion logprobs of an echoed prompt (before its generated tokens').
+
+        As vLLM's ``_create_completion_logprobs`` over ``prompt_logprobs``: a
+        position without logprobs (the first) is its token decoded alone,
+        with ``null`` logprob and top map.
+        """
+        out = _completion_part()
+        for tid, entry in zip(prompt, entries, strict=True):
+            if entry is None:
+                token = self._names._decode([tid])
+                out["text_offset"].append(self._offset)
+                self._offset += len(token)
+                out["token_logprobs"].append(None)
+                out["tokens"].append(token)
+                out["top_logprobs"].append(None)
+                continue
+            ids = list(entry)  # the prompt token first (prompt_entries puts it there)
+            names = [entry[t][2] for t in ids]
+            self._completion_entry(out, names, ids, {t: entry[t][0] for t in ids})
         if self._keep:
             self._parts.append(out)
         return out

@@ -29,6 +29,7 @@ from star.wire import (
     Generate,
     Handoff,
     LogprobTokens,
+    PromptLogprobs,
     Tokens,
 )
 
@@ -210,7 +211,7 @@ class Decided:
 class Received:
     """A frame of the current leg, received at ``now``."""
 
-    msg: Tokens | Handoff | Error
+    msg: Tokens | Handoff | Error | PromptLogprobs
     now: float
 
 
@@ -395,6 +396,8 @@ class RunMachine:
         self._opening: tuple[_Opening, str, str] | None = None  # (why, instance, address)
         self._recovery: tuple[tuple[str, str] | None, set[str]] | None = None  # prefer, exclude
         self._candidates: list[tuple[str, str]] = []
+        # Prompt logprobs a leg sent, until the batch that delivers them.
+        self.prompt_scores: PromptLogprobs | None = None
 
     def refuses(self, decision: Decision, address: str | None) -> Emit | None:
         """The ``refused`` event if this run cannot start ``decision`` now (None: it can).
@@ -437,6 +440,10 @@ class RunMachine:
                 self._tokens(out, event.msg, event.now)
             elif isinstance(event.msg, Handoff):
                 self._handoff(out, event.msg, event.now)
+            elif isinstance(event.msg, PromptLogprobs):
+                # Before the leg's first tokens (a decode instance prefilling the
+                # request itself): they go out with the next batch.
+                self.prompt_scores = event.msg
             else:
                 self._error(out, event.msg)
         elif isinstance(event, Lost):
@@ -496,7 +503,7 @@ class RunMachine:
             self.last_token_s = now
         if msg.finish_reason is None:
             if msg.token_ids:
-                out.append(Deliver(_batch(msg)))
+                out.append(Deliver(self._with_prompt(_batch(msg))))
             return
         if self.state is RunState.RELEASING:
             self._refused(out, "finished")
@@ -517,7 +524,13 @@ class RunMachine:
                 )
             )
             return
-        out.append(Deliver(_batch(msg, reason, msg.stop_reason)))
+        out.append(Deliver(self._with_prompt(_batch(msg, reason, msg.stop_reason))))
+
+    def _with_prompt(self, batch: TokenBatch) -> TokenBatch:
+        """``batch`` with the prompt logprobs a leg sent before it (once per run)."""
+        if self.prompt_scores is not None:
+            batch.prompt, self.prompt_scores = self.prompt_scores, None
+        return batch
 
     def _refused(self, out: list[Action], reason: str) -> None:
         target = self.pending.decision.target if self.pending else ""

@@ -24,7 +24,14 @@ from proxy import chat_tools, sse
 from proxy.backend import GenerationRequest, RequestKind, TokenBatch, is_migratable
 from proxy.detok import TextStream
 from proxy.http import HttpError
-from proxy.logprobs import MAX_LOGPROBS, ChoiceLogprobs, TokenNames
+from proxy.logprobs import (
+    MAX_LOGPROBS,
+    ChoiceLogprobs,
+    PromptEntry,
+    TokenNames,
+    prompt_entries,
+    prompt_logprobs_json,
+)
 from proxy.tokenizer import ChatTemplateError, ModelCard, PromptTooLong
 from proxy.validate import Fields, parse_object
 
@@ -36,7 +43,6 @@ MAX_STOP = 16  # stop strings per request (OpenAI allows 4; vLLM has no cap)
 # Characters per stop string: matching holds back and rescans up to this much
 # text per token (docs/operations.md, "HTTP limits").
 MAX_STOP_CHARS = 256
-_NO_PROMPT_LOGPROBS = "'prompt_logprobs' are not supported by this server"
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
 
@@ -52,6 +58,9 @@ class TextOptions:
     # Top tokens per position in the response's logprobs (completions' logprobs,
     # chat's top_logprobs); None: no logprobs.
     logprobs: int | None = None
+    # Top tokens per prompt position (vLLM's prompt_logprobs, also set by echo),
+    # when the response shows them; None: not asked for, or not shown (streamed).
+    prompt_logprobs: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +81,10 @@ class ParsedRequest:
     echo: tuple[str, ...] = ()
     # A chat's tools / tool_choice and reasoning (proxy.chat_tools), or None.
     chat: chat_tools.ChatCall | None = None
+    # A chat's response role (vLLM: the last message's without a generation
+    # prompt) and, with echo, the last message's content it starts with.
+    role: str = "assistant"
+    chat_echo: str | None = None  # None: no echo
 
     @property
     def batch(self) -> tuple[list[int], ...]:
@@ -115,16 +128,22 @@ def parse_completion(body: bytes, models: Mapping[str, ModelCard]) -> ParsedRequ
     prompts = _completion_prompts(f, card)
     f.reject_truthy("suffix", "'suffix' is not supported")
     logprobs = _logprobs_count(f, "logprobs")
-    f.reject_present("prompt_logprobs", _NO_PROMPT_LOGPROBS)
+    prompt_logprobs = _prompt_logprobs(f)
     echoed = f.bool_("echo", False)
-    if echoed and logprobs is not None:
-        f.fail(
-            "logprobs",
-            "'echo' with 'logprobs' (the prompt's logprobs) is not supported",
-            "unsupported_parameter",
-        )
+    if prompt_logprobs is None and echoed:
+        prompt_logprobs = logprobs  # vLLM: echo scores the prompt as the output
     parsed = _finish_parse(
-        f, card, prompts, "completion", "cmpl-", COMPLETION_DEFAULT_MAX_TOKENS, echoed, logprobs
+        f,
+        card,
+        prompts,
+        "completion",
+        "cmpl-",
+        COMPLETION_DEFAULT_MAX_TOKENS,
+        echoed,
+        logprobs,
+        # streamed, only echo's logprobs show them
+        prompt_logprobs,
+        shown_streamed=echoed and logprobs is not None,
     )
     if not echoed:
         return parsed
@@ -146,10 +165,19 @@ def parse_chat(body: bytes, models: Mapping[str, ModelCard]) -> ParsedRequest:
     messages = _messages(f)
     tooling = chat_tools.prepare(f.data, card)
     logprobs = _chat_logprobs(f)
-    f.reject_present("prompt_logprobs", _NO_PROMPT_LOGPROBS)
-    f.reject_truthy("echo", "'echo' is not supported")
+    prompt_logprobs = _prompt_logprobs(f)
+    echoed = f.bool_("echo", False)
+    if prompt_logprobs is None and echoed:
+        prompt_logprobs = f.opt_int("top_logprobs") or 0  # vLLM: echo scores the prompt
     f.reject_truthy("continue_final_message", "'continue_final_message' is not supported")
     add_generation_prompt = f.bool_("add_generation_prompt", True)
+    # vLLM's get_chat_request_role, and the content echo repeats: the last
+    # message's, when it has the response's role.
+    role = "assistant" if add_generation_prompt else str(messages[-1]["role"])
+    last = messages[-1]
+    chat_echo = None
+    if echoed:
+        chat_echo = (last.get("content") or "") if last["role"] == role else ""
     template_kwargs = f.dict_("chat_template_kwargs") or {}
     reserved = sorted(set(template_kwargs) & {"messages", "add_generation_prompt"})
     if reserved:
@@ -166,7 +194,17 @@ def parse_chat(body: bytes, models: Mapping[str, ModelCard]) -> ParsedRequest:
     if "max_completion_tokens" in f.data and f.raw("max_completion_tokens") is not None:
         f.data["max_tokens"] = f.data["max_completion_tokens"]
         f.param_alias["max_tokens"] = "max_completion_tokens"
-    parsed = _finish_parse(f, card, [prompt], "chat", "chatcmpl-", None, logprobs=logprobs)
+    parsed = _finish_parse(
+        f,
+        card,
+        [prompt],
+        "chat",
+        "chatcmpl-",
+        None,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,  # shown only in a whole response
+    )
+    parsed = dataclasses.replace(parsed, role=role, chat_echo=chat_echo)
     if tooling is None:
         return parsed
     gen = parsed.gen
@@ -206,6 +244,26 @@ def _chat_logprobs(f: Fields) -> int | None:
     if top and not wanted:
         f.fail("top_logprobs", "when using `top_logprobs`, `logprobs` must be set to true.")
     return top if wanted else None
+
+
+def _prompt_logprobs(f: Fields) -> int | None:
+    """vLLM's ``prompt_logprobs`` (top tokens per prompt position; None: not asked for),
+    bounded and refused on a stream as vLLM's request models and SamplingParams do."""
+    count = f.opt_int("prompt_logprobs")
+    if count is None:
+        return None
+    if f.bool_("stream", False) and (count > 0 or count == -1):
+        f.fail("prompt_logprobs", "`prompt_logprobs` are not available when `stream=True`.")
+    if count < -1:
+        f.fail("prompt_logprobs", "`prompt_logprobs` must be a positive value or -1.")
+    if count == -1 or count > MAX_LOGPROBS:
+        asked = "the whole vocabulary" if count == -1 else str(count)
+        f.fail(
+            "prompt_logprobs",
+            f"Requested prompt logprobs of {asked}, which is greater than max allowed: "
+            f"{MAX_LOGPROBS}",
+        )
+    return count
 
 
 def _completion_prompts(f: Fields, card: ModelCard) -> list[list[int]]:
@@ -336,8 +394,12 @@ def _finish_parse(
     default_max_tokens: int | None,
     echoed: bool = False,
     logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
+    shown_streamed: bool = False,
 ) -> ParsedRequest:
     stream = f.bool_("stream", False)
+    if stream and not shown_streamed:
+        prompt_logprobs = None  # computed by vLLM, shown nowhere: not asked for here
     options = f.dict_("stream_options")
     if options is not None and not stream:
         raise HttpError(
@@ -359,6 +421,8 @@ def _finish_parse(
     sampling = _sampling(f, card, max_tokens)
     if logprobs is not None:
         sampling["logprobs"] = logprobs
+    if prompt_logprobs is not None:
+        sampling["prompt_logprobs"] = prompt_logprobs
     stop = f.str_list("stop", MAX_STOP, MAX_STOP_CHARS)
     text = TextOptions(
         include_stop_str_in_output=f.bool_("include_stop_str_in_output", False),
@@ -366,6 +430,7 @@ def _finish_parse(
         min_tokens=int(sampling.get("min_tokens", 0)),
         prompt_only=prompt_only,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
     )
     gen = GenerationRequest(
         request_id=id_prefix + uuid.uuid4().hex,
@@ -563,8 +628,17 @@ class Relay:
         self._texts: list[list[str]] = [[] for _ in range(count)]
         # Each choice's logprobs, when asked for (proxy.logprobs renders them).
         self._scores: list[ChoiceLogprobs] | None = None
+        names = TokenNames(parsed.card.tokenizer)
+        self._names = names
+        # The prompt of each choice, and its prompt logprobs once the first batch
+        # brought them (when the response shows them); echo's logprobs start with them.
+        self._prompts = [batch[k // n] for k in range(count)]
+        self._want_prompt = text.prompt_logprobs is not None
+        self._prompt_lp: list[list[PromptEntry | None] | None] = [None] * count
+        self._echo_scores = bool(parsed.echo) and text.logprobs is not None
+        self._role = parsed.role
+        self._chat_echo = parsed.chat_echo
         if text.logprobs is not None:
-            names = TokenNames(parsed.card.tokenizer)
             self._scores = [
                 ChoiceLogprobs(names, gen.kind == "chat", text.logprobs, keep=not gen.stream)
                 for _ in range(count)
@@ -577,6 +651,8 @@ class Relay:
                 chat_tools.ChoiceParser(parsed.card, parsed.chat, batch[k // n])
                 for k in range(count)
             ]
+        # vLLM's usage counts reasoning tokens whenever a reasoning parser is set.
+        self._reasoning = self._parsers is not None and bool(parsed.card.reasoning_parser)
         self._ids: list[list[int]] = [[] for _ in range(count)]
         # Characters of text each choice has released; a resumed stream starts
         # at the client's count and skips that much (proxy.resume).
@@ -626,23 +702,35 @@ class Relay:
         choice = self.choices[index]
         if choice.finish_reason is not None:
             return b""
+        if self._want_prompt and self._prompt_lp[index] is None:
+            if batch.prompt is None:
+                raise ValueError("backend sent no prompt logprobs with the first tokens")
+            self._prompt_lp[index] = prompt_entries(self._names, self._prompts[index], batch.prompt)
         before = choice.num_tokens
         text = choice.feed(batch.token_ids)
         if choice.finish_reason is None and batch.finish_reason is not None:
             text += choice.finish(batch.finish_reason, batch.stop_reason)
         scores = None
-        if self._scores is not None and choice.num_tokens > before:
+        echo = self._echo[index]
+        if echo is not None and self._echo_scores:
+            # echo's logprobs: the prompt's first (vLLM's prompt_logprobs), then the output's
+            assert self._scores is not None and self._prompt_lp[index] is not None
+            scores = self._scores[index].take_prompt(
+                self._prompts[index],
+                self._prompt_lp[index],  # type: ignore[arg-type]
+            )
+        if self._scores is not None and choice.num_tokens > before and not self._prompt_only:
             # The tokens this choice took (a stop string drops those after it).
-            scores = self._scores[index].take(
+            part = self._scores[index].take(
                 batch.token_ids,
                 batch.logprobs,
                 batch.top_ids,
                 batch.top_logprobs,
                 choice.num_tokens - before,
             )
+            scores = part if scores is None else {k: v + part[k] for k, v in scores.items()}
         if self._prompt_only:
             text = ""  # counted in usage, as vLLM counts it, but not shown
-        echo = self._echo[index]
         if echo is not None:  # the choice's first chunk: the prompt, then its first text
             self._echo[index] = None
             text = echo + text
@@ -671,9 +759,10 @@ class Relay:
         parser = self._parsers[index]  # type: ignore[index]
         if parser.hides_metadata:
             scores = None
+        if not self._stream or self._reasoning:
+            self._ids[index].extend(token_ids)  # the parser reads them, and the usage
         if not self._stream:
             self._texts[index].append(text)
-            self._ids[index].extend(token_ids)
             return b""
         delta = (
             parser.delta(text, token_ids, finish is not None)
@@ -707,10 +796,27 @@ class Relay:
             raise RuntimeError("backend stream ended before every choice finished")
         out = b"" if self._started else self._start()
         if self.req.include_usage:
-            u = usage(self.prompt_tokens, self.completion_tokens)
+            u = self._usage()
             head = self._head[: self._head.rindex(b'"choices"')]
             out += sse.event(head + b'"choices":[],"usage":' + _j(u) + b"}")
         return out + sse.DONE
+
+    def _usage(self) -> dict[str, Any]:
+        """The usage object; with a reasoning parser vLLM adds the reasoning tokens."""
+        u: dict[str, Any] = usage(self.prompt_tokens, self.completion_tokens)
+        if self._reasoning:
+            assert self._parsers is not None
+            counted = sum(
+                p.reasoning_tokens(ids) for p, ids in zip(self._parsers, self._ids, strict=True)
+            )
+            u["completion_tokens_details"] = {"reasoning_tokens": counted}
+        return u
+
+    def _prompt_json(self, index: int) -> list[Any]:
+        entries = self._prompt_lp[index]
+        if entries is None:  # a choice that never got its first batch
+            raise RuntimeError("backend stream ended without the prompt logprobs")
+        return prompt_logprobs_json(entries)
 
     def response(self) -> dict[str, Any]:
         """The complete (non-streaming) response object."""
@@ -730,19 +836,30 @@ class Relay:
                 item["message"] = {"role": "assistant", "content": text}
             else:
                 item["text"] = text
+            if chat:
+                item["message"]["role"] = self._role
+                if self._chat_echo is not None:  # vLLM: even an empty echo makes content a str
+                    item["message"]["content"] = self._chat_echo + (
+                        item["message"].get("content") or ""
+                    )
             hidden = self._parsers is not None and self._parsers[i].hides_metadata
             scored = self._scores is not None and not hidden
             item["logprobs"] = self._scores[i].result() if scored else None  # type: ignore[index]
             item["finish_reason"] = finish
+            if self._want_prompt and not chat:
+                item["prompt_logprobs"] = self._prompt_json(i)
             choices.append(item)
-        return {
+        out = {
             "id": self.req.request_id,
             "object": "chat.completion" if chat else "text_completion",
             "created": self.created,
             "model": self.req.model,
             "choices": choices,
-            "usage": usage(self.prompt_tokens, self.completion_tokens),
+            "usage": self._usage(),
         }
+        if self._want_prompt and chat:
+            out["prompt_logprobs"] = self._prompt_json(0)  # one prompt: every choice's
+        return out
 
     def error_event(self, error: HttpError) -> bytes:
         """An SSE event carrying an error after the stream has begun, then ``[DONE]``."""
@@ -753,17 +870,18 @@ class Relay:
         self._started = True
         if self.req.kind != "chat":
             return b""
-        return b"".join(
-            sse.event(
-                self._head
-                + str(i).encode()
-                + b',"delta":{"role":"assistant","content":""}'
-                + self._tail
-                + b"null"
-                + self._end
-            )
+        role = b',"delta":{"role":' + _j(self._role) + b',"content":""}'
+        out = b"".join(
+            sse.event(self._head + str(i).encode() + role + self._tail + b"null" + self._end)
             for i in range(len(self.choices))
         )
+        if self._chat_echo:  # vLLM's echo: the last message's content, one chunk a choice
+            echo = b',"delta":{"content":' + _j(self._chat_echo) + b"}"
+            out += b"".join(
+                sse.event(self._head + str(i).encode() + echo + self._tail + b"null" + self._end)
+                for i in range(len(self.choices))
+            )
+        return out
 
     def _chunk(
         self, index: int, text: str, finish: str | None, scores: dict[str, Any] | None = None

@@ -10,11 +10,15 @@ over them, the logprobs of the new tokens are the target's own, and a
 seeded random stream is skipped ahead by one draw per generated token where
 the engine proved at start that its sampler draws exactly that
 (``workers.continuation``), so all of them continue exactly.
+``prompt_logprobs`` migrate too: they are computed once, with the prompt
+(on the prefill worker, or on a decode worker prefilling the request
+itself), and sent with the first token, before any release is possible; a
+continuation, or a decode leg whose KV was computed elsewhere, never
+computes them again (``workers.engine_config.sampling_params`` drops the
+parameter there).
 What still cannot migrate is refused with the reason :func:`migration_blocker`
 gives:
 
-* ``prompt_logprobs`` (the target would also return prompt logprobs over
-  the generated text);
 * ``n > 1`` (several sequences share one request);
 * ``seed`` on an engine whose sampler the skip-ahead does not match;
 * ``logits_processors`` and anything else not known here.
@@ -36,9 +40,9 @@ from collections.abc import Mapping
 from typing import Any
 
 _NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
-_STATEFUL = ("seed", "logprobs", "prompt_logprobs", "structured_outputs", "bad_words")
+_STATEFUL = ("seed", "logprobs", "structured_outputs", "bad_words")
 # What a true continuation does not carry (the rest of _STATEFUL it does).
-_NOT_RESUMED = ("prompt_logprobs",)
+_NOT_RESUMED: tuple[str, ...] = ()
 _CARRIED = frozenset(
     {
         "max_tokens",
@@ -57,6 +61,7 @@ _CARRIED = frozenset(
         "spaces_between_special_tokens",
         "detokenize",
         "n",
+        "prompt_logprobs",
         *_NEUTRAL,
         *_STATEFUL,
     }

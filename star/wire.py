@@ -9,6 +9,7 @@ SCHEMA_VERSION}``:
 * frames of the internal token protocol between proxy and workers (framed
   msgpack over TCP, multiplexed by ``stream``): :class:`Hello`,
   :class:`Generate`, :class:`Tokens` (:class:`LogprobTokens` with logprobs),
+  :class:`PromptLogprobs`,
   :class:`Abort`, :class:`Release`,
   :class:`Handoff`, :class:`Error`, the heartbeats :class:`Ping` and
   :class:`Pong` (:mod:`star.liveness`), and the authentication handshake
@@ -341,6 +342,42 @@ class LogprobTokens(Tokens, frozen=True, tag="logprob_tokens"):
         return len(self.logprobs) == n and len(self.top_ids) == len(self.top_logprobs) == n * k
 
 
+class PromptLogprobs(Message, frozen=True, tag="prompt_logprobs"):
+    """The prompt's logprobs of a request that asked for them (``sampling["prompt_logprobs"]``: k).
+
+    Sent once, before the stream's first :class:`Tokens`, by the worker that
+    computed the prompt (the prefill worker, or a decode worker prefilling it
+    itself); a continuation never computes them again. Position ``i`` is
+    prompt token ``i + 1`` (the first token has none, as in vLLM):
+    ``logprobs[i]`` its log-probability (vLLM's raw logprobs; ``-inf``
+    kept), ``ranks[i]`` its rank in the vocabulary, and ``top_ids`` /
+    ``top_logprobs`` hold, flat, the k most likely tokens there in rank order
+    (``k = len(top_ids) // len(logprobs)``). A kind of its own: only a proxy
+    that asks for prompt logprobs gets one.
+    """
+
+    stream: int
+    logprobs: list[float]
+    ranks: list[int]
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
+
+    @property
+    def top_k(self) -> int:
+        """How many top tokens each position carries."""
+        return len(self.top_ids) // len(self.logprobs) if self.logprobs else 0
+
+    def consistent(self, prompt_tokens: int) -> bool:
+        """Whether the arrays fit a prompt of ``prompt_tokens`` (one entry per token after the
+        first, k top per entry)."""
+        n, k = len(self.logprobs), self.top_k
+        return (
+            n == max(prompt_tokens - 1, 0)
+            and len(self.ranks) == n
+            and len(self.top_ids) == len(self.top_logprobs) == n * k
+        )
+
+
 class ResumableGenerate(Generate, frozen=True, tag="generate_resumable"):
     """:class:`Generate` of a request a client may resume on any proxy (``proxy.resume``).
 
@@ -495,6 +532,7 @@ FRAMES: tuple[type[Message], ...] = (
     Attached,
     Tokens,
     LogprobTokens,
+    PromptLogprobs,
     Abort,
     Release,
     Handoff,

@@ -48,6 +48,7 @@ from workers.protocol import (
     ReleaseRefused,
     TokenDelta,
     delta_logprobs,
+    prompt_scores,
 )
 from workers.startup import EngineStartError, Setup, core_failure, explain, root_cause
 from workers.state import EngineStats, RunningRequest, length_budget
@@ -293,6 +294,10 @@ class EngineHandle:
                     live.started = True
                     finished = bool(out.finished)
                     scores = delta_logprobs(completion.logprobs, len(new), params.logprobs)
+                    if params.prompt_logprobs is not None:
+                        prompt_part = prompt_scores(out.prompt_logprobs, len(engine_prompt))
+                        if prompt_part is not None:
+                            scores["prompt"] = prompt_part
                     if finished and (out.kv_transfer_params or {}).get(RELEASE_KEY) is not None:
                         # Released (D->D): the stream ends here without a final delta.
                         if new:

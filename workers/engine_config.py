@@ -313,9 +313,14 @@ def sampling_params(request: GenerateRequest, role: str) -> SamplingParams:
         kwargs["min_tokens"] = 0
         kwargs.pop("logprobs", None)  # its one token is not the client's
         kv.setdefault("do_remote_decode", True)
-    if kwargs.get("logprobs") is not None:
+    if role == "decode" and (kv or request.continued > 0):
+        # The prompt was computed elsewhere (a prefill worker, whose KV this
+        # pulls) or before (a continuation): its logprobs were sent from there.
+        kwargs.pop("prompt_logprobs", None)
+    if kwargs.get("logprobs") is not None or kwargs.get("prompt_logprobs") is not None:
         # Logprobs as flat arrays (vLLM's FlatLogprobs), which the worker sends
-        # on as they are (star.wire.LogprobTokens): no Logprob object per entry.
+        # on as they are (star.wire.LogprobTokens, PromptLogprobs): no Logprob
+        # object per entry.
         kwargs["flat_logprobs"] = True
     extra: dict[str, Any] = {"kv_transfer_params": kv} if kv else {}
     if request.resume and request.continued > 0:

@@ -33,7 +33,7 @@ from typing import Any, ClassVar, Protocol
 
 from star.transitions import IllegalTransition as IllegalTransition
 from star.transitions import stepper
-from star.wire import Error, ErrorCode, Generate, LogprobTokens, Tokens
+from star.wire import Error, ErrorCode, Generate, LogprobTokens, PromptLogprobs, Tokens
 
 # -- errors -------------------------------------------------------------------
 
@@ -121,6 +121,25 @@ class GenerateRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class PromptScores:
+    """A prompt's logprobs as :class:`star.wire.PromptLogprobs` carries them (see there)."""
+
+    logprobs: list[float]
+    ranks: list[int]
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+    def to_frame(self, stream: int) -> PromptLogprobs:
+        return PromptLogprobs(
+            stream=stream,
+            logprobs=self.logprobs,
+            ranks=self.ranks,
+            top_ids=self.top_ids,
+            top_logprobs=self.top_logprobs,
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class TokenDelta:
     """Tokens new since the previous delta of a request; the last one has ``finish_reason``."""
 
@@ -134,6 +153,9 @@ class TokenDelta:
     logprobs: list[float] | None = None
     top_ids: list[int] = field(default_factory=list)
     top_logprobs: list[float] = field(default_factory=list)
+    # The prompt's logprobs, on the first delta of a request that asked for
+    # them and computed its prompt here (sent as a PromptLogprobs frame first).
+    prompt: PromptScores | None = None
 
     @property
     def finished(self) -> bool:
@@ -198,6 +220,35 @@ def delta_logprobs(logprobs: Any, count: int, k: int | None = None) -> dict[str,
         top_ids.extend(pos_ids)
         top_logprobs.extend(pos_values)
     return {"logprobs": sampled, "top_ids": top_ids, "top_logprobs": top_logprobs}
+
+
+def prompt_scores(prompt_logprobs: Any, prompt_tokens: int) -> PromptScores | None:
+    """A request's prompt logprobs as a :class:`PromptScores` (None: none asked for or given).
+
+    ``prompt_logprobs`` is vLLM's ``RequestOutput.prompt_logprobs`` as
+    :class:`vllm.logprobs.FlatLogprobs` (``flat_logprobs``): position 0 empty
+    (the first prompt token has none), then per position the prompt token
+    with its rank, then the top k in rank order, as the engine's
+    ``LogprobsProcessor`` appends them. Raises :class:`EngineFailed` when it
+    does not cover the prompt.
+    """
+    if prompt_logprobs is None or len(prompt_logprobs) == 0:
+        return None
+    starts, ends = list(prompt_logprobs.start_indices), list(prompt_logprobs.end_indices)
+    if len(starts) != prompt_tokens or (starts and starts[0] != ends[0]):
+        raise EngineFailed(
+            f"the engine gave prompt logprobs for {len(starts)} positions of {prompt_tokens}"
+        )
+    values, ids, ranks = prompt_logprobs.logprobs, prompt_logprobs.token_ids, prompt_logprobs.ranks
+    out = PromptScores([], [], [], [])
+    for start, end in zip(starts[1:], ends[1:], strict=True):
+        if end <= start:
+            raise EngineFailed("the engine gave an empty prompt logprobs position")
+        out.logprobs.append(float(values[start]))
+        out.ranks.append(int(ranks[start]))
+        out.top_ids.extend(int(t) for t in ids[start + 1 : end])
+        out.top_logprobs.extend(float(v) for v in values[start + 1 : end])
+    return out
 
 
 @dataclass(frozen=True, slots=True)

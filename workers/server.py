@@ -308,6 +308,8 @@ class _Connection:
                         record.add(delta.token_ids, delta.finish_reason, delta.stop_reason)
                     conn = stream.conn
                     if conn is not None:
+                        if delta.prompt is not None:
+                            await conn.send(delta.prompt.to_frame(stream.id))
                         await conn.send(delta.to_frame(stream.id))
         except WorkerError as exc:
             bound.info("stream_failed", code=exc.code.value, error=str(exc))

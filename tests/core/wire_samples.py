@@ -22,6 +22,7 @@ from star.wire import (
     Message,
     Ping,
     Pong,
+    PromptLogprobs,
     Release,
     Report,
     RequestLoad,
@@ -151,6 +152,14 @@ NEWER: dict[str, Message] = {
         logprobs=[-0.25, float("-inf")],
         top_ids=[17, 5, 9, 18],
         top_logprobs=[-0.25, -2.5, -1.0, -7.5],
+    ),
+    # The prompt's logprobs, sent only to a proxy that asked for them.
+    "prompt_logprobs": PromptLogprobs(
+        3,
+        logprobs=[-1.5, float("-inf")],
+        ranks=[2, 900],
+        top_ids=[4, 17, 9, 4],
+        top_logprobs=[-0.5, -1.5, -0.25, -3.0],
     ),
     # A request a client may resume on any proxy, and its takeover (proxy.adopt):
     # only a proxy that knows them sends the first two, and the third answers one.

@@ -374,7 +374,9 @@ def test_responses_equal_vllm_servers(
     stream: bool,
 ) -> None:
     card = card_for(model_dir, **parsers)
-    body = {**fields, "stream": stream}
+    body: dict[str, Any] = {**fields, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
     parsed = parse(card, **body)
     # A chat without tools under a tool parser alone is plain text (no parser run).
     assert (parsed.chat is None) == (not fields and not card.reasoning_parser)
@@ -384,8 +386,15 @@ def test_responses_equal_vllm_servers(
     if stream:
         assert isinstance(got, list) and isinstance(want, list)
         assert deltas_of(got) == deltas_of(want)
+        got_usage, want_usage = got[-1]["usage"], want[-1]["usage"]
     else:
         assert message_of(got) == message_of(want)
+        got_usage, want_usage = got["usage"], want["usage"]
+    # The same usage, reasoning tokens included (vLLM's with a reasoning parser);
+    # vLLM also writes its unset details as null, which the proxy leaves out.
+    assert got_usage == {k: v for k, v in want_usage.items() if v is not None}
+    if card.reasoning_parser:
+        assert "completion_tokens_details" in got_usage
 
 
 def test_streamed_deltas_put_together_equal_the_response(model_dir: Path) -> None:

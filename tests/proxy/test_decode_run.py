@@ -25,6 +25,7 @@ from star.wire import (
     Generate,
     Handoff,
     Message,
+    PromptLogprobs,
     Release,
     Tokens,
 )
@@ -435,3 +436,22 @@ async def test_an_engine_error_ends_the_stream_with_an_error() -> None:
     assert client.tokens == [1]
     assert client.error is not None and client.error.code == "engine_error"
     assert not fleet.leg("d0").got(Abort) and fleet.events == []
+
+
+async def test_prompt_logprobs_from_a_leg_go_out_with_its_first_batch_once() -> None:
+    # A decode instance prefilling the request itself (no prefill instance) sends
+    # the prompt's logprobs before its first tokens; they ride on the first batch.
+    fleet = FakeFleet("d0", "d1")
+    run, client = await started(fleet)
+    scores = PromptLogprobs(fleet.leg("d0").id, logprobs=[-1.0], ranks=[2])
+    fleet.leg("d0").inbox.put_nowait(scores)
+    await migrating(fleet, run, client)
+    assert client.batches[0].prompt == scores
+    source = fleet.leg("d0")
+    source.handoff(len(PROMPT) + 2)
+    await until(lambda: fleet.worker("d1").legs)
+    target = fleet.leg("d1")
+    target.tokens(3, finish="stop")
+    await client.task
+    assert client.tokens == [1, 2, 3] and client.error is None
+    assert [b.prompt for b in client.batches[1:]] == [None]

@@ -10,6 +10,7 @@ and requires equal objects.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -21,11 +22,12 @@ from hypothesis import strategies as st
 
 from proxy.backend import TokenBatch
 from proxy.http import HttpError
-from proxy.logprobs import ChoiceLogprobs, TokenNames
+from proxy.logprobs import ChoiceLogprobs, TokenNames, prompt_entries, prompt_logprobs_json
 from proxy.openai import ParsedRequest, Relay, parse_chat, parse_completion
 from proxy.tokenizer import ModelCard
 from star.model import tiny_model_path
-from tests.proxy.vllm_logprobs import Render, vllm_renderer
+from star.wire import PromptLogprobs
+from tests.proxy.vllm_logprobs import PromptRender, Render, vllm_prompt_renderer, vllm_renderer
 
 MODEL = "tiny"
 
@@ -104,7 +106,10 @@ def test_chat_logprobs_reach_the_engine(
         ({"logprobs": True, "top_logprobs": -1}, "top_logprobs", "invalid_value", "max allowed"),
         ({"logprobs": True, "top_logprobs": -2}, "top_logprobs", "invalid_value", "positive"),
         ({"logprobs": True, "top_logprobs": 1.5}, "top_logprobs", "invalid_type", "integer"),
-        ({"logprobs": True, "prompt_logprobs": 1}, "prompt_logprobs", "unsupported_parameter", ""),
+        ({"prompt_logprobs": 21}, "prompt_logprobs", "invalid_value", "prompt logprobs of 21"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs", "invalid_value", "max allowed: 20"),
+        ({"prompt_logprobs": -3}, "prompt_logprobs", "invalid_value", "positive value or -1"),
+        ({"prompt_logprobs": 2, "stream": True}, "prompt_logprobs", "invalid_value", "stream"),
     ],
 )
 def test_chat_logprobs_errors(
@@ -115,6 +120,53 @@ def test_chat_logprobs_errors(
     err = info.value
     assert (err.status, err.param, err.code) == (400, param, code)
     assert words in err.message
+
+
+@pytest.mark.parametrize(
+    ("fields", "engine_k", "shown"),
+    [
+        # Asked for: computed and shown in the whole response (a vLLM extra).
+        ({"prompt_logprobs": 3}, 3, 3),
+        ({"prompt_logprobs": 0}, 0, 0),
+        # echo scores the prompt as the output, unless prompt_logprobs says otherwise.
+        ({"echo": True, "logprobs": 2}, 2, 2),
+        ({"echo": True, "logprobs": 2, "prompt_logprobs": 4}, 4, 4),
+        ({"echo": True}, None, None),
+        # Streamed, only echo's logprobs show them; vLLM allows 0 there and shows nothing.
+        ({"prompt_logprobs": 0, "stream": True}, None, None),
+        ({"echo": True, "logprobs": 1, "stream": True}, 1, 1),
+    ],
+)
+def test_completion_prompt_logprobs_reach_the_engine(
+    card: ModelCard, fields: dict[str, Any], engine_k: int | None, shown: int | None
+) -> None:
+    parsed = completion(card, **fields)
+    assert parsed.gen.sampling.get("prompt_logprobs") == engine_k
+    assert parsed.text.prompt_logprobs == shown
+    # They come with the first token and are never computed again: migratable.
+    assert parsed.gen.migratable is True
+
+
+@pytest.mark.parametrize(
+    ("fields", "engine_k"),
+    [
+        ({"prompt_logprobs": 2}, 2),
+        # vLLM's chat echo asks for the prompt's logprobs at top_logprobs (0 by default).
+        ({"echo": True}, 0),
+        ({"echo": True, "logprobs": True, "top_logprobs": 3}, 3),
+        ({"echo": True, "prompt_logprobs": 1}, 1),
+        # Shown only in a whole response.
+        ({"echo": True, "stream": True}, None),
+        ({"prompt_logprobs": 0, "stream": True}, None),
+    ],
+)
+def test_chat_prompt_logprobs_reach_the_engine(
+    card: ModelCard, fields: dict[str, Any], engine_k: int | None
+) -> None:
+    parsed = chat(card, **fields)
+    assert parsed.gen.sampling.get("prompt_logprobs") == engine_k
+    assert parsed.text.prompt_logprobs == engine_k
+    assert parsed.gen.migratable is True
 
 
 def test_completion_limit_message_is_vllms(card: ModelCard) -> None:
@@ -385,6 +437,209 @@ def test_stop_string_drops_the_logprobs_of_tokens_after_it(tiny: ModelCard) -> N
     assert choice["logprobs"]["tokens"] == ["l", "h"]  # up to the token that completed it
 
 
+def _prompt(
+    prompt: list[int], k: int, lp: float = -2.0, rank: int = 3, top: tuple[int, ...] = ()
+) -> PromptLogprobs:
+    """Prompt logprobs: every scored position the same, its top k ``top`` (default ``L``s)."""
+    n = len(prompt) - 1
+    ids = list(top) if top else [L] * k
+    return PromptLogprobs(
+        0,
+        logprobs=[lp] * n,
+        ranks=[rank] * n,
+        top_ids=ids * n,
+        top_logprobs=[-0.5 - j for j in range(k)] * n,
+    )
+
+
+def test_prompt_entries_table(tiny: ModelCard) -> None:
+    names = TokenNames(tiny.tokenizer)
+    prompt = [H, E1, E2, L]
+    scores = PromptLogprobs(
+        0,
+        logprobs=[-1.0, -2.0, -math.inf],
+        ranks=[4, 1, 900],
+        # k = 2: "é"'s first byte not among them; its second byte first there;
+        # "l" outside them.
+        top_ids=[H, L, E2, H, H, E1],
+        top_logprobs=[-0.5, -0.75, -2.0, -3.0, -0.25, -0.5],
+    )
+    entries = prompt_entries(names, prompt, scores)
+    assert entries == [
+        None,
+        # The prompt token first with its rank, then the top 2 ranked 1 and 2; its
+        # bytes decode to "" with no prompt token before it that completes them.
+        {E1: (-1.0, 4, ""), H: (-0.5, 1, "h"), L: (-0.75, 2, "l")},
+        # Among the top: one entry, in the prompt token's place, the top entry's rank;
+        # named after the preceding scored prompt token (the first byte): "é".
+        {E2: (-2.0, 1, "é"), H: (-3.0, 2, "h")},
+        {L: (-math.inf, 900, "l"), H: (-0.25, 1, "h"), E1: (-0.5, 2, "")},
+    ]
+    assert prompt_logprobs_json(entries) == [
+        None,
+        {
+            str(E1): {"logprob": -1.0, "rank": 4, "decoded_token": ""},
+            str(H): {"logprob": -0.5, "rank": 1, "decoded_token": "h"},
+            str(L): {"logprob": -0.75, "rank": 2, "decoded_token": "l"},
+        },
+        {
+            str(E2): {"logprob": -2.0, "rank": 1, "decoded_token": "é"},
+            str(H): {"logprob": -3.0, "rank": 2, "decoded_token": "h"},
+        },
+        {
+            str(L): {"logprob": -9999.0, "rank": 900, "decoded_token": "l"},
+            str(H): {"logprob": -0.25, "rank": 1, "decoded_token": "h"},
+            str(E1): {"logprob": -0.5, "rank": 2, "decoded_token": ""},
+        },
+    ]
+    # Echo's logprobs (k = 1): the first prompt token without logprobs, then each
+    # position's first k + 1 entries; offsets count the strings.
+    echo = ChoiceLogprobs(names, chat=False, top=1).take_prompt(prompt, entries)
+    assert echo == {
+        "text_offset": [0, 1, 1, 2],
+        "token_logprobs": [None, -1.0, -2.0, -9999.0],
+        "tokens": ["h", "", "é", "l"],
+        "top_logprobs": [
+            None,
+            {"": -1.0, "h": -0.5},
+            {"é": -2.0, "h": -3.0},
+            {"l": -9999.0, "h": -0.25},
+        ],
+    }
+    with pytest.raises(ValueError, match="do not fit 5 tokens"):
+        prompt_entries(names, [*prompt, H], scores)
+
+
+def test_completion_response_carries_prompt_logprobs(tiny: ModelCard) -> None:
+    parsed = completion(tiny, prompt=[H, L], prompt_logprobs=1, max_tokens=4, n=2)
+    relay = Relay(parsed, created=1)
+    for index in (0, 1):
+        relay.feed(TokenBatch([L], "length", index=index, prompt=_prompt([H, L], 1, top=(H,))))
+    field = [
+        None,
+        {
+            str(L): {"logprob": -2.0, "rank": 3, "decoded_token": "l"},
+            str(H): {"logprob": -0.5, "rank": 1, "decoded_token": "h"},
+        },
+    ]
+    for choice in relay.response()["choices"]:
+        assert list(choice) == ["index", "text", "logprobs", "finish_reason", "prompt_logprobs"]
+        assert choice["prompt_logprobs"] == field and choice["logprobs"] is None
+
+
+def test_a_first_batch_without_the_prompt_logprobs_is_refused(tiny: ModelCard) -> None:
+    relay = Relay(completion(tiny, prompt_logprobs=0, max_tokens=4), created=1)
+    with pytest.raises(ValueError, match="no prompt logprobs"):
+        relay.feed(TokenBatch([L], "length"))
+
+
+def test_echo_with_logprobs_starts_with_the_prompts(tiny: ModelCard) -> None:
+    prompt = [H, L]
+    for stream in (False, True):
+        parsed = completion(tiny, prompt=prompt, echo=True, logprobs=1, max_tokens=4, stream=stream)
+        assert parsed.gen.sampling["prompt_logprobs"] == 1
+        relay = Relay(parsed, created=1)
+        out = relay.feed(
+            TokenBatch(
+                [H],
+                None,
+                logprobs=[-0.25],
+                top_ids=[H],
+                top_logprobs=[-0.25],
+                prompt=_prompt(prompt, 1, top=(H,)),
+            )
+        )
+        out += relay.feed(_batch([L], "length"))
+        want = {
+            "text_offset": [0, 1, 2, 3],
+            # (_batch's sampled "l" is its top token too: the later value, as in vLLM's map)
+            "token_logprobs": [None, -2.0, -0.25, -1.5],
+            "tokens": ["h", "l", "h", "l"],
+            "top_logprobs": [None, {"l": -2.0, "h": -0.5}, {"h": -0.25}, {"l": -1.5}],
+        }
+        if not stream:
+            (choice,) = relay.response()["choices"]
+            assert choice["text"] == "hlhl" and choice["logprobs"] == want
+            assert choice["prompt_logprobs"][1][str(L)]["rank"] == 3
+            continue
+        first, last = (e["choices"][0] for e in _events(out))
+        assert first["text"] == "hlh" and last["text"] == "l"
+        # The first chunk: the prompt's and the first token's; then the rest's.
+        got = {k: first["logprobs"][k] + last["logprobs"][k] for k in want}
+        assert got == want and "prompt_logprobs" not in first
+
+
+def test_echo_with_logprobs_and_no_tokens_shows_the_prompts_alone(tiny: ModelCard) -> None:
+    # max_tokens 0: vLLM runs one token and shows neither its text nor its logprobs.
+    for stream in (False, True):
+        parsed = completion(tiny, prompt=[H, L], echo=True, logprobs=0, max_tokens=0, stream=stream)
+        relay = Relay(parsed, created=1)
+        out = relay.feed(
+            TokenBatch(
+                [E1],
+                "length",
+                logprobs=[-0.25],
+                top_ids=[],
+                top_logprobs=[],
+                prompt=_prompt([H, L], 0),
+            )
+        )
+        want = {
+            "text_offset": [0, 1],
+            "token_logprobs": [None, -2.0],
+            "tokens": ["h", "l"],
+            "top_logprobs": [None, {"l": -2.0}],
+        }
+        if stream:
+            (chunk,) = _events(out)
+            assert chunk["choices"][0]["text"] == "hl" and chunk["choices"][0]["logprobs"] == want
+        else:
+            (choice,) = relay.response()["choices"]
+            assert choice["text"] == "hl" and choice["logprobs"] == want
+            assert relay.response()["usage"]["completion_tokens"] == 1
+
+
+def test_chat_echo_and_prompt_logprobs(tiny: ModelCard) -> None:
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once"}]
+    body = {"messages": messages, "echo": True, "add_generation_prompt": False}
+    parsed = chat(tiny, **body)
+    # Without a generation prompt the response takes the last message's role, and
+    # echo repeats that message's content.
+    assert (parsed.role, parsed.chat_echo) == ("assistant", "Once")
+    prompt = parsed.gen.prompt_token_ids
+    relay = Relay(parsed, created=1)
+    relay.feed(TokenBatch([L], "length", prompt=_prompt(prompt, 0)))
+    resp = relay.response()
+    assert resp["choices"][0]["message"] == {"role": "assistant", "content": "Oncel"}
+    assert list(resp)[-1] == "prompt_logprobs"
+    assert len(resp["prompt_logprobs"]) == len(prompt) and resp["prompt_logprobs"][0] is None
+    assert all(len(e) == 1 for e in resp["prompt_logprobs"][1:])  # top_logprobs 0: the token
+    # Streamed: the role chunk, the echo chunk, then the text; no prompt logprobs.
+    streamed = chat(tiny, stream=True, **body)
+    assert "prompt_logprobs" not in streamed.gen.sampling
+    relay = Relay(streamed, created=1)
+    chunks = _events(relay.feed(TokenBatch([L], "length")) + relay.end())
+    assert [c["choices"][0]["delta"] for c in chunks] == [
+        {"role": "assistant", "content": ""},
+        {"content": "Once"},
+        {"content": "l"},
+    ]
+    # A user message last, with a generation prompt: nothing to echo, but vLLM
+    # still makes the content a string; the role is the last message's without one.
+    plain = chat(tiny, echo=True)
+    assert (plain.role, plain.chat_echo) == ("assistant", "")
+    user_role = chat(tiny, add_generation_prompt=False, echo=True)
+    assert (user_role.role, user_role.chat_echo) == ("user", "hi")
+    relay = Relay(
+        dataclasses.replace(
+            user_role, text=dataclasses.replace(user_role.text, prompt_logprobs=None)
+        ),
+        created=1,
+    )
+    relay.feed(TokenBatch([L], "length"))
+    assert relay.response()["choices"][0]["message"] == {"role": "user", "content": "hil"}
+
+
 def test_without_logprobs_the_shape_is_unchanged(tiny: ModelCard) -> None:
     relay = Relay(completion(tiny, max_tokens=8), created=1)
     relay.feed(TokenBatch([H], "length"))
@@ -441,3 +696,64 @@ def test_same_objects_as_vllm(
         )
     expected = vllm_render(chat, top, rows)
     assert json.loads(json.dumps(ours.result())) == expected
+
+
+@pytest.fixture(scope="module")
+def vllm_prompt_render() -> PromptRender:
+    return vllm_prompt_renderer(tiny_model_path())
+
+
+@st.composite
+def _prompt_rows(
+    draw: st.DrawFn,
+) -> tuple[list[int], int, list[tuple[int, float, int, list[tuple[int, float]]]]]:
+    k = draw(st.integers(0, 4))
+    text = draw(st.text(st.sampled_from("hél你好 lo🙂\n"), min_size=1, max_size=6))
+    prompt = _tiny().encode(text)[:10]
+    if len(prompt) < 2:
+        prompt = [H, *prompt]
+    rows = []
+    for tid in prompt[1:]:
+        lp = draw(_LPS)
+        tops = draw(st.lists(st.tuples(_IDS | st.just(tid), _LPS), min_size=k, max_size=k))
+        # The prompt token's own logprob is one number wherever it appears.
+        tops = [(t, lp if t == tid else v) for t, v in tops]
+        rows.append((tid, lp, draw(st.integers(1, 913)), tops))
+    return prompt, k, rows
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=_prompt_rows(), out=_rows())
+def test_prompt_logprobs_same_objects_as_vllm(
+    tiny: ModelCard,
+    vllm_prompt_render: PromptRender,
+    case: tuple[list[int], int, list[tuple[int, float, int, list[tuple[int, float]]]]],
+    out: tuple[int, list[tuple[int, float, list[tuple[int, float]]]]],
+) -> None:
+    prompt, k, rows = case
+    top, out_rows = out
+    out_rows = [(t, lp, [(i, lp if i == t else v) for i, v in tops]) for t, lp, tops in out_rows]
+    scores = PromptLogprobs(
+        0,
+        logprobs=[lp for _, lp, _, _ in rows],
+        ranks=[rank for _, _, rank, _ in rows],
+        top_ids=[t for _, _, _, tops in rows for t, _ in tops],
+        top_logprobs=[v for _, _, _, tops in rows for _, v in tops],
+    )
+    names = TokenNames(tiny.tokenizer)
+    entries = prompt_entries(names, prompt, scores)
+    # vLLM's engine writes float32: the wire carries them as doubles of the same value.
+    expected = vllm_prompt_render(prompt, k, rows, out_rows, top)
+    assert json.loads(json.dumps(prompt_logprobs_json(entries))) == expected["prompt_logprobs"]
+    # echo: the prompt's logprobs then the output's, in one completion logprobs object.
+    ours = ChoiceLogprobs(names, chat=False, top=top)
+    ours.take_prompt(prompt, entries)
+    ours.take(
+        [t for t, _, _ in out_rows],
+        [lp for _, lp, _ in out_rows],
+        [i for _, _, tops in out_rows for i, _ in tops],
+        [v for _, _, tops in out_rows for _, v in tops],
+    )
+    assert json.loads(json.dumps(ours.result())) == expected["echo"]

@@ -233,6 +233,23 @@ def test_sampling_passes_kv_transfer_params(eng: ModuleType) -> None:
     assert params.extra_args == {"kv_transfer_params": kv}
 
 
+def test_prompt_logprobs_only_where_the_prompt_is_computed(eng: ModuleType) -> None:
+    # The prefill worker computes the prompt, and so does a decode worker
+    # prefilling a request itself: both are asked for its logprobs, as flat arrays.
+    asked = {"max_tokens": 7, "prompt_logprobs": 2}
+    for role in ("prefill", "decode"):
+        params = eng.sampling_params(req(asked), role)
+        assert params.prompt_logprobs == 2 and params.flat_logprobs
+    # A decode worker pulling the prompt's KV, or a continuation, computes none.
+    pulled = eng.sampling_params(req(asked, {"do_remote_prefill": True}), "decode")
+    assert pulled.prompt_logprobs is None and not pulled.flat_logprobs
+    moved = GenerateRequest("r", [1, 2, 3], asked, continued=1, resume=True)
+    assert eng.sampling_params(moved, "decode").prompt_logprobs is None
+    # Sample logprobs stay where they are.
+    both = eng.sampling_params(req({**asked, "logprobs": 1}, {"x": 1}), "decode")
+    assert (both.prompt_logprobs, both.logprobs, both.flat_logprobs) == (None, 1, True)
+
+
 def test_sampling_marks_a_continuation_for_the_tap(eng: ModuleType) -> None:
     # A Generate that continues a request after a handoff says how many tokens
     # it had generated; the tap then fuses its first row without the prompt weight.

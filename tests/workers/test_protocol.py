@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from star.wire import CONNECTION_STREAM, Error, Generate, LogprobTokens, Tokens, ends_stream
+from star.wire import (
+    CONNECTION_STREAM,
+    Error,
+    Generate,
+    LogprobTokens,
+    PromptLogprobs,
+    Tokens,
+    ends_stream,
+)
 from workers.protocol import (
     TRANSITIONS,
     BadRequest,
@@ -19,6 +27,7 @@ from workers.protocol import (
     delta_logprobs,
     error_frame,
     next_state,
+    prompt_scores,
 )
 
 S, E = StreamState, StreamEvent
@@ -173,3 +182,41 @@ def test_a_delta_without_logprobs_or_tokens_is_a_plain_tokens_frame() -> None:
     assert type(TokenDelta([7]).to_frame(1)) is Tokens
     # The last delta of a request with logprobs may carry no token: nothing to score.
     assert type(TokenDelta([], "stop", logprobs=[]).to_frame(1)) is Tokens
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.jit, imported by vLLM
+def test_prompt_logprobs_from_vllms_flat_arrays() -> None:
+    import numpy as np
+    import torch
+    from vllm.v1.engine.logprobs import LogprobsProcessor
+    from vllm.v1.outputs import LogprobsTensors
+
+    # A prompt of 3 tokens scored with k = 2, through vLLM's own processor (flat,
+    # as STAR's engines ask): rows 1 and 2 are prompt tokens 1 and 2, each
+    # with its rank, then the top 2 (the token among them at the first only).
+    proc = LogprobsProcessor(None, None, None, None, None, 2)
+    from vllm.logprobs import create_prompt_logprobs
+
+    proc.prompt_logprobs = create_prompt_logprobs(True)
+    ids = torch.tensor([[5, 5, 8], [9, 4, 8]])
+    values = torch.tensor([[-0.5, -0.5, -1.5], [-6.0, -0.25, -2.0]])
+    proc._update_prompt_logprobs(LogprobsTensors(ids, values, torch.tensor([1, 7])))
+    scores = prompt_scores(proc.prompt_logprobs, 3)
+    assert scores is not None
+    assert (scores.logprobs, scores.ranks) == ([-0.5, -6.0], [1, 7])
+    assert (scores.top_ids, scores.top_logprobs) == ([5, 8, 4, 8], [-0.5, -1.5, -0.25, -2.0])
+    frame = scores.to_frame(4)
+    assert isinstance(frame, PromptLogprobs) and frame.consistent(3) and frame.top_k == 2
+    assert not frame.consistent(4)
+    # The later deltas of a request: vLLM has popped them ([]), or none were asked for.
+    assert prompt_scores([], 3) is None and prompt_scores(None, 3) is None
+    with pytest.raises(EngineFailed, match="3 positions of 5"):
+        prompt_scores(proc.prompt_logprobs, 5)
+    # k = 0: the prompt tokens alone.
+    proc0 = LogprobsProcessor(None, None, create_prompt_logprobs(True), None, None, 0)
+    proc0._update_prompt_logprobs(
+        LogprobsTensors(torch.tensor([[3]]), torch.tensor([[-1.0]]), torch.tensor([4]))
+    )
+    bare = prompt_scores(proc0.prompt_logprobs, 2)
+    assert bare is not None and (bare.logprobs, bare.ranks, bare.top_ids) == ([-1.0], [4], [])
+    assert np.isfinite(bare.logprobs).all()
