@@ -38,7 +38,7 @@ import statistics
 import sys
 import time
 from array import array
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -229,7 +229,7 @@ class _RelayEngine:
 
     interval_s = 0.0
 
-    async def generate(self, request: Any) -> AsyncIterator[Any]:
+    async def generate(self, request: Any) -> AsyncGenerator[Any, None]:
         from workers.protocol import TokenDelta
 
         ids, n, interval = (
