@@ -41,6 +41,52 @@ class ChatTemplateError(ValueError):
     """The messages cannot be rendered (no template, or the template refused them)."""
 
 
+def as_conversation(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The messages as vLLM 0.32 hands them to a chat template (string content format).
+
+    What an agent's next turn sends back: an assistant message whose
+    ``content`` is null (a tool call without text) renders with ``""``, and
+    each of its ``tool_calls``' ``arguments`` as an object, parsed from its
+    JSON string ({} when it is empty, malformed or not an object), the empty
+    list dropped (``_parse_chat_message_content`` and
+    ``_postprocess_messages`` in ``vllm/renderers/chat_utils.py``). The input
+    is left as it is.
+    """
+    out = []
+    for message in messages:
+        msg = dict(message)
+        if msg.get("content") is None:
+            msg["content"] = ""
+        calls = msg.get("tool_calls")
+        if msg.get("role") == "assistant" and isinstance(calls, list):
+            if not calls:
+                del msg["tool_calls"]
+            else:
+                msg["tool_calls"] = [_with_parsed_arguments(call) for call in calls]
+        out.append(msg)
+    return out
+
+
+def _with_parsed_arguments(call: Any) -> dict[str, Any]:
+    # vLLM's VLLMValidationError messages (a 400 either way).
+    if not isinstance(call, dict):
+        raise ChatTemplateError("assistant tool_calls entries must be objects.")
+    function = call.get("function")
+    if call.get("type", "function") != "function" or not isinstance(function, dict):
+        raise ChatTemplateError(
+            "chat completions only support assistant tool_calls of type 'function'."
+        )
+    parsed = arguments = function.get("arguments")
+    if isinstance(arguments, str) and arguments:
+        try:
+            parsed = json.loads(arguments)
+        except json.JSONDecodeError:
+            parsed = None
+    if not isinstance(parsed, dict):
+        parsed = {}
+    return {**call, "function": {**function, "arguments": parsed}}
+
+
 class ModelLoadError(RuntimeError):
     """The model directory lacks what the proxy needs, or it is malformed."""
 
@@ -158,9 +204,10 @@ class ModelCard:
         """The prompt text of a conversation, through the model's chat template."""
         if self._compiled is None:
             raise ChatTemplateError("this model has no chat template; use /v1/completions")
+        conversation = as_conversation(messages)
         try:
             return self._compiled.render(
-                messages=list(messages),
+                messages=conversation,
                 add_generation_prompt=add_generation_prompt,
                 **{**self.special_tokens, **kwargs},
             )

@@ -136,9 +136,18 @@ def test_chat_refuses_auto_tools_without_a_parser_and_template_errors(card: Mode
 
 
 def test_chat_template_failures_are_400(card: ModelCard) -> None:
+    # A null content renders as "" (as vLLM renders it: tests/proxy/test_chat_history.py);
+    # a tool call that is not an object is refused, as vLLM refuses it.
+    messages = [{"role": "assistant", "content": None, "tool_calls": ["not an object"]}]
     with pytest.raises(HttpError) as info:
-        chat(card, messages=[{"role": "assistant", "content": None}])
+        chat(card, messages=messages)
     assert (info.value.status, info.value.param) == (400, "messages")
+    assert info.value.message == "assistant tool_calls entries must be objects."
+    failing = ModelCard(name=MODEL, tokenizer=card.tokenizer, chat_template="{{ 1 + 'a' }}")
+    with pytest.raises(HttpError) as info:  # a template that fails on what it is given
+        chat(failing)
+    assert (info.value.status, info.value.param) == (400, "messages")
+    assert info.value.message.startswith("chat template failed:")
     with pytest.raises(HttpError) as info:
         chat(card, chat_template_kwargs={"messages": []})
     assert (info.value.status, info.value.param) == (400, "chat_template_kwargs")
