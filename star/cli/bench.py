@@ -22,6 +22,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "scheduler": ("benchmarks.scheduler_load", "a real star scheduler + redis-server fed by N emulated decode workers: tick p50/p99, report lag, Redis CPU/memory"),
     "chaos": ("benchmarks.chaos.run", "faults injected into a fleet spread over network namespaces, under load: tokens lost/duplicated, KV leaked, recovery (root)"),
     "wire": ("benchmarks.wire", "star.wire encode and decode time per message kind (a 64-request Report, the bus messages, the frames)"),
+    "conformance": ("benchmarks.conformance", "one table of OpenAI requests to vLLM's own server and to STAR on the same model, compared field by field (--migrate: each moved mid-request)"),
     "e2e": ("benchmarks.e2e", "STAR vs static P->D dispatch on a real fleet: modes x rates x seeds, two regimes (paper Fig. 9-11)"),
 }
 
