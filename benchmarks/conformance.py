@@ -26,8 +26,9 @@ sequences (each choice of ``n`` / batched prompts is one) to the other
 decode instance mid-request: the decode engines stand still (SIGSTOP) from
 the request's dispatch, the source runs a burst (``--burst-ms``) to
 decode some tokens, a manual decision is published (what ``star migrate``
-publishes), and once the proxy has acted on it (and ``HOLD_S`` more, for
-its Release to reach the source) every engine runs again.
+publishes), and once the proxy has acted on it every engine runs again.
+(Holding them 0.5 s longer, for the Release to reach the source first,
+made it worse: nearly every accepted move then ended before its release.)
 The tiny model decodes a token in about a millisecond, so a burst can
 finish a short request before its release: the request is then sent again
 with the next, shorter burst (0: the decision lands before the source's
@@ -65,7 +66,6 @@ from benchmarks.common import bench_main, text_table
 
 MODEL = "star-tiny"
 MAX_TOKENS = 24
-HOLD_S = 0.5  # --migrate: the engines stay still this long after the proxy accepted a move
 P1 = "give me a tiny list of colors starting with teal."
 P2 = "name three fruits, plum first."
 CHAT = [{"role": "user", "content": "give me a short list of animals starting with owl."}]
@@ -641,11 +641,6 @@ class Migrator:
                 decision = manual_decision(request, source, target)
                 await self.bus.publish("decisions", decision)
                 moves[request] = await self._acted(request, decision.id)
-            if "migrating" in moves.values():
-                # The proxy says ``migrating`` as it sends the Release: let the Release
-                # reach the paused source's engine before it steps again (a millisecond a
-                # token: run at once, a short request ended before its release).
-                await asyncio.sleep(HOLD_S)
         out = await asyncio.wait_for(task, 600)
         # A one-prompt request's prompt length: what a sequence had generated at its release.
         prompt = (out.doc.get("usage") or {}).get("prompt_tokens") if case.prompts() == 1 else None
