@@ -222,7 +222,7 @@ def test_each_of_n_choices_carries_its_logprobs(cluster: LocalCluster) -> None:
     ("kind", "fields", "param"),
     [
         ("completion", {"logprobs": 21}, "logprobs"),
-        ("completion", {"logprobs": 2, "echo": True}, "logprobs"),
+        ("completion", {"prompt_logprobs": 21}, "prompt_logprobs"),
         ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ("chat", {"top_logprobs": 2}, "top_logprobs"),
     ],
@@ -234,10 +234,10 @@ def test_out_of_bounds_is_a_400(
     with pytest.raises(openai.BadRequestError) as info:
         if kind == "chat":
             c.chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": "hi"}], **fields
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], extra_body=fields
             )
         else:
-            c.completions.create(model=MODEL, prompt=PROMPT, **fields)
+            c.completions.create(model=MODEL, prompt=PROMPT, extra_body=fields)
     assert info.value.status_code == 400
     body: Any = info.value.body
     assert body["param"] == param
