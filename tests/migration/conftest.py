@@ -111,6 +111,7 @@ class Completion:
     usage: dict[str, Any] = field(default_factory=dict)
     times: list[float] = field(default_factory=list)
     error: str = ""
+    logprobs: list[Any] = field(default_factory=list)  # each chunk's, when it has them
 
 
 def assert_same(got: Completion, ref: Completion, tokens: int) -> None:
@@ -237,6 +238,8 @@ async def _stream(
                     )
                     if choice.get("finish_reason"):
                         out.finish_reason = choice["finish_reason"]
+                    if choice.get("logprobs") is not None:
+                        out.logprobs.append(choice["logprobs"])
                     out.chunks += 1
                     out.times.append(time.monotonic())
                     if on_chunk is not None:

@@ -292,6 +292,42 @@ async def test_sampled_and_penalised_requests_migrate_exactly(
     assert [e.instance for e in evs if e.event is EventKind.RESUMED] == path[1:]
 
 
+async def test_echo_with_prompt_logprobs_migrates_exactly(fleet: LocalCluster, bus: Bus) -> None:
+    """Prompt logprobs (here echo's, issue 28) come from the prefill instance with its one
+    token; the decode legs never compute them, so the request migrates: moved there and
+    back, the echoed prompt, its logprobs and every token's equal the unmigrated run's."""
+    extra = {"echo": True, "logprobs": 1}
+    p = prompt(8)
+    got, path = await migrate_at(bus, fleet, p, 2, **extra)
+    ref = await complete(fleet, p, MAX_TOKENS, **extra)  # after: no prefix cache helps
+    assert not got.error, got.error
+    assert got.text == ref.text and got.text.startswith(p)
+    assert got.finish_reason == ref.finish_reason == "length"
+    assert got.usage == ref.usage and got.usage["completion_tokens"] == MAX_TOKENS
+    assert path[0] == path[2] != path[1]
+    evs = await all_events(bus, got.id)
+    assert not [e.detail for e in evs if e.event is EventKind.REFUSED]
+    assert [e.instance for e in evs if e.event is EventKind.RESUMED] == path[1:]
+
+    def joined(c: Completion) -> dict[str, list[Any]]:
+        keys = ("text_offset", "token_logprobs", "tokens", "top_logprobs")
+        return {k: [x for part in c.logprobs for x in part[k]] for k in keys}
+
+    a, b = joined(got), joined(ref)
+    prompt_tokens = got.usage["prompt_tokens"]
+    assert len(a["tokens"]) == len(b["tokens"]) == prompt_tokens + MAX_TOKENS
+    assert (a["tokens"], a["text_offset"]) == (b["tokens"], b["text_offset"])
+    # The prompt's: the first token's null, then each the prefill's (one engine, exact).
+    assert a["token_logprobs"][0] is None and a["top_logprobs"][0] is None
+    assert a["token_logprobs"][:prompt_tokens] == b["token_logprobs"][:prompt_tokens]
+    assert a["top_logprobs"][:prompt_tokens] == b["top_logprobs"][:prompt_tokens]
+    # The generated ones: the targets' after each move, as the unmigrated run's.
+    after = zip(
+        a["token_logprobs"][prompt_tokens:], b["token_logprobs"][prompt_tokens:], strict=True
+    )
+    assert all(abs(x - y) <= 1e-4 for x, y in after)
+
+
 async def test_stop_strings_and_budget_across_a_handoff(fleet: LocalCluster, bus: Bus) -> None:
     # The task's chat answer counts down ("forty. ...", "thirty-nine. ..."): its lines are unique.
     p = Prompt(topic="animals", size="huge", start="owl").user_text()
