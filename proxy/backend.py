@@ -139,7 +139,7 @@ class RequestRejected(BackendError):
     """The engine refused this particular request (e.g. it does not fit the context)."""
 
     status = 400
-    error_type = "invalid_request_error"
+    error_type = "BadRequestError"  # vLLM's type for an engine's refusal
 
 
 _UNAVAILABLE = frozenset({ErrorCode.SHUTTING_DOWN, ErrorCode.ENGINE_DEAD})

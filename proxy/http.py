@@ -170,6 +170,13 @@ class HttpError(Exception):
 
 
 def _default_type(status: int) -> str:
+    # vLLM's OpenAI server names a client error by its class (its
+    # create_error_response: BadRequestError, NotFoundError); other statuses
+    # keep OpenAI's names.
+    if status == 400:
+        return "BadRequestError"
+    if status == 404:
+        return "NotFoundError"
     if status == 429:
         return "rate_limit_exceeded"
     if status == 503:

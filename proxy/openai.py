@@ -43,6 +43,8 @@ MAX_STOP = 16  # stop strings per request (OpenAI allows 4; vLLM has no cap)
 # Characters per stop string: matching holds back and rescans up to this much
 # text per token (docs/operations.md, "HTTP limits").
 MAX_STOP_CHARS = 256
+# Below this temperature vLLM samples greedily (vllm.sampling_params._SAMPLING_EPS).
+_GREEDY_EPS = 1e-5
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
 
@@ -336,6 +338,8 @@ def _messages(f: Fields) -> list[dict[str, Any]]:
         raise HttpError(
             400,
             "you must provide a messages parameter",
+            # vLLM: a body its request model refuses (FastAPI's validation) is "Bad Request"
+            type="Bad Request",
             param="messages",
             code="missing_required_parameter",
         )
@@ -480,14 +484,8 @@ def _sampling(f: Fields, card: ModelCard, max_tokens: int) -> dict[str, Any]:
     vocab = card.tokenizer.get_vocab_size(with_added_tokens=True)
     s: dict[str, Any] = {"max_tokens": max_tokens}
     n = f.int_("n", 1, lo=1, hi=MAX_N)
-    best_of = f.int_("best_of", n, lo=1, hi=MAX_N)
-    if best_of != n:
-        raise HttpError(
-            400,
-            "'best_of' different from 'n' is not supported",
-            param="best_of",
-            code="unsupported_parameter",
-        )
+    # best_of: vLLM 0.32's request models have no such field (an extra field,
+    # ignored), so neither does this.
     if n != 1:
         s["n"] = n
     floats = (
@@ -504,6 +502,9 @@ def _sampling(f: Fields, card: ModelCard, max_tokens: int) -> dict[str, Any]:
             value = card.generation_defaults.get(name)
         if value is not None:
             s[name] = float(value)
+    if n > 1 and s.get("temperature", 1.0) < _GREEDY_EPS:
+        # vLLM's SamplingParams._verify_greedy_sampling (its default temperature is 1.0)
+        raise HttpError(400, f"n must be 1 when using greedy sampling, got {n}.")
     top_k = f.opt_int("top_k", lo=-1)
     if top_k is None:
         top_k = card.generation_defaults.get("top_k")
@@ -672,7 +673,10 @@ class Relay:
         self._pre = [
             b"data: " + self._head + str(i).encode() + self._text_key for i in range(count)
         ]
-        self._post = self._text_end + self._tail + b"null" + self._end + b"\n\n"
+        # vLLM's completion chunks carry stop_reason (null until the last);
+        # its chat chunks only on a choice's finishing chunk.
+        self._stop_null = b"" if chat else b',"stop_reason":null'
+        self._post = self._text_end + self._tail + b"null" + self._stop_null + self._end + b"\n\n"
 
     @property
     def done(self) -> bool:
@@ -776,7 +780,8 @@ class Relay:
         head = b"data: " + self._head + str(index).encode() + b',"delta":' + _j(delta or {})
         tail = b',"logprobs":' + (b"null" if scores is None else _j(scores))
         reason = b"null" if finish is None else _j(finish)
-        chunk = head + tail + b',"finish_reason":' + reason + self._end + b"\n\n"
+        chunk = head + tail + b',"finish_reason":' + reason + self._stop_field(index, finish)
+        chunk += self._end + b"\n\n"
         return chunk if self._started else self._start() + chunk
 
     def resume_at(self, chars: int) -> None:
@@ -846,6 +851,7 @@ class Relay:
             scored = self._scores is not None and not hidden
             item["logprobs"] = self._scores[i].result() if scored else None  # type: ignore[index]
             item["finish_reason"] = finish
+            item["stop_reason"] = choice.stop_reason  # vLLM: the stop string or stop token id
             if self._want_prompt and not chat:
                 item["prompt_logprobs"] = self._prompt_json(i)
             choices.append(item)
@@ -895,4 +901,10 @@ class Relay:
         head = b"data: " + self._head + str(index).encode()
         tail = self._tail if scores is None else b',"logprobs":' + _j(scores) + b',"finish_reason":'
         reason = b"null" if finish is None else b'"' + finish.encode() + b'"'
-        return head + body + tail + reason + self._end + b"\n\n"
+        return head + body + tail + reason + self._stop_field(index, finish) + self._end + b"\n\n"
+
+    def _stop_field(self, index: int, finish: str | None) -> bytes:
+        """A chunk's ``stop_reason`` (the matched stop string or stop token id), as vLLM sends it."""
+        if finish is None:
+            return self._stop_null
+        return b',"stop_reason":' + _j(self.choices[index].stop_reason)

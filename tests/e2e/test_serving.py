@@ -333,6 +333,6 @@ def test_structured_output_with_no_allowed_token_is_a_400(
     resp = httpx.post(f"{cluster.url}/v1/completions", json=body, timeout=120)
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
-    assert error["type"] == "invalid_request_error"
+    assert error["type"] == "BadRequestError"
     assert "structured output left no token to sample" in error["message"]
     assert "prefill-0" not in error["message"]

@@ -124,7 +124,7 @@ async def _send(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> tu
         return 200, f"no [DONE]: {raw[-300:]}"
     errors = [json.loads(e)["error"] for e in events[:-1] if '"error"' in e]
     if errors:  # refused after the stream began: in-band, as vLLM's server does
-        refused = errors[0].get("type") == "invalid_request_error"
+        refused = errors[0].get("type") == "BadRequestError"
         return (400 if refused else 500), raw[-300:]
     finished = {
         c["index"]

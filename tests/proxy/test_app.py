@@ -141,7 +141,7 @@ async def test_unknown_model_is_404_model_not_found(proxy: Proxy) -> None:
     assert resp.json() == {
         "error": {
             "message": "The model `gpt-9` does not exist.",
-            "type": "invalid_request_error",
+            "type": "NotFoundError",
             "param": "model",
             "code": "model_not_found",
         }

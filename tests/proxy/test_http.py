@@ -82,7 +82,7 @@ async def test_malformed_request_gets_400_in_openai_format(serve, raw: bytes) ->
     server = await serve()
     (resp,) = parse_responses(await exchange(server.port, raw))
     err = assert_openai_error(resp, 400)
-    assert err["type"] == "invalid_request_error"
+    assert err["type"] == "BadRequestError"
     assert resp.headers["connection"] == "close"
 
 

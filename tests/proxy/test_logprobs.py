@@ -523,7 +523,14 @@ def test_completion_response_carries_prompt_logprobs(tiny: ModelCard) -> None:
         },
     ]
     for choice in relay.response()["choices"]:
-        assert list(choice) == ["index", "text", "logprobs", "finish_reason", "prompt_logprobs"]
+        assert list(choice) == [
+            "index",
+            "text",
+            "logprobs",
+            "finish_reason",
+            "stop_reason",
+            "prompt_logprobs",
+        ]
         assert choice["prompt_logprobs"] == field and choice["logprobs"] is None
 
 

@@ -42,7 +42,6 @@ def chat(card: ModelCard, **kw: Any) -> ParsedRequest:
         ({"top_k": -2}, "top_k", "invalid_value"),
         ({"presence_penalty": -3}, "presence_penalty", "invalid_value"),
         ({"n": 0}, "n", "invalid_value"),
-        ({"best_of": 3}, "best_of", "unsupported_parameter"),
         ({"stop": 5}, "stop", "invalid_type"),
         ({"stop": ["a"] * 17}, "stop", "invalid_value"),
         ({"stream": "yes"}, "stream", "invalid_type"),
@@ -59,7 +58,6 @@ def chat(card: ModelCard, **kw: Any) -> ParsedRequest:
         ({"prompt_logprobs": "1"}, "prompt_logprobs", "invalid_type"),
         ({"echo": "yes"}, "echo", "invalid_type"),
         ({"suffix": "x"}, "suffix", "unsupported_parameter"),
-        ({"best_of": 3, "n": 2}, "best_of", "unsupported_parameter"),
         ({"prompt": [1, "x"]}, "prompt", "invalid_type"),
         ({"prompt": ["a", [1, 2]]}, "prompt", "invalid_type"),
         ({"prompt": [[1, 2], []]}, "prompt", "invalid_value"),
@@ -80,7 +78,7 @@ def test_completion_bad_params_name_the_param(
         completion(card, **fields)
     err = info.value
     assert (err.status, err.param, err.code) == (400, param, code)
-    assert err.type == "invalid_request_error"
+    assert err.type == "BadRequestError"
     assert param in err.message or code in ("context_length_exceeded", "missing_required_parameter")
 
 
@@ -274,11 +272,27 @@ def test_completion_stream_chunks_have_openai_shape(card: ModelCard) -> None:
     assert chunks == [
         {
             **base,
-            "choices": [{"index": 0, "text": "Hello", "logprobs": None, "finish_reason": None}],
+            "choices": [
+                {
+                    "index": 0,
+                    "text": "Hello",
+                    "logprobs": None,
+                    "finish_reason": None,
+                    "stop_reason": None,
+                }
+            ],
         },
         {
             **base,
-            "choices": [{"index": 0, "text": " 你好", "logprobs": None, "finish_reason": "length"}],
+            "choices": [
+                {
+                    "index": 0,
+                    "text": " 你好",
+                    "logprobs": None,
+                    "finish_reason": "length",
+                    "stop_reason": None,
+                }
+            ],
         },
         {
             **base,
@@ -294,7 +308,7 @@ def test_completion_stream_chunks_have_openai_shape(card: ModelCard) -> None:
 
 def test_chat_stream_chunks_have_openai_shape(card: ModelCard) -> None:
     p = chat(card, stream=True)
-    _, chunks = run_relay(p, [TokenBatch(ids(card, "Hi")), TokenBatch([], "stop")])
+    _, chunks = run_relay(p, [TokenBatch(ids(card, "Hi")), TokenBatch([], "stop", 9)])
     base = {
         "id": p.gen.request_id,
         "object": "chat.completion.chunk",
@@ -319,7 +333,19 @@ def test_chat_stream_chunks_have_openai_shape(card: ModelCard) -> None:
                 {"index": 0, "delta": {"content": "Hi"}, "logprobs": None, "finish_reason": None}
             ],
         },
-        {**base, "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}]},
+        # vLLM: a chat chunk names the stop token id (stop_reason) on its finishing chunk only
+        {
+            **base,
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {},
+                    "logprobs": None,
+                    "finish_reason": "stop",
+                    "stop_reason": 9,
+                }
+            ],
+        },
     ]
 
 
@@ -337,6 +363,7 @@ def test_stop_string_ends_the_relay_and_n_choices_are_separate(card: ModelCard) 
     assert resp["object"] == "text_completion"
     assert [c["text"] for c in resp["choices"]] == ["The answer is "] * 2
     assert [c["finish_reason"] for c in resp["choices"]] == ["stop", "stop"]
+    assert [c["stop_reason"] for c in resp["choices"]] == ["42", "42"]  # vLLM: the stop string
     assert resp["usage"]["completion_tokens"] == 2 * relay.choices[0].num_tokens
     assert relay.choices[0].num_tokens < len(tokens)
 
@@ -357,6 +384,7 @@ def test_chat_response_shape(card: ModelCard) -> None:
                 "message": {"role": "assistant", "content": "café 😀"},
                 "logprobs": None,
                 "finish_reason": "stop",
+                "stop_reason": 7,  # vLLM: the stop token id the engine stopped on
             }
         ],
         "usage": {
@@ -390,3 +418,50 @@ def test_sse_decoder_handles_any_split() -> None:
     for cut in range(len(stream)):
         d = sse.SSEDecoder()
         assert [e.data for e in d.feed(stream[:cut]) + d.feed(stream[cut:])] == whole
+
+
+@pytest.mark.parametrize("route", ["completion", "chat"])
+@pytest.mark.parametrize(
+    ("fields", "refused"),
+    [
+        ({"n": 2, "temperature": 0}, True),
+        ({"n": 2, "temperature": 0.000001}, True),
+        ({"n": 2, "temperature": 0.8, "seed": 1}, False),
+        ({"n": 2}, False),  # vLLM's default temperature is 1.0
+        ({"n": 1, "temperature": 0}, False),
+    ],
+)
+def test_greedy_n_above_one_is_refused_as_vllm_does(
+    card: ModelCard, route: str, fields: dict[str, Any], refused: bool
+) -> None:
+    make = completion if route == "completion" else chat
+    if not refused:
+        assert make(card, **fields).gen.n == fields["n"]
+        return
+    with pytest.raises(HttpError) as info:
+        make(card, **fields)
+    err = info.value
+    assert (err.status, err.type, err.message) == (
+        400,
+        "BadRequestError",
+        "n must be 1 when using greedy sampling, got 2.",
+    )
+
+
+@pytest.mark.parametrize("best_of", [2, 3, 1])
+def test_best_of_is_ignored_as_vllm_does(card: ModelCard, best_of: int) -> None:
+    # vLLM 0.32's request models have no best_of: an extra field, served without it.
+    p = completion(card, best_of=best_of, temperature=0)
+    assert p.gen.n == 1 and "best_of" not in p.gen.sampling
+
+
+def test_error_types_are_vllms(card: ModelCard) -> None:
+    with pytest.raises(HttpError) as info:
+        completion(card, n=0)
+    assert (info.value.status, info.value.type) == (400, "BadRequestError")
+    with pytest.raises(HttpError) as info:
+        parse_completion(json.dumps({"model": "nope", "prompt": "x"}).encode(), {MODEL: card})
+    assert (info.value.status, info.value.type) == (404, "NotFoundError")
+    with pytest.raises(HttpError) as info:
+        parse_chat(json.dumps({"model": MODEL}).encode(), {MODEL: card})
+    assert (info.value.status, info.value.type) == (400, "Bad Request")  # FastAPI's, in vLLM

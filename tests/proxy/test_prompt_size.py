@@ -65,7 +65,7 @@ def test_a_prompt_too_long_in_bytes_is_refused_before_tokenising(
     err = info.value
     assert (err.status, err.type, err.param, err.code) == (
         400,
-        "invalid_request_error",
+        "BadRequestError",
         param,
         "context_length_exceeded",
     )
