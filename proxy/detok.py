@@ -167,6 +167,7 @@ class TextStream:
 
     __slots__ = (
         "_detok",
+        "_include",
         "_min_tokens",
         "_stop",
         "cut",
@@ -187,6 +188,7 @@ class TextStream:
         self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
         self._stop = StopMatcher(stop, include_stop_str_in_output) if any(stop) else None
         self._min_tokens = min_tokens
+        self._include = include_stop_str_in_output
         self.num_tokens = 0
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
@@ -197,14 +199,24 @@ class TextStream:
         """True once a finish reason is known (from the backend or a stop string)."""
         return self.finish_reason is not None
 
-    def feed(self, token_ids: Sequence[int]) -> str:
+    def feed(self, token_ids: Sequence[int], stop_terminated: bool = False) -> str:
         """Consume new ids; return the text to send now.
 
         A stop-string match sets ``finish_reason = "stop"``; ids after the one
         that completed the match are ignored (and not counted).
+        ``stop_terminated``: the backend ends the choice with these ids on a
+        stop (EOS or a stop token id); as vLLM's detokenizer does
+        (``BaseIncrementalDetokenizer.update``), the last id's text is left
+        out, and out of the stop-string check, unless
+        ``include_stop_str_in_output``; it is still counted.
         """
         if self.finish_reason is not None:
             return ""
+        if stop_terminated and token_ids and not self._include:
+            text = self.feed(token_ids[:-1])
+            if self.finish_reason is None:
+                self.num_tokens += 1
+            return text
         if self._stop is None:
             self.num_tokens += len(token_ids)
             return self._detok.step(token_ids)

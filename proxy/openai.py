@@ -711,7 +711,7 @@ class Relay:
                 raise ValueError("backend sent no prompt logprobs with the first tokens")
             self._prompt_lp[index] = prompt_entries(self._names, self._prompts[index], batch.prompt)
         before = choice.num_tokens
-        text = choice.feed(batch.token_ids)
+        text = choice.feed(batch.token_ids, stop_terminated=batch.finish_reason == "stop")
         if choice.finish_reason is None and batch.finish_reason is not None:
             text += choice.finish(batch.finish_reason, batch.stop_reason)
         scores = None

@@ -119,7 +119,15 @@ class FakeBackend:
                     pos += len(chunk)
                     last = pos >= len(ids) and not script.end_without_finish
                     call.sent += len(chunk)
-                    yield TokenBatch(chunk, reason if last else None, None, index)
+                    if last and reason == "stop":
+                        # The script's text ends on its own last token, not on a stop
+                        # token (vLLM's engine stops on EOS or a stop token id, whose text
+                        # the proxy leaves out): the stop comes after it, without tokens.
+                        yield TokenBatch(chunk, None, None, index)
+                        await asyncio.sleep(0)
+                        yield TokenBatch([], reason, None, index)
+                    else:
+                        yield TokenBatch(chunk, reason if last else None, None, index)
                     if script.delay_s:
                         await asyncio.sleep(script.delay_s)
                     else:

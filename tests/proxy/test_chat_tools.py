@@ -109,12 +109,20 @@ def steps_of(card: ModelCard, text: str, per: int = 1) -> list[list[int]]:
 # -- the proxy ------------------------------------------------------------------------
 
 
+def with_eos(card: ModelCard, steps: Sequence[list[int]], finish: str) -> list[list[int]]:
+    """The engine's steps: a "stop" ends on the EOS token (counted, no text), as vLLM's does."""
+    if finish != "stop" or not steps:
+        return [list(s) for s in steps]
+    eos = card.tokenizer.token_to_id("<|im_end|>")
+    return [*(list(s) for s in steps[:-1]), [*steps[-1], eos]]
+
+
 def star_run(
     parsed: ParsedRequest, steps: Sequence[list[int]], finish: str
 ) -> dict[str, Any] | list[dict[str, Any]]:
     relay = Relay(parsed, created=1)
     out = b""
-    for k, step in enumerate(steps):
+    for k, step in enumerate(with_eos(parsed.card, steps, finish)):
         last = k == len(steps) - 1
         out += relay.feed(TokenBatch(list(step), finish if last else None))  # type: ignore[arg-type]
     if not parsed.gen.stream:
@@ -185,6 +193,7 @@ def vllm_run(
     stream = bool(body.get("stream"))
     outputs = []
     done: list[int] = []
+    steps = with_eos(card, steps, finish)
     for k, step in enumerate(steps):
         before = tok.decode(done, skip_special_tokens=True)
         done = done + list(step)

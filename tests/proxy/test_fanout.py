@@ -126,16 +126,17 @@ def test_relay_indices_usage_and_echo(card: ModelCard) -> None:
     """Non-streaming: choice k = prompt k // n, the prompt echoed in front, usage once per prompt."""
     p = completion(card, prompt=["ab", "hello world"], n=2, echo=True, max_tokens=50)
     relay = Relay(p, created=1)
+    eos = card.tokenizer.token_to_id("<|im_end|>")
     for k in (3, 0, 2, 1):  # any order of arrival
-        relay.feed(
-            TokenBatch(card.tokenizer.encode(f" c{k}").ids, "length" if k else "stop", None, k)
-        )
+        ids = card.tokenizer.encode(f" c{k}").ids
+        # choice 0 stops on the EOS token (counted, its text left out, as in vLLM)
+        relay.feed(TokenBatch(ids if k else [*ids, eos], "length" if k else "stop", None, k))
     resp = relay.response()
     assert [c["index"] for c in resp["choices"]] == [0, 1, 2, 3]
     prompts = ["ab", "ab", "hello world", "hello world"]
     assert [c["text"] for c in resp["choices"]] == [f"{prompts[k]} c{k}" for k in range(4)]
     assert [c["finish_reason"] for c in resp["choices"]] == ["stop", "length", "length", "length"]
-    completion_tokens = sum(len(card.tokenizer.encode(f" c{k}").ids) for k in range(4))
+    completion_tokens = 1 + sum(len(card.tokenizer.encode(f" c{k}").ids) for k in range(4))
     assert resp["usage"] == {
         "prompt_tokens": len(p.batch[0]) + len(p.batch[1]),
         "completion_tokens": completion_tokens,

@@ -371,7 +371,8 @@ def test_stop_string_ends_the_relay_and_n_choices_are_separate(card: ModelCard) 
 def test_chat_response_shape(card: ModelCard) -> None:
     p = chat(card)
     relay = Relay(p, created=5)
-    relay.feed(TokenBatch(ids(card, "café 😀"), "stop", 7))
+    # The engine stops on stop token 7: counted, its text left out (vLLM's detokenizer).
+    relay.feed(TokenBatch([*ids(card, "café 😀"), 7], "stop", 7))
     resp = relay.response()
     assert resp == {
         "id": p.gen.request_id,
@@ -389,8 +390,8 @@ def test_chat_response_shape(card: ModelCard) -> None:
         ],
         "usage": {
             "prompt_tokens": len(p.gen.prompt_token_ids),
-            "completion_tokens": len(ids(card, "café 😀")),
-            "total_tokens": len(p.gen.prompt_token_ids) + len(ids(card, "café 😀")),
+            "completion_tokens": len(ids(card, "café 😀")) + 1,
+            "total_tokens": len(p.gen.prompt_token_ids) + len(ids(card, "café 😀")) + 1,
         },
     }
 
@@ -465,3 +466,31 @@ def test_error_types_are_vllms(card: ModelCard) -> None:
     with pytest.raises(HttpError) as info:
         parse_chat(json.dumps({"model": MODEL}).encode(), {MODEL: card})
     assert (info.value.status, info.value.type) == (400, "Bad Request")  # FastAPI's, in vLLM
+
+
+@pytest.mark.parametrize("include", [False, True])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_token_is_counted_and_its_text_left_out_as_vllm_does(
+    card: ModelCard, include: bool, stream: bool
+) -> None:
+    # vLLM's BaseIncrementalDetokenizer.update: a stop-terminated step drops its last
+    # token before detokenising unless include_stop_str_in_output.
+    gold = ids(card, " gold")
+    stop = gold[-1]
+    p = completion(card, stop_token_ids=[stop], include_stop_str_in_output=include, stream=stream)
+    batches = [TokenBatch(ids(card, "The")), TokenBatch(gold, "stop", stop)]
+    if stream:
+        relay, chunks = run_relay(p, batches)
+        text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+        last = [c for c in chunks if c["choices"]][-1]["choices"][0]
+    else:
+        relay = Relay(p, created=1)
+        for b in batches:
+            relay.feed(b)
+        last = relay.response()["choices"][0]
+        text = last["text"]
+    kept = gold if include else gold[:-1]
+    assert text == "The" + card.tokenizer.decode(kept) and len(kept) < len(gold) + include
+    assert text.endswith(" gold") == include
+    assert (last["finish_reason"], last["stop_reason"]) == ("stop", stop)
+    assert relay.completion_tokens == len(ids(card, "The")) + len(gold)  # counted either way

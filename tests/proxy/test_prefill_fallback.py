@@ -135,7 +135,10 @@ class FakeWorker:
         else:
             for token in self.answer_ids[msg.continued : -1]:
                 client.answer(Tokens(msg.stream, [token]))
-            client.answer(Tokens(msg.stream, self.answer_ids[-1:], "stop"))
+            # The answer's text, then the stop without tokens (an engine's stop token
+            # would be left out of the text, as vLLM's detokenizer leaves it out).
+            client.answer(Tokens(msg.stream, self.answer_ids[-1:]))
+            client.answer(Tokens(msg.stream, [], "stop"))
 
 
 class FakePool:
