@@ -28,6 +28,8 @@ pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 MODEL = "star-tiny"
 PROMPTS = ["give me a tiny list of colors starting with teal.", "name three fruits, plum first."]
 TOKENS = 32
+# vLLM 0.32 refuses greedy n > 1 (temperature 0); top_k 1 samples the greedy tokens.
+GREEDY_N: dict[str, Any] = {"temperature": 1.0, "extra_body": {"top_k": 1}}
 
 
 @pytest.fixture(scope="module")
@@ -59,9 +61,9 @@ def streamed(chunks: list[Any]) -> dict[int, str]:
 def test_n_choices_are_single_greedy_requests(cluster: LocalCluster, card: ModelCard) -> None:
     c = sdk(cluster)
     text, finish, tokens = single(c, PROMPTS[0], temperature=0)
-    resp = c.completions.create(
-        model=MODEL, prompt=PROMPTS[0], max_tokens=TOKENS, temperature=0, n=2
-    )
+    with pytest.raises(openai.BadRequestError, match="n must be 1 when using greedy sampling"):
+        c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=TOKENS, temperature=0, n=2)
+    resp = c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=TOKENS, n=2, **GREEDY_N)
     assert [ch.index for ch in resp.choices] == [0, 1]
     assert [ch.text for ch in resp.choices] == [text, text] != ["", ""]
     assert [ch.finish_reason for ch in resp.choices] == [finish, finish]
@@ -77,10 +79,10 @@ def test_n_choices_are_single_greedy_requests(cluster: LocalCluster, card: Model
             model=MODEL,
             messages=messages,
             max_tokens=TOKENS,
-            temperature=0,
             n=2,
             stream=True,
             stream_options={"include_usage": True},
+            **GREEDY_N,
         )
     )
     assert [(ch.choices[0].index, ch.choices[0].delta.role) for ch in chunks[:2]] == [
@@ -109,7 +111,7 @@ def test_seeded_children_are_the_single_requests_vllm_would_seed(cluster: LocalC
 def test_batched_prompts_streamed_and_not(cluster: LocalCluster, card: ModelCard) -> None:
     c = sdk(cluster)
     refs = [single(c, p, temperature=0) for p in PROMPTS]
-    resp = c.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=TOKENS, temperature=0, n=2)
+    resp = c.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=TOKENS, n=2, **GREEDY_N)
     assert [ch.index for ch in resp.choices] == [0, 1, 2, 3]  # prompt_index * n + i
     assert [ch.text for ch in resp.choices] == [refs[k // 2][0] for k in range(4)]
     assert resp.usage is not None
@@ -156,10 +158,10 @@ def test_echo_puts_the_prompt_in_front(cluster: LocalCluster, card: ModelCard) -
             model=MODEL,
             prompt=PROMPTS,
             max_tokens=TOKENS,
-            temperature=0,
             echo=True,
             n=2,
             stream=True,
+            **GREEDY_N,
         )
     )
     texts = streamed(chunks)
@@ -194,7 +196,8 @@ def test_a_disconnected_client_frees_every_child(cluster: LocalCluster) -> None:
         "n": 2,
         "max_tokens": 3000,
         "ignore_eos": True,
-        "temperature": 0,
+        "temperature": 1.0,
+        "top_k": 1,
         "stream": True,
     }
     sock = socket.create_connection(("127.0.0.1", cluster.port), timeout=120)
