@@ -13,7 +13,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.procs import cluster_env, reaper
+
+# Two cells and a resume, each a fresh 1P+3D fleet: ~2 min a cell on a loaded 2-core box.
+pytestmark = pytest.mark.timeout(900)
 
 BASE_STEP_MS = 8.0  # the device regime's base step (benchmarks/e2e/regimes.py)
 
