@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 import httpx
 
+from star.fleet import LocalCluster, group_members
 from star.ports import listen
 
 T = TypeVar("T")
@@ -215,3 +216,22 @@ def sigterm_interrupts() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def running(cluster: LocalCluster, ready_s: float = 600.0) -> Iterator[LocalCluster]:
+    """Start ``cluster``, wait until it is ready, stop it after; no process may be left.
+
+    The leftover check covers the processes it started and any restarted since.
+    """
+    pids: dict[str, int] = {}
+    try:
+        cluster.start()
+        pids = cluster.pids()
+        cluster.wait_ready(ready_s)
+        yield cluster
+    finally:
+        groups = set(pids.values()) | set(cluster.pids().values())  # restarted ones too
+        cluster.stop(timeout_s=10)
+        leftovers = group_members(groups)
+        assert not leftovers, f"processes left behind (pid, pgid, name): {leftovers}"

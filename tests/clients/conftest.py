@@ -34,9 +34,9 @@ import pytest
 import pytest_asyncio
 
 from star.bus import Bus
-from star.fleet import LocalCluster, group_members
+from star.fleet import LocalCluster
 from star.settings import BusSettings, RedisSettings
-from tests.procs import cluster_env, reaper, sigterm_interrupts
+from tests.procs import cluster_env, reaper, running, sigterm_interrupts
 
 MODEL = "star-tiny"
 DECODE = ("decode-0", "decode-1")
@@ -65,17 +65,8 @@ def fleet() -> Iterator[LocalCluster]:
             worker_args=["--engine-arg", f"structured_outputs_config={COMPACT_JSON}"],
             proxy_args=["--served-model-name", MODEL],
         )
-        pids: dict[str, int] = {}
-        try:
-            cluster.start()
-            pids = cluster.pids()
-            cluster.wait_ready(600)
+        with running(cluster):
             yield cluster
-        finally:
-            groups = set(pids.values()) | set(cluster.pids().values())
-            cluster.stop(timeout_s=10)
-            leftovers = group_members(groups)
-            assert not leftovers, f"processes left behind (pid, pgid, name): {leftovers}"
 
 
 @pytest_asyncio.fixture

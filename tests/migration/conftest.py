@@ -33,7 +33,7 @@ from star.bus import Bus
 from star.fleet import LocalCluster, group_members, manual_decision
 from star.settings import BusSettings, RedisSettings
 from star.wire import Event, EventKind, LoadEntry, decode
-from tests.procs import RUN_MARK, cluster_env, reaper, sigterm_interrupts
+from tests.procs import RUN_MARK, cluster_env, reaper, running, sigterm_interrupts
 from tests.reports import report
 
 DECODE = ("decode-0", "decode-1")
@@ -68,17 +68,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
             worker_args=["--engine-arg", f"kv_transfer_config={ttl}"],
             proxy_args=["--served-model-name", MODEL],
         )
-        pids: dict[str, int] = {}
-        try:
-            cluster.start()
-            pids = cluster.pids()
-            cluster.wait_ready(600)
+        with running(cluster):
             yield cluster
-        finally:
-            groups = set(pids.values()) | set(cluster.pids().values())  # restarted ones too
-            cluster.stop(timeout_s=10)
-            leftovers = group_members(groups)
-            assert not leftovers, f"processes left behind (pid, pgid, name): {leftovers}"
 
 
 @pytest_asyncio.fixture
