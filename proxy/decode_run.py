@@ -177,15 +177,24 @@ class DecodeRun:
     # -- the loop ---------------------------------------------------------------------
 
     async def start(self, instance: str, address: str, kv: dict[str, Any] | None) -> None:
-        """Open the first leg; a failure to is the caller's (nothing has started).
+        """Open the first leg, or (it fails to open) a recovery's on another instance.
 
         Tokens already in :attr:`generated` (a request taken over from another
         proxy) make it a continuation after them.
         """
         [first] = self.machine.handle(Start(instance, address, kv))
         assert isinstance(first, OpenLeg)
-        await self._open(first)
-        self.machine.handle(Opened())
+        try:
+            await self._open(first)
+        except (OSError, ConnectionLost, TimeoutError) as exc:
+            # The instance died after the pick: start it on another one (recompute),
+            # or fail with the machine's BackendError when none is left.
+            self.fleet.mark_down(address)
+            log.warning("decode_instance_unreachable", instance=instance, error=str(exc))
+            batches = await self._perform(OpenFailed(str(exc)))
+            assert not batches  # a recovery's leg only opens: no tokens yet
+        else:
+            self.machine.handle(Opened())
 
     def adopt(self, instance: str, address: str, leg: Leg, generated: list[int]) -> None:
         """Run on from ``leg``: a stream on ``instance`` this proxy attached (star.wire.Attach),

@@ -396,6 +396,8 @@ class RunMachine:
         self._opening: tuple[_Opening, str, str] | None = None  # (why, instance, address)
         self._recovery: tuple[tuple[str, str] | None, set[str]] | None = None  # prefer, exclude
         self._candidates: list[tuple[str, str]] = []
+        # A lost source's own (instance, address): tried after every other candidate.
+        self._last_resort: tuple[str, str] | None = None
         # Prompt logprobs a leg sent, until the batch that delivers them.
         self.prompt_scores: PromptLogprobs | None = None
 
@@ -592,13 +594,21 @@ class RunMachine:
         self.pending = None
 
     def _source_lost(self, out: list[Action], why: str, event: RunEvent) -> None:
-        """ABORTED_SRC (or a plain loss of the decode instance): recompute elsewhere."""
-        source = self.instance
+        """ABORTED_SRC (or a plain loss of the decode instance): recompute elsewhere.
+
+        A lost connection is not always a dead instance: a worker that found this
+        proxy silent (its loop starved past ``cluster.liveness_timeout_s``) drops
+        the connection and is still up. So after a plain loss the source itself
+        is the last candidate, tried once every other one failed (a dead one
+        refuses the connect at once); after a release timeout it is not.
+        """
+        source = (self.instance, self.address)
         prefer = (self.pending.decision.target, self.pending.address) if self.pending else None
         self._fire(event)
         out.append(self._emit(EventKind.ABORTED, "src", reason=why))
         self._close(out, abort=True)
-        self._recover(out, {source}, prefer)
+        last = source if event is RunEvent.SOURCE_LOST and source[1] else None
+        self._recover(out, {source[0]}, prefer, last)
 
     def _target_lost(self, out: list[Action], why: str, dead: str = "") -> None:
         """ABORTED_DST: the target failed before its first token; recompute on the source or any."""
@@ -609,9 +619,14 @@ class RunMachine:
         self._recover(out, {dead}, self.source)
 
     def _recover(
-        self, out: list[Action], exclude: set[str], prefer: tuple[str, str] | None
+        self,
+        out: list[Action],
+        exclude: set[str],
+        prefer: tuple[str, str] | None,
+        last: tuple[str, str] | None = None,
     ) -> None:
-        """Continue by recompute of prompt + generated tokens on a live decode instance."""
+        """Continue by recompute of prompt + generated tokens on a live decode instance
+        (``prefer`` first, ``last`` once no other one could)."""
         self.recoveries += 1
         if self.recoveries > MAX_RECOVERIES or self.blocker is not None:
             out.append(
@@ -623,6 +638,7 @@ class RunMachine:
             )
             return
         self._recovery = (prefer, exclude)
+        self._last_resort = last
         out.append(ListCandidates())
 
     def _try_next(self, out: list[Action]) -> None:
@@ -636,6 +652,11 @@ class RunMachine:
             if instance not in exclude:
                 self._open(out, _Opening.RECOVERY, instance, address, None)
                 return
+        if self._last_resort is not None:
+            instance, address = self._last_resort
+            self._last_resort = None
+            self._open(out, _Opening.RECOVERY, instance, address, None)
+            return
         self._recovery = None
         out.append(
             Fail(BackendError(f"no live decode instance can continue request {self.request_id}"))
@@ -682,7 +703,17 @@ class RunMachine:
                 )
             return
         if why is _Opening.FIRST:
-            out.append(Fail(BackendError(f"decode instance {instance} unreachable: {event.why}")))
+            # Nothing reached the client yet: another live decode instance starts it
+            # (a recompute of the prompt there). The first leg fails to open when
+            # its instance died after the pick saw it up (its connection not yet
+            # seen closed): the chaos suite's decode kill.
+            self._fire(RunEvent.SOURCE_LOST)
+            out.append(
+                self._emit(
+                    EventKind.ABORTED, "src", instance=instance, reason=f"unreachable: {event.why}"
+                )
+            )
+            self._recover(out, {instance}, None)
         elif why is _Opening.TARGET:
             self._target_lost(out, f"target unreachable: {event.why}", dead=instance)
         else:

@@ -91,11 +91,12 @@ def test_two_modes_on_real_fleets_then_resume(tmp_path: Path) -> None:
                 reqs = list(csv.DictReader(fh))
             assert len(reqs) == 6 and all(q["ok"] == "True" for q in reqs)
             assert len({q["request_id"] for q in reqs}) == 6
-            # Tokens after the first wait for padded steps of >= 8 ms (a request's TPOT can
-            # dip a little below: its first chunk's arrival bounds TTFT, not the step).
+            # Tokens after the first wait for padded steps of >= 8 ms. One request's TPOT
+            # can dip far below: its first chunk's arrival bounds TTFT, not the step, and
+            # a client starved of CPU reads the rest in a burst (2.3 ms seen in CI on a
+            # loaded box). The median holds the padding.
             tpots = sorted(float(q["tpot_s"]) * 1e3 for q in reqs if q["tpot_s"])
             assert tpots and tpots[len(tpots) // 2] >= BASE_STEP_MS * 0.95
-            assert tpots[0] >= BASE_STEP_MS * 0.75
             doc = json.loads((cell / "cell.json").read_text())
             assert set(doc["series"]["instances"]) == {"decode-0", "decode-1", "decode-2"}
             # The card's 200,000 tokens / (32,768 / 256), within one of vLLM's 128-token blocks.

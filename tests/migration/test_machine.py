@@ -183,6 +183,49 @@ SCENARIOS: dict[str, list[tuple[Input, list[Any], RunState]]] = {
         (Opened(), [(EventKind.DISPATCHED, "recompute")], RunState.RESUMING),
         (tokens(2), [("deliver", [2], None)], RunState.DECODING),  # no migration: no resumed
     ],
+    "a lost source is the last candidate (a worker that dropped a silent proxy is up)": [
+        (tokens(1), [("deliver", [1], None)], RunState.DECODING),
+        (
+            Lost("reset"),
+            [(EventKind.ABORTED, "src"), ("close", True), "ListCandidates"],
+            RunState.RESUMING,
+        ),
+        (Candidates(FLEET[:2]), [("open", "d1", [1], None)], RunState.RESUMING),
+        (OpenFailed("refused"), [("open", "d0", [1], None)], RunState.RESUMING),
+        (Opened(), [(EventKind.DISPATCHED, "recompute")], RunState.RESUMING),
+        (tokens(2), [("deliver", [2], None)], RunState.DECODING),
+    ],
+    "a lost source that refuses too: nowhere to continue": [
+        (
+            Lost("reset"),
+            [(EventKind.ABORTED, "src"), ("close", True), "ListCandidates"],
+            RunState.RESUMING,
+        ),
+        (Candidates(FLEET[:1]), [("open", "d0", [], None)], RunState.RESUMING),
+        (
+            OpenFailed("refused"),
+            [("fail", "no live decode instance can continue request r")],
+            RunState.RESUMING,
+        ),
+    ],
+    "a release timeout never goes back to the source": [
+        (
+            Decided(decision(), "h:1", 1.0),
+            [(EventKind.MIGRATING, "release sent"), ("release", "m1")],
+            RunState.RELEASING,
+        ),
+        (
+            TimedOut(),
+            [(EventKind.ABORTED, "src"), ("close", True), "ListCandidates"],
+            RunState.RESUMING,
+        ),
+        (Candidates(FLEET[:2]), [("open", "d1", [], None)], RunState.RESUMING),
+        (
+            OpenFailed("refused"),
+            [("fail", "no live decode instance can continue request r")],
+            RunState.RESUMING,
+        ),
+    ],
     "the target is unreachable (ABORTED_DST)": [
         (
             Decided(decision(), "h:1", 1.0),

@@ -51,7 +51,8 @@ class FakeLeg:
         return item
 
     async def send(self, msg: Message) -> None:
-        if self.worker.dead:
+        if self.worker.dead or self.worker.breaks:
+            self.worker.breaks = False
             raise ConnectionLost(f"connection to {self.worker.address} is closed")
         self.sent.append(msg)
 
@@ -83,6 +84,7 @@ class FakeWorker:
         self.legs: list[FakeLeg] = []
         self.dead = False  # its connection breaks
         self.refuses = False  # it refuses new connections
+        self.breaks = False  # its connection breaks at the next send (it died unnoticed)
 
 
 class FakeFleet:
@@ -277,6 +279,50 @@ async def test_source_lost_after_the_handoff_does_not_touch_the_stream() -> None
     await client.task
     assert client.tokens == [1, 2, 3, 4] and client.error is None
     assert [k[0] for k in fleet.kinds()] == ["migrating", "released", "resumed"]
+
+
+async def test_a_first_leg_that_breaks_starts_on_another_instance() -> None:
+    # The pick saw d0 up; it died before the Generate went out (chaos: decode kill).
+    fleet = FakeFleet("d0", "d1")
+    fleet.worker("d0").breaks = True
+    req = GenerationRequest("r", "m", list(PROMPT), {"max_tokens": 100})
+    run = DecodeRun(fleet, req, {"max_tokens": 100}, None, 5.0)
+    await run.start("d0", "h:0", {"from": "prefill"})
+    assert fleet.down == ["h:0"]
+    restart = continuation(fleet.leg("d1"))
+    assert (restart.prompt_token_ids, restart.kv_transfer_params) == (PROMPT, None)
+    client = Client(run)
+    fleet.leg("d1").tokens(1, finish="stop")
+    await client.task
+    assert client.tokens == [1] and client.error is None
+    assert fleet.kinds() == [("aborted", "src", "d0"), ("dispatched", "recompute", "d1")]
+    assert fleet.events[0].data["reason"] == "unreachable: connection to h:0 is closed"
+
+
+async def test_a_first_leg_with_nowhere_else_to_go_is_a_clear_error() -> None:
+    fleet = FakeFleet("d0")
+    fleet.worker("d0").refuses = True
+    req = GenerationRequest("r", "m", list(PROMPT), {"max_tokens": 100})
+    run = DecodeRun(fleet, req, {"max_tokens": 100}, None, 5.0)
+    with pytest.raises(BackendError, match="no live decode instance can continue request r"):
+        await run.start("d0", "h:0", None)
+
+
+async def test_a_lost_source_is_tried_again_when_no_other_instance_answers() -> None:
+    # A worker that found this proxy silent dropped the connection: it is still up.
+    fleet = FakeFleet("d0", "d1")
+    _run, client = await started(fleet)
+    fleet.leg("d0").tokens(1)
+    await until(lambda: client.tokens == [1])
+    fleet.worker("d1").refuses = True
+    fleet.leg("d0").lose()
+    await until(lambda: len(fleet.worker("d0").legs) == 2)
+    assert continuation(fleet.leg("d0")).prompt_token_ids == [*PROMPT, 1]
+    fleet.leg("d0").tokens(2, finish="stop")
+    await client.task
+    assert client.tokens == [1, 2] and client.error is None
+    assert fleet.kinds() == [("aborted", "src", "d0"), ("dispatched", "recompute", "d0")]
+    assert fleet.down == ["h:1"]
 
 
 async def test_source_lost_while_decoding_continues_elsewhere() -> None:
