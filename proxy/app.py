@@ -48,6 +48,7 @@ from proxy.fanout import FanIn, children
 from proxy.http import (
     HttpError,
     HttpServer,
+    InStreamError,
     Request,
     Response,
     StreamingResponse,
@@ -57,6 +58,7 @@ from proxy.http import (
 from proxy.openai import (
     ParsedRequest,
     Relay,
+    error_stream,
     find_model,
     model_payload,
     models_payload,
@@ -279,7 +281,11 @@ class ProxyApp:
     # -- generation -------------------------------------------------------------
 
     async def _generate(self, request: Request, parse: Parser) -> Response | StreamingResponse:
-        parsed = await self.parsing.parse(parse, request.body)  # large bodies off the loop
+        try:
+            parsed = await self.parsing.parse(parse, request.body)  # large bodies off the loop
+        except InStreamError as exc:  # as vLLM's server: 200, the error as the one event
+            log.info("request_failed_in_stream", error=exc.message, param=exc.param)
+            return StreamingResponse(_one(error_stream(exc)))
         gen = parsed.gen
         relay = Relay(parsed)
         timing = _Timing(self.metrics, gen.arrival_s)
@@ -541,6 +547,10 @@ class Adopter(Protocol):
     def serve_attached(
         self, req: GenerationRequest, found: adopt.Found
     ) -> AsyncIterator[TokenBatch]: ...
+
+
+async def _one(chunk: bytes) -> AsyncIterator[bytes]:
+    yield chunk
 
 
 def _method(request: Request, allowed: str) -> None:

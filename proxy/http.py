@@ -169,6 +169,17 @@ class HttpError(Exception):
         return Response.json(self.payload(), self.status, self.headers)
 
 
+class InStreamError(HttpError):
+    """An error vLLM's server tells a *streaming* client inside a 200 stream.
+
+    Its OpenAI server starts the SSE response before the engine verifies
+    the request's sampling parameters (``SamplingParams.verify``, e.g.
+    logprobs above ``max_logprobs``): the error is the stream's one event,
+    then ``[DONE]``. STAR answers such a stream the same way; the same
+    request unstreamed is this error's status, as in vLLM.
+    """
+
+
 def _default_type(status: int) -> str:
     # vLLM's OpenAI server names a client error by its class (its
     # create_error_response: BadRequestError, NotFoundError); other statuses

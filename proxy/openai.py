@@ -23,7 +23,7 @@ from typing import Any
 from proxy import chat_tools, sse
 from proxy.backend import GenerationRequest, RequestKind, TokenBatch, is_migratable
 from proxy.detok import TextStream
-from proxy.http import HttpError
+from proxy.http import HttpError, InStreamError
 from proxy.logprobs import (
     MAX_LOGPROBS,
     ChoiceLogprobs,
@@ -147,6 +147,7 @@ def parse_completion(body: bytes, models: Mapping[str, ModelCard]) -> ParsedRequ
         prompt_logprobs,
         shown_streamed=echoed and logprobs is not None,
     )
+    _raise_in_stream(f)
     if not echoed:
         return parsed
     # vLLM echoes a text prompt as sent and a token-id prompt decoded, special
@@ -171,8 +172,21 @@ def parse_chat(body: bytes, models: Mapping[str, ModelCard]) -> ParsedRequest:
     echoed = f.bool_("echo", False)
     if prompt_logprobs is None and echoed:
         prompt_logprobs = f.opt_int("top_logprobs") or 0  # vLLM: echo scores the prompt
-    f.reject_truthy("continue_final_message", "'continue_final_message' is not supported")
+    continue_final = f.bool_("continue_final_message", False)
+    if continue_final and f.data.get("add_generation_prompt"):  # sent as true (vLLM's check)
+        f.fail(
+            "continue_final_message",
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+        )
     add_generation_prompt = f.bool_("add_generation_prompt", True)
+    if continue_final and add_generation_prompt:  # true by default: transformers refuses
+        f.fail(
+            "continue_final_message",
+            "continue_final_message and add_generation_prompt are not compatible. Use "
+            "continue_final_message when you want the model to continue the final message, "
+            "and add_generation_prompt when you want to add a header that will prompt it to "
+            "start a new assistant message instead.",
+        )
     # vLLM's get_chat_request_role, and the content echo repeats: the last
     # message's, when it has the response's role.
     role = "assistant" if add_generation_prompt else str(messages[-1]["role"])
@@ -181,14 +195,18 @@ def parse_chat(body: bytes, models: Mapping[str, ModelCard]) -> ParsedRequest:
     if echoed:
         chat_echo = (last.get("content") or "") if last["role"] == role else ""
     template_kwargs = f.dict_("chat_template_kwargs") or {}
-    reserved = sorted(set(template_kwargs) & {"messages", "add_generation_prompt"})
+    reserved = sorted(
+        set(template_kwargs) & {"messages", "add_generation_prompt", "continue_final_message"}
+    )
     if reserved:
         f.fail("chat_template_kwargs", f"'{{param}}' may not set {', '.join(reserved)}")
     if tooling is not None and tooling.tools is not None:
         # vLLM gives the tools to the template (a request's own kwargs win)
         template_kwargs = {"tools": tooling.tools, **template_kwargs}
     try:
-        prompt = card.encode_chat(messages, add_generation_prompt, **template_kwargs)
+        prompt = card.encode_chat(
+            messages, add_generation_prompt, continue_final, **template_kwargs
+        )
     except ChatTemplateError as exc:
         raise HttpError(400, str(exc), param="messages") from exc
     except PromptTooLong as exc:
@@ -206,6 +224,7 @@ def parse_chat(body: bytes, models: Mapping[str, ModelCard]) -> ParsedRequest:
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,  # shown only in a whole response
     )
+    _raise_in_stream(f)
     parsed = dataclasses.replace(parsed, role=role, chat_echo=chat_echo)
     if tooling is None:
         return parsed
@@ -222,6 +241,13 @@ def parse_chat(body: bytes, models: Mapping[str, ModelCard]) -> ParsedRequest:
     return dataclasses.replace(parsed, gen=gen, chat=call)
 
 
+def _raise_in_stream(f: Fields) -> None:
+    """Every check passed but one that vLLM makes inside the stream: that one, in it."""
+    if f.in_stream is not None:
+        e = f.in_stream
+        raise InStreamError(e.status, e.message, type=e.type, param=e.param, code=e.code)
+
+
 def _logprobs_count(f: Fields, name: str) -> int | None:
     """Top tokens per position asked for in ``name`` (None: no logprobs), as vLLM bounds it."""
     count = f.opt_int(name)
@@ -231,11 +257,15 @@ def _logprobs_count(f: Fields, name: str) -> int | None:
         f.fail(name, "`{param}` must be a positive value or -1.")
     if count == -1 or count > MAX_LOGPROBS:
         asked = "the whole vocabulary" if count == -1 else str(count)
-        f.fail(
-            name,
+        message = (
             f"Requested sample logprobs of {asked}, which is greater than max allowed: "
-            f"{MAX_LOGPROBS}",
+            f"{MAX_LOGPROBS}"
         )
+        if not f.bool_("stream", False):
+            f.fail(name, message)
+        # vLLM's engine checks this after its server started the stream.
+        f.in_stream = HttpError(400, message, param=f.param_alias.get(name, name))
+        return None
     return count
 
 
@@ -592,6 +622,11 @@ def _j(value: Any) -> bytes:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
 
 
+def error_stream(error: HttpError) -> bytes:
+    """The SSE bytes of an error, then ``[DONE]``: a stream's end, or a whole one."""
+    return sse.event(_j(error.payload())) + sse.DONE
+
+
 class Relay:
     """Turns one request's token batches into OpenAI output (sans-IO).
 
@@ -869,7 +904,7 @@ class Relay:
 
     def error_event(self, error: HttpError) -> bytes:
         """An SSE event carrying an error after the stream has begun, then ``[DONE]``."""
-        return sse.event(_j(error.payload())) + sse.DONE
+        return error_stream(error)
 
     def _start(self) -> bytes:
         # Chat streams open with one role delta per choice, as OpenAI's do.

@@ -67,6 +67,31 @@ def as_conversation(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any
     return out
 
 
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+"""transformers' marker of where a continued final message ends (``continue_final_message_tag``)."""
+
+
+def _tag_final_message(conversation: list[dict[str, Any]]) -> str:
+    """Append :data:`CONTINUE_TAG` to the last message's text (its last text part); that text."""
+    last = conversation[-1] = dict(conversation[-1])
+    content = last.get("content")
+    if isinstance(content, str):
+        last["content"] = content + CONTINUE_TAG
+        return content
+    if isinstance(content, list | tuple):
+        parts = [dict(p) if isinstance(p, Mapping) else p for p in content]
+        for part in reversed(parts):
+            if isinstance(part, dict) and "text" in part:
+                text = str(part["text"])
+                part["text"] = text + CONTINUE_TAG
+                last["content"] = parts
+                return text
+    raise ChatTemplateError(
+        "continue_final_message is set but we could not find any text to continue "
+        "in the final message!"
+    )
+
+
 def _with_parsed_arguments(call: Any) -> dict[str, Any]:
     # vLLM's VLLMValidationError messages (a 400 either way).
     if not isinstance(call, dict):
@@ -199,14 +224,24 @@ class ModelCard:
         self,
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         **kwargs: Any,
     ) -> str:
-        """The prompt text of a conversation, through the model's chat template."""
+        """The prompt text of a conversation, through the model's chat template.
+
+        ``continue_final_message``: the text ends inside the last message, right
+        after its content, so the model goes on writing it (transformers'
+        ``apply_chat_template``, which vLLM calls: a tag appended to the content
+        marks where to cut the rendered text).
+        """
         if self._compiled is None:
             raise ChatTemplateError("this model has no chat template; use /v1/completions")
         conversation = as_conversation(messages)
+        final = ""
+        if continue_final_message:
+            final = _tag_final_message(conversation)
         try:
-            return self._compiled.render(
+            text = self._compiled.render(
                 messages=conversation,
                 add_generation_prompt=add_generation_prompt,
                 **{**self.special_tokens, **kwargs},
@@ -215,18 +250,30 @@ class ModelCard:
             raise
         except Exception as exc:  # a template is code: None + str and the like end up here
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
+        if not continue_final_message:
+            return text
+        if final.strip() not in text or CONTINUE_TAG.strip() not in text:
+            raise ChatTemplateError(
+                "continue_final_message is set but the final message does not appear in the "
+                "chat after applying the chat template"
+            )
+        at = text.rindex(CONTINUE_TAG.strip())
+        if text[at : at + len(CONTINUE_TAG)] == CONTINUE_TAG:
+            return text[:at]
+        return text[:at].rstrip()  # the template trimmed the content's trailing space
 
     def encode_chat(
         self,
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         **kwargs: Any,
     ) -> list[int]:
         """Token ids of a conversation; the template supplies BOS, so none is added.
 
         Raises :class:`PromptTooLong` as :meth:`encode` does, on the rendered text.
         """
-        text = self.render_chat(messages, add_generation_prompt, **kwargs)
+        text = self.render_chat(messages, add_generation_prompt, continue_final_message, **kwargs)
         self.check_size(text)
         return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
 

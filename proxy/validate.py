@@ -113,6 +113,8 @@ class Fields:
     def __init__(self, data: dict[str, Any]) -> None:
         self.data = data
         self.param_alias: dict[str, str] = {}
+        # An error for a stream to carry once every other check passed (proxy.http.InStreamError).
+        self.in_stream: HttpError | None = None
 
     def raw(self, name: str) -> Any:
         """The value as sent (None if absent or null)."""

@@ -390,3 +390,23 @@ async def test_protect_metrics_puts_health_and_metrics_behind_the_key(
     assert right.status == 200 and exposes in right.body
     # Unprotected (the default), the same probe needs no key.
     assert (await get(await make_proxy(api_key="sekrit"))).status == 200
+
+
+async def test_a_stream_asking_too_many_logprobs_gets_the_error_inside_it(
+    make_proxy: ProxyFactory,
+) -> None:
+    # As vLLM's server: the engine's check comes after the 200; the backend never sees it.
+    proxy = await make_proxy(Script(text=ANSWER))
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "logprobs": True}
+    (streamed,) = await post(
+        proxy, "/v1/chat/completions", {**body, "top_logprobs": 30, "stream": True}
+    )
+    assert streamed.status == 200
+    events = [e.data for e in sse.SSEDecoder().feed(streamed.body)]
+    assert len(events) == 2 and events[-1] == "[DONE]"
+    error = json.loads(events[0])["error"]
+    assert error["type"] == "BadRequestError"
+    assert error["message"].endswith("which is greater than max allowed: 20")
+    (whole,) = await post(proxy, "/v1/chat/completions", {**body, "top_logprobs": 30})
+    assert whole.status == 400 and whole.json()["error"]["message"] == error["message"]
+    assert proxy.backend.calls == []

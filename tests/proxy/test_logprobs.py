@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from proxy.backend import TokenBatch
-from proxy.http import HttpError
+from proxy.http import HttpError, InStreamError
 from proxy.logprobs import ChoiceLogprobs, TokenNames, prompt_entries, prompt_logprobs_json
 from proxy.openai import ParsedRequest, Relay, parse_chat, parse_completion
 from proxy.tokenizer import ModelCard
@@ -175,6 +175,27 @@ def test_completion_limit_message_is_vllms(card: ModelCard) -> None:
     assert info.value.message == (
         "Requested sample logprobs of 21, which is greater than max allowed: 20"
     )
+    assert not isinstance(info.value, InStreamError)
+
+
+@pytest.mark.parametrize(
+    ("parse", "fields"),
+    [
+        (completion, {"logprobs": 21}),
+        (chat, {"logprobs": True, "top_logprobs": 30}),
+    ],
+)
+def test_a_stream_over_the_limit_carries_the_error_as_vllm_does(
+    card: ModelCard, parse: Any, fields: dict[str, Any]
+) -> None:
+    # vLLM's engine checks it after the server began the stream: 200, the error, [DONE].
+    with pytest.raises(InStreamError) as info:
+        parse(card, stream=True, **fields)
+    assert info.value.status == 400 and "greater than max allowed: 20" in info.value.message
+    # An error vLLM's request model finds first is still a 400 before any stream.
+    with pytest.raises(HttpError) as first:
+        parse(card, stream=True, max_tokens=0, **fields)
+    assert not isinstance(first.value, InStreamError)
 
 
 # -- formatting tables -----------------------------------------------------------------
@@ -764,3 +785,36 @@ def test_prompt_logprobs_same_objects_as_vllm(
         [v for _, _, tops in out_rows for _, v in tops],
     )
     assert json.loads(json.dumps(ours.result())) == expected["echo"]
+
+
+# -- continue_final_message ----------------------------------------------------------------
+
+
+def test_continue_final_message_renders_as_transformers_does(tiny: ModelCard) -> None:
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(str(tiny_model_path()))
+    convs = [
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once upon"}],
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "trailing "}],
+        [{"role": "user", "content": "go on"}],
+    ]
+    for messages in convs:
+        text = hf.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=False, continue_final_message=True
+        )
+        assert tiny.render_chat(messages, False, continue_final_message=True) == text
+    # The prompt ends inside the assistant's message; echo repeats that message.
+    body = {"continue_final_message": True, "add_generation_prompt": False, "echo": True}
+    parsed = chat(tiny, messages=convs[0], max_tokens=2, **body)
+    assert tiny.tokenizer.decode(list(parsed.gen.prompt_token_ids)).endswith("Once upon")
+    assert (parsed.role, parsed.chat_echo) == ("assistant", "Once upon")
+
+
+def test_continue_final_message_with_a_generation_prompt_is_refused(tiny: ModelCard) -> None:
+    # Sent as true: vLLM's request model refuses it; left at its default (true): transformers.
+    with pytest.raises(HttpError, match="Cannot set both `continue_final_message` and"):
+        chat(tiny, continue_final_message=True, add_generation_prompt=True)
+    with pytest.raises(HttpError, match="continue_final_message and add_generation_prompt are"):
+        chat(tiny, continue_final_message=True)
+    with pytest.raises(HttpError, match="may not set continue_final_message"):
+        chat(tiny, chat_template_kwargs={"continue_final_message": True})
