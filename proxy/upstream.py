@@ -32,7 +32,7 @@ import structlog
 
 from star.aio import deadline
 from star.handshake import Channel, ChannelBroken, HandshakeFailed, ProxyHandshake, secret_key
-from star.liveness import DEFAULT_TIMEOUT_S, Heartbeat, watch
+from star.liveness import ALONE_BOUNDS, DEFAULT_TIMEOUT_S, Heartbeat, may_drop, watch
 from star.wire import (
     Challenge,
     Error,
@@ -121,6 +121,7 @@ class WorkerClient:
         secret: str = "",
         liveness_timeout_s: float = DEFAULT_TIMEOUT_S,
         on_silent: Callable[[str], None] | None = None,
+        others_silent: Callable[[WorkerClient], list[float]] | None = None,
     ) -> None:
         self.address = address
         self._key = secret_key(secret) if secret else None
@@ -133,6 +134,9 @@ class WorkerClient:
         self.closed = False
         self.liveness_timeout_s = liveness_timeout_s
         self._on_silent = on_silent
+        # How long each other connection of this proxy has heard nothing (star.liveness.may_drop).
+        self._others_silent = others_silent
+        self._waited = False  # a drop declined (every connection silent): logged once
         self._beat: Heartbeat | None = None  # None: not checked (off, or an older worker)
         self._watch: asyncio.Task[None] | None = None
         self.silent = ""  # why the connection was dropped as silent ("" while it was not)
@@ -279,8 +283,27 @@ class WorkerClient:
     def _ping(self, seq: int) -> None:
         self._write(Ping(seq))
 
-    def _silent(self, silent_s: float) -> None:
-        """Nothing from the worker for the whole bound: drop the connection as lost."""
+    def silent_for(self, now: float) -> float | None:
+        """Seconds since the worker was last heard (None: not checked, or closed)."""
+        if self._beat is None or self.closed:
+            return None
+        return self._beat.silent_for(now)
+
+    def _silent(self, silent_s: float) -> bool:
+        """Nothing from the worker for the whole bound: drop the connection as lost, unless
+        every other worker is as silent (:func:`star.liveness.may_drop`): then wait."""
+        others = self._others_silent(self) if self._others_silent is not None else ()
+        if not may_drop(silent_s, self.liveness_timeout_s, others):
+            if not self._waited:
+                self._waited = True
+                log.warning(
+                    "worker_silent_with_every_other_waiting",
+                    address=self.address,
+                    silent_s=round(silent_s, 3),
+                    others_silent_s=[round(s, 3) for s in others],
+                    drop_after_s=self.liveness_timeout_s * ALONE_BOUNDS,
+                )
+            return False
         self.silent = (
             f"connection to worker {self.address} lost: nothing received for "
             f"{silent_s:.2f}s (cluster.liveness_timeout_s={self.liveness_timeout_s:g})"
@@ -298,6 +321,7 @@ class WorkerClient:
             self._writer.transport.abort()
         if self._on_silent is not None:
             self._on_silent(self.address)
+        return True
 
     def _stop_watch(self) -> None:
         self._beat = None
@@ -451,6 +475,15 @@ class WorkerPool:
     def _on_silent(self, address: str) -> None:
         self._failed(address, "it went silent")
 
+    def _others_silent(self, client: WorkerClient) -> list[float]:
+        """How long each other open connection has heard nothing from its worker."""
+        now = asyncio.get_running_loop().time()
+        out = []
+        for other in self._clients.values():
+            if other is not client and (s := other.silent_for(now)) is not None:
+                out.append(s)
+        return out
+
     async def get(self, address: str) -> WorkerClient:
         client = self._clients.get(address)
         if client is not None and not client.closed:
@@ -472,7 +505,9 @@ class WorkerPool:
 
     async def _connect(self, address: str) -> WorkerClient:
         """Connect (the caller holds the address's lock); a timeout backs off."""
-        client = WorkerClient(address, self.secret, self.liveness_timeout_s, self._on_silent)
+        client = WorkerClient(
+            address, self.secret, self.liveness_timeout_s, self._on_silent, self._others_silent
+        )
         try:
             await client.connect(self.connect_timeout_s)
         except TimeoutError:

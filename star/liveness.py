@@ -42,7 +42,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 DEFAULT_TIMEOUT_S = 2.0
@@ -115,13 +115,37 @@ class Heartbeat:
         return now - start
 
 
+HEARD_FRACTION = 0.5
+"""A connection whose peer was heard within this fraction of the bound is one that works."""
+ALONE_BOUNDS = 5
+"""Silent for this many bounds, a connection is dropped whatever the others say."""
+
+
+def may_drop(silent_s: float, timeout_s: float, others_silent_s: Iterable[float]) -> bool:
+    """Whether a connection silent for ``silent_s`` (past the bound) may be dropped, given how
+    long the peer of each other connection of this end has been silent.
+
+    One silent peer among others that answer is dead (or cut off): drop it and
+    go elsewhere; so is the only one (nothing says otherwise). Every peer
+    silent at once says more about this end, its box or its network than
+    about the peers (a machine starved of CPU: every worker late by two
+    seconds together, issue 26), and dropping them all leaves nowhere to go:
+    wait, up to :data:`ALONE_BOUNDS` bounds of silence.
+    """
+    others = list(others_silent_s)
+    if silent_s >= timeout_s * ALONE_BOUNDS or not others:
+        return True
+    return any(s < timeout_s * HEARD_FRACTION for s in others)
+
+
 async def watch(
-    beat: Heartbeat, ping: Callable[[int], None], dead: Callable[[float], None]
+    beat: Heartbeat, ping: Callable[[int], None], dead: Callable[[float], bool]
 ) -> None:
     """Drive ``beat`` on the running loop until the peer is declared dead.
 
-    ``ping(seq)`` writes a Ping; ``dead(silent_s)`` drops the connection
-    (called once, then this returns). One sleep per due time: on an idle
+    ``ping(seq)`` writes a Ping; ``dead(silent_s)`` drops the connection and
+    returns True (then this returns), or declines to (False: :func:`may_drop`
+    said wait) and the check goes on, pinging. One sleep per due time: on an idle
     connection about one wake-up per ping interval, nothing per frame. A wake
     later than its due time by more than :data:`LATE_FRACTION` of the ping
     interval (this loop stalled) excuses the stall (:meth:`Heartbeat.excuse`).
@@ -142,8 +166,13 @@ async def watch(
                 await asyncio.sleep(0)
             now = loop.time()
             if beat.poll(now).verdict is Verdict.DEAD:
-                dead(beat.silent_for(now))
-                return
+                if dead(beat.silent_for(now)):
+                    return
+                # Not dropped: ping on, and look again after an interval.
+                ping(beat.pinged(now))
+                woke_for = now + beat.timeout_s / PING_FRACTION
+                await asyncio.sleep(beat.timeout_s / PING_FRACTION)
+                continue
             woke_for = now
             continue
         if due.verdict is Verdict.PING:
@@ -153,12 +182,15 @@ async def watch(
 
 
 __all__ = [
+    "ALONE_BOUNDS",
     "DEFAULT_TIMEOUT_S",
+    "HEARD_FRACTION",
     "LATE_FRACTION",
     "PING_FRACTION",
     "Due",
     "Heartbeat",
     "Verdict",
     "check",
+    "may_drop",
     "watch",
 ]

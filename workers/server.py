@@ -249,7 +249,7 @@ class _Connection:
     def _ping(self, seq: int) -> None:
         self.write(Ping(seq))
 
-    def _silent(self, silent_s: float) -> None:
+    def _silent(self, silent_s: float) -> bool:
         """Nothing from the proxy for the whole bound: drop it as if it had closed."""
         self.silent = True
         self.log.warning(
@@ -261,6 +261,7 @@ class _Connection:
         # No FIN handshake with a peer that does not answer: the read loop sees
         # EOF at once, and close() aborts the streams (a blocked drain raises).
         self.writer.transport.abort()
+        return True
 
     # -- stream lifecycle -------------------------------------------------------------
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
-from star.liveness import PING_FRACTION, Due, Heartbeat, Verdict, check, watch
+from star.liveness import PING_FRACTION, Due, Heartbeat, Verdict, check, may_drop, watch
 
 T = 2.0  # the bound; a Ping after T / 4 = 0.5 s of silence
 NEVER = -math.inf
@@ -91,7 +91,7 @@ async def test_watch_pings_then_declares_dead_once() -> None:
     pings: list[int] = []
     dead: list[float] = []
     start = loop.time()
-    await asyncio.wait_for(watch(beat, pings.append, dead.append), 5)
+    await asyncio.wait_for(watch(beat, pings.append, _dies(dead)), 5)
     took = loop.time() - start
     assert pings == [1, 2, 3]
     assert len(dead) == 1 and dead[0] >= bound
@@ -102,7 +102,7 @@ async def test_watch_stays_quiet_while_bytes_come_in() -> None:
     loop = asyncio.get_running_loop()
     beat = Heartbeat(0.2, loop.time())
     pings: list[int] = []
-    task = asyncio.create_task(watch(beat, pings.append, lambda s: None))
+    task = asyncio.create_task(watch(beat, pings.append, lambda s: True))
     for _ in range(20):  # a byte every 20 ms for 0.4 s: twice the bound
         await asyncio.sleep(0.02)
         beat.last_received = loop.time()
@@ -132,6 +132,56 @@ def test_excuse_moves_the_silence_past_our_own_stall(
     assert beat.last_received <= now
 
 
+def _dies(dead: list[float]) -> Callable[[float], bool]:
+    """A ``dead`` callback that drops the connection (and notes the silence)."""
+
+    def drop(silent_s: float) -> bool:
+        dead.append(silent_s)
+        return True
+
+    return drop
+
+
+@pytest.mark.parametrize(
+    ("silent_s", "others", "drop"),
+    [
+        (2.0, [0.3], True),  # one silent peer among answering ones: dead
+        (2.0, [0.3, 2.1], True),  # another silent too, but one answers
+        (2.0, [1.9, 2.05], False),  # every peer silent at once: this end's stall, wait
+        (2.0, [], True),  # the only connection: nothing says it is this end's stall
+        (9.99, [1.9], False),
+        (10.0, [1.9], True),  # five bounds: dropped whatever the rest say
+        (10.0, [], True),
+        (2.0, [0.999], True),  # heard within half the bound: a working connection
+        (2.0, [1.0], False),
+    ],
+)
+def test_may_drop_only_among_peers_that_answer(
+    silent_s: float, others: list[float], drop: bool
+) -> None:
+    assert may_drop(silent_s, 2.0, others) is drop
+
+
+async def test_watch_keeps_pinging_a_peer_whose_drop_was_declined() -> None:
+    loop = asyncio.get_running_loop()
+    bound = 0.2
+    beat = Heartbeat(bound, loop.time())
+    pings: list[int] = []
+    asked: list[float] = []
+
+    def dead(silent_s: float) -> bool:
+        asked.append(silent_s)
+        return len(asked) >= 3  # declined twice, then dropped
+
+    start = loop.time()
+    await asyncio.wait_for(watch(beat, pings.append, dead), 5)
+    took = loop.time() - start
+    assert len(asked) == 3 and asked[0] >= bound
+    assert asked[1] - asked[0] == pytest.approx(bound / 4, abs=0.05)  # asked again each interval
+    assert len(pings) == 5  # three before the bound, one after each declined drop
+    assert bound + 2 * bound / 4 <= took < bound + 2 * bound / 4 + 0.15
+
+
 def _stall(seconds: float) -> None:
     """Hold the running event loop (a callback that does not return, a starved process)."""
     time.sleep(seconds)
@@ -157,7 +207,7 @@ async def test_watch_does_not_drop_a_live_peer_after_a_stall_of_its_own_loop() -
     bound = 0.4
     beat = Heartbeat(bound, loop.time())
     dead: list[float] = []
-    task = asyncio.create_task(watch(beat, _answering(beat, 0.01), dead.append))
+    task = asyncio.create_task(watch(beat, _answering(beat, 0.01), _dies(dead)))
     await asyncio.sleep(0.25)  # beats on time: pinged and answered
     assert beat.pings >= 1 and not dead
     _stall(2.5 * bound)  # this loop stalls for 2.5 bounds
@@ -177,7 +227,7 @@ async def test_watch_still_drops_a_silent_peer_after_a_stall_within_the_rest_of_
     beat = Heartbeat(bound, loop.time())
     dead: list[float] = []
     pings: list[int] = []
-    task = asyncio.create_task(watch(beat, pings.append, dead.append))
+    task = asyncio.create_task(watch(beat, pings.append, _dies(dead)))
     await asyncio.sleep(0.15)
     _stall(1.0)
     stall_end = loop.time()
@@ -196,7 +246,7 @@ async def test_watch_drops_a_silent_peer_at_the_bound_on_a_busy_but_timely_loop(
     beat = Heartbeat(bound, loop.time())
     dead: list[float] = []
     start = loop.time()
-    task = asyncio.create_task(watch(beat, lambda seq: None, dead.append))
+    task = asyncio.create_task(watch(beat, lambda seq: None, _dies(dead)))
     while not task.done():
         _stall(0.002)  # 2 ms of work per turn
         await asyncio.sleep(0)

@@ -335,3 +335,54 @@ async def test_a_silent_decode_instance_is_recovered_from_once_and_avoided(
     out = await collect(f.backend, GenerationRequest("req-4", "fake", [4], {"max_tokens": 2}))
     assert sum(len(b.token_ids) for b in out) == 2
     assert f.engines[0].started[-1] == "req-4"
+
+
+async def test_every_worker_silent_at_once_is_waited_for_not_dropped() -> None:
+    """The proxy's side of a box starved of CPU (issue 26; CI's chaos run at a load average
+    of 7): every worker late together. Dropping them all would leave nowhere to recover
+    to, so the proxy waits (star.liveness.may_drop, up to ALONE_BOUNDS bounds), and once
+    they are heard again every stream goes on to its end. (The workers' own check is off
+    here: a starved worker's loop is late, and excuses itself.)"""
+    engines = [FakeEngine(step_s=0.01) for _ in range(2)]
+    servers = [
+        await started(engine, 0.0, Hello(f"decode-{i}", "decode", "fake"))
+        for i, engine in enumerate(engines)
+    ]
+    relays = [await Relay(server.address).start() for server in servers]
+    pool = WorkerPool(liveness_timeout_s=BOUND)
+    try:
+        clients, streams = [], []
+        for i, relay in enumerate(relays):
+            client = await pool.get(relay.address)
+            stream = client.open()
+            await stream.send(gen(stream.id, 120, rid=f"req-{i}"))
+            clients.append(client)
+            streams.append(stream)
+        counts = [0, 0]
+        for i, stream in enumerate(streams):
+            while counts[i] < 5:
+                msg = await stream.next()
+                assert isinstance(msg, Tokens)
+                counts[i] += len(msg.token_ids)
+        for relay in relays:
+            relay.cut("stall")
+        await asyncio.sleep(2.5 * BOUND)  # past the bound, within ALONE_BOUNDS of it
+        assert not any(c.closed for c in clients)
+        for relay in relays:
+            relay.heal()
+        async with asyncio.timeout(SETTLE_S):
+            for i, stream in enumerate(streams):
+                while True:
+                    msg = await stream.next()
+                    assert isinstance(msg, Tokens)
+                    counts[i] += len(msg.token_ids)
+                    if msg.finish_reason is not None:
+                        break
+        assert counts == [120, 120]
+        assert pool.backing_off(relays[0].address) is None
+    finally:
+        await pool.close()
+        for relay in relays:
+            await relay.close()
+        for server in servers:
+            await server.shutdown(drain_timeout=0.1)
