@@ -53,6 +53,9 @@ def fleet() -> Iterator[LocalCluster]:
             STAR_PROXY_TOOL_CALL_PARSER="hermes",
             STAR_PROXY_ENABLE_AUTO_TOOL_CHOICE="true",
             VLLM_ENFORCE_STRICT_TOOL_CALLING="0",
+            # Decode steps padded to 50 ms (emulated device timing): a dozen-token tool
+            # call lasts long enough for test_langchain's migration to land mid-call.
+            STAR_WORKER_DEVICE_STEP_MS="50",
         )
         cluster = LocalCluster(
             None,
