@@ -244,8 +244,7 @@ def parse_chat(body: bytes, models: Mapping[str, ModelCard]) -> ParsedRequest:
 def _raise_in_stream(f: Fields) -> None:
     """Every check passed but one that vLLM makes inside the stream: that one, in it."""
     if f.in_stream is not None:
-        e = f.in_stream
-        raise InStreamError(e.status, e.message, type=e.type, param=e.param, code=e.code)
+        raise f.in_stream
 
 
 def _logprobs_count(f: Fields, name: str) -> int | None:
@@ -264,7 +263,7 @@ def _logprobs_count(f: Fields, name: str) -> int | None:
         if not f.bool_("stream", False):
             f.fail(name, message)
         # vLLM's engine checks this after its server started the stream.
-        f.in_stream = HttpError(400, message, param=f.param_alias.get(name, name))
+        f.in_stream = InStreamError(400, message, param=f.param_alias.get(name, name))
         return None
     return count
 
