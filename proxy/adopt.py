@@ -72,21 +72,25 @@ async def attach(pool: Pool, members: Sequence[tuple[str, str]], request_id: str
     migration (the target, if the move got that far, holds the later tokens).
     """
     released: Found | None = None
+    asked: dict[str, str] = {}  # instance -> what it said (the log of a miss)
     for instance, address in members:
         try:
             client = await pool.get(address)
-        except (OSError, ConnectionLost, TimeoutError):
+        except (OSError, ConnectionLost, TimeoutError) as exc:
+            asked[instance] = f"unreachable: {type(exc).__name__}"
             continue
         leg = client.open()
         try:
             await leg.send(Attach(stream=leg.id, request_id=request_id))
             async with deadline(ATTACH_TIMEOUT_S):
                 msg = await leg.next()
-        except (ConnectionLost, TimeoutError):
+        except (ConnectionLost, TimeoutError) as exc:
             leg.close()
+            asked[instance] = f"no answer: {type(exc).__name__}"
             continue
         if not isinstance(msg, Attached):
             leg.close()  # unknown_request: not there
+            asked[instance] = "not held"
             continue
         found = Found(msg, instance, address, leg)
         if msg.released and msg.finish_reason is None:
@@ -95,7 +99,10 @@ async def attach(pool: Pool, members: Sequence[tuple[str, str]], request_id: str
         if released is not None:
             released.leg.close()
         return _adopted(found)
-    return None if released is None else _adopted(released)
+    if released is None:
+        log.info("stream_not_held", request_id=request_id, asked=asked)
+        return None
+    return _adopted(released)
 
 
 def _adopted(found: Found) -> Found:

@@ -356,8 +356,8 @@ class ProxyApp:
         the events carry no ``id:`` line, and the stream is resumable only from
         its start (``x-star-stream-id``).
 
-        Not yet: fan-out (n > 1, batched prompts) and streams with logprobs
-        (the log keeps token ids only). With ``resume_grace_s`` the server
+        Not yet: fan-out (n > 1, batched prompts), echo with logprobs (the
+        prompt's, computed once) and chat with tools or reasoning. With ``resume_grace_s`` the server
         detaches a client that goes away instead of cancelling its request.
         """
         held = self.streams.hold(parsed, relay.created)
@@ -373,12 +373,13 @@ class ProxyApp:
 
     @staticmethod
     def _resumable(parsed: ParsedRequest) -> bool:
-        """Streamed, one choice, no logprobs: its events carry ids (proxy.resume)."""
+        """Streamed, one choice, no prompt logprobs (echo's): its events carry ids (proxy.resume)."""
         gen = parsed.gen
         return (
             gen.stream
             and parsed.num_choices == 1
-            and "logprobs" not in gen.sampling
+            # the first batch's, which neither this log nor a worker keeps
+            and parsed.text.prompt_logprobs is None
             and parsed.chat is None  # another proxy would not rebuild its parser state
         )
 
@@ -399,6 +400,8 @@ class ProxyApp:
         held = self.streams.live.get(event.request_id)
         if held is None:
             return await self._adopt(event)
+        if held.scores is not None:
+            resume.check_position(held.request_id, held.scores.known_from, since)
         relay = Relay(held.parsed, created=held.created)
         reader = resume.Reader(relay, since, self.streams.tagger)
         rid = held.request_id
@@ -436,9 +439,15 @@ class ProxyApp:
         timing = _Timing(self.metrics, parsed.gen.arrival_s)
         self.active += 1
         self.metrics.active.inc()
+        first, known = resume.adopted_batch(done, parsed.text.logprobs)
+        try:
+            resume.check_position(event.request_id, known, event.position)
+        except HttpError:
+            found.leg.close()  # no client can have the rest: the request is aborted
+            raise
         held = self.streams.hold(parsed, created)
-        finish = done.finish_reason if done.finish_reason in adopt.FINISHED else None
-        first = TokenBatch(list(done.output_token_ids), finish, done.stop_reason)  # type: ignore[arg-type]
+        if held.scores is not None:
+            held.scores.known_from = known
 
         def on_end(outcome: str, error: BaseException | None) -> None:
             self._done(relay, timing, outcome, error=None if error is None else repr(error))

@@ -302,6 +302,20 @@ class ChoiceLogprobs:
         return whole
 
 
+def drop_first(part: dict[str, Any], count: int) -> tuple[dict[str, Any] | None, int]:
+    """``part`` (from :meth:`ChoiceLogprobs.take`) without its first ``count`` tokens' entries.
+
+    Returns the rest (None when nothing is left) and how many of ``count``
+    are still to drop in later parts: a resumed stream skips the logprobs
+    its client already has (``proxy.resume``).
+    """
+    held = len(next(iter(part.values()), []))
+    dropped = min(count, held)
+    if dropped == held:
+        return None, count - dropped
+    return {key: values[dropped:] for key, values in part.items()}, count - dropped
+
+
 def _chat_part() -> dict[str, Any]:
     return {"content": []}
 

@@ -29,6 +29,7 @@ from proxy.logprobs import (
     ChoiceLogprobs,
     PromptEntry,
     TokenNames,
+    drop_first,
     prompt_entries,
     prompt_logprobs_json,
 )
@@ -693,6 +694,7 @@ class Relay:
         # at the client's count and skips that much (proxy.resume).
         self.released = [0] * count
         self._skip = 0
+        self._skip_scores = 0  # and the logprobs of that many tokens
         self._open = count  # choices not yet finished
         self._started = False
         self._stream = gen.stream
@@ -767,6 +769,8 @@ class Relay:
                 choice.num_tokens - before,
             )
             scores = part if scores is None else {k: v + part[k] for k, v in scores.items()}
+        if self._skip_scores and scores is not None:
+            scores, self._skip_scores = drop_first(scores, self._skip_scores)
         if self._prompt_only:
             text = ""  # counted in usage, as vLLM counts it, but not shown
         if echo is not None:  # the choice's first chunk: the prompt, then its first text
@@ -818,15 +822,19 @@ class Relay:
         chunk += self._end + b"\n\n"
         return chunk if self._started else self._start() + chunk
 
-    def resume_at(self, chars: int) -> None:
-        """Continue a stream whose client has its first ``chars`` characters (one choice).
+    def resume_at(self, chars: int, tokens: int = 0) -> None:
+        """Continue a stream whose client has its first ``chars`` characters (one choice),
+        and the logprobs of its first ``tokens`` tokens.
 
-        The role chunk is not sent again, and the text is released from
-        character ``chars`` on: fed the same tokens from the first, this relay
-        sends what an unbroken stream would have sent after them.
+        The role chunk is not sent again, the text is released from character
+        ``chars`` on and logprobs from token ``tokens`` on: fed the same tokens
+        from the first, this relay sends what an unbroken stream would have
+        sent after them (its text and logprobs; its chunks may split them
+        differently).
         """
         self._started = True
         self._skip = chars
+        self._skip_scores = tokens
         self.released[0] = chars
 
     def end(self) -> bytes:

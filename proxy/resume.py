@@ -49,10 +49,12 @@ import msgspec
 import structlog
 
 from proxy import sse
+from proxy.adopt import FINISHED
 from proxy.backend import FinishReason, GenerationRequest, TokenBatch
 from proxy.http import HttpError
 from proxy.openai import ParsedRequest, Relay, TextOptions
 from proxy.tokenizer import ModelCard
+from star.wire import Attached
 
 log = structlog.get_logger(__name__)
 
@@ -174,6 +176,82 @@ def request_of(
     return ParsedRequest(gen, text, card, (), echo), created
 
 
+class ScoreLog:
+    """The logprobs of a held stream's tokens: parallel arrays, as a LogprobTokens frame has them.
+
+    A stream taken over from a worker that got its request by a migration
+    has the logprobs of that worker's tokens alone (:class:`~star.wire.Attached`):
+    the tokens before ``known_from`` hold placeholders (:func:`adopted_batch`),
+    which no reader sends: a resume from before ``known_from`` is refused
+    (:func:`check_position`), and :meth:`~proxy.openai.Relay.resume_at` skips
+    the logprobs of the tokens a client has.
+    """
+
+    __slots__ = ("known_from", "logprobs", "top_ids", "top_logprobs")
+
+    def __init__(self, known_from: int = 0) -> None:
+        self.known_from = known_from
+        self.logprobs: list[float] = []
+        self.top_ids: list[int] = []
+        self.top_logprobs: list[float] = []
+
+    def add(self, batch: TokenBatch) -> None:
+        if not batch.token_ids:
+            return
+        if batch.logprobs is None:
+            raise ValueError("backend sent tokens without the logprobs the request asked for")
+        self.logprobs.extend(batch.logprobs)
+        self.top_ids.extend(batch.top_ids or ())
+        self.top_logprobs.extend(batch.top_logprobs or ())
+
+    def fields(self, start: int, end: int) -> dict[str, Any]:
+        """TokenBatch's logprobs fields for the stream's tokens ``start:end``."""
+        k = len(self.top_ids) // len(self.logprobs) if self.logprobs else 0
+        return {
+            "logprobs": self.logprobs[start:end],
+            "top_ids": self.top_ids[start * k : end * k],
+            "top_logprobs": self.top_logprobs[start * k : end * k],
+        }
+
+
+def adopted_batch(done: Attached, top: int | None) -> tuple[TokenBatch, int]:
+    """The first batch of a stream taken over from a worker (``done``: its answer), and the
+    index of its first token with logprobs (all of them without ``top``: none asked for).
+
+    ``top``: the top entries per token the request asked for, the rank of the
+    placeholders given to the tokens whose logprobs the worker does not hold.
+    """
+    finish = done.finish_reason if done.finish_reason in FINISHED else None
+    batch = TokenBatch(list(done.output_token_ids), finish, done.stop_reason)  # type: ignore[arg-type]
+    if top is None:
+        return batch, 0
+    outputs = len(done.output_token_ids)
+    held = done.logprobs
+    if held is None or len(held) != outputs - done.scored_from:  # a worker that keeps none
+        known, held, top_ids, top_lps = outputs, [], [], []
+    else:
+        known, top_ids, top_lps = done.scored_from, done.top_ids, done.top_logprobs
+        if held:
+            top = len(top_ids) // len(held)
+    batch.logprobs = [0.0] * known + list(held)
+    batch.top_ids = [0] * (known * top) + list(top_ids)
+    batch.top_logprobs = [0.0] * (known * top) + list(top_lps)
+    return batch, known
+
+
+def check_position(request_id: str, known_from: int, since: Position) -> None:
+    """HttpError 409 when a stream whose logprobs are held from token ``known_from`` on
+    cannot give a client at ``since`` the logprobs it lacks."""
+    if since.tokens < known_from:
+        raise HttpError(
+            409,
+            f"stream {request_id} moved between instances after token {since.tokens} and "
+            "the logprobs of the tokens before the move are no longer held: resume from an "
+            f"event at or after token {known_from}",
+            code="stream_logprobs_gone",
+        )
+
+
 class HeldStream:
     """One request's token log, written by the task that drives its backend stream.
 
@@ -189,6 +267,8 @@ class HeldStream:
         self.request_id = parsed.gen.request_id
         self.created = created  # every reader's chunks say the same
         self.tokens: list[int] = []
+        # their logprobs, when the request asked for them
+        self.scores = None if parsed.text.logprobs is None else ScoreLog()
         self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None
         self.error: BaseException | None = None
@@ -203,6 +283,8 @@ class HeldStream:
 
     def record(self, batch: TokenBatch) -> None:
         """The driver's batch: tokens and finish together (a reader never sees one alone)."""
+        if self.scores is not None:
+            self.scores.add(batch)
         self.tokens.extend(batch.token_ids)
         if batch.finish_reason is not None:
             self.finish_reason, self.stop_reason = batch.finish_reason, batch.stop_reason
@@ -344,7 +426,7 @@ class Reader:
         # that did not ask for SSE: vLLM's bench client reads nothing else).
         self.ids = ids
         if since.stage >= TEXT:
-            relay.resume_at(since.chars)
+            relay.resume_at(since.chars, since.tokens)
         self._id = tagger.format(relay.req.request_id, Position(), "").rsplit(".", 4)[0]
         self._tag = tagger.tag(relay.req.request_id)
         self._chat = relay.req.kind == "chat"
@@ -454,6 +536,8 @@ async def follow(
             tokens = stream.tokens
             if cursor < len(tokens) or stream.finish_reason is not None:
                 batch = TokenBatch(tokens[cursor:], stream.finish_reason, stream.stop_reason)
+                if stream.scores is not None:
+                    batch = dataclasses.replace(batch, **stream.scores.fields(cursor, len(tokens)))
                 cursor = len(tokens)
                 out = reader.feed(batch)
                 if out:

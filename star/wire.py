@@ -410,6 +410,12 @@ class Attached(Message, frozen=True, tag="attached"):
     so far, on this worker and before; ``finish_reason`` set if it has ended
     (no frame follows); ``released``: its KV was handed off for a migration
     that never completed (no token follows: continue it elsewhere).
+
+    A request with logprobs also carries those of the tokens generated here,
+    as :class:`LogprobTokens` does: ``output_token_ids[scored_from:]``'s,
+    parallel arrays (``logprobs``: None, the request asked for none). The
+    tokens before ``scored_from`` came with a continuation; their logprobs
+    were computed on the instance it moved from.
     """
 
     stream: int
@@ -420,6 +426,10 @@ class Attached(Message, frozen=True, tag="attached"):
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     released: bool = False
+    logprobs: list[float] | None = None
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
+    scored_from: int = 0
 
 
 class Abort(Message, frozen=True, tag="abort"):

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from star.wire import Attached, Generate, ResumableGenerate
+from workers.protocol import TokenDelta
 
 
 @dataclass(slots=True)
@@ -30,6 +31,12 @@ class Record:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     released: bool = False  # its KV went to a migration's target (no token follows here)
+    # A request with logprobs: those of outputs[scored_from:] (the tokens
+    # generated here), as LogprobTokens carries them; None: none asked for.
+    logprobs: list[float] | None = None
+    top_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+    scored_from: int = 0
 
     @classmethod
     def of(cls, msg: Generate) -> Record | None:
@@ -39,13 +46,23 @@ class Record:
         # A continuation's prompt ends with the tokens generated before it.
         cut = len(msg.prompt_token_ids) - msg.continued
         prompt = list(msg.prompt_token_ids[:cut])
-        return cls(msg.request_id, prompt, list(msg.prompt_token_ids[cut:]), msg.context)
+        outputs = list(msg.prompt_token_ids[cut:])
+        scored: list[float] | None = [] if msg.sampling.get("logprobs") is not None else None
+        return cls(
+            msg.request_id, prompt, outputs, msg.context, logprobs=scored, scored_from=len(outputs)
+        )
 
-    def add(self, token_ids: list[int], finish_reason: str | None, stop_reason: object) -> None:
-        self.outputs.extend(token_ids)
-        if finish_reason is not None:
-            self.finish_reason = finish_reason
-            self.stop_reason = stop_reason  # type: ignore[assignment]
+    def add(self, delta: TokenDelta) -> None:
+        self.outputs.extend(delta.token_ids)
+        if self.logprobs is not None and delta.token_ids:
+            if delta.logprobs is None:  # cannot happen with a request that asked for them
+                raise ValueError(f"request {self.request_id}: tokens came without logprobs")
+            self.logprobs.extend(delta.logprobs)
+            self.top_ids.extend(delta.top_ids)
+            self.top_logprobs.extend(delta.top_logprobs)
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+            self.stop_reason = delta.stop_reason
 
     @property
     def ended(self) -> bool:
@@ -61,6 +78,10 @@ class Record:
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
             released=self.released,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
+            top_ids=list(self.top_ids),
+            top_logprobs=list(self.top_logprobs),
+            scored_from=self.scored_from,
         )
 
 

@@ -306,7 +306,7 @@ class _Connection:
             async with contextlib.aclosing(self.server.engine.generate(request)) as deltas:
                 async for delta in deltas:
                     if record is not None:
-                        record.add(delta.token_ids, delta.finish_reason, delta.stop_reason)
+                        record.add(delta)
                     conn = stream.conn
                     if conn is not None:
                         if delta.prompt is not None:

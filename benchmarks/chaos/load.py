@@ -58,6 +58,8 @@ class Stream:
     times: list[float] = field(default_factory=list)
     last_id: str = ""  # the SSE id of the last event received
     resumes: int = 0  # times the stream was resumed after a cut
+    # Each resume tried: where, how long after the cut, what it gave (the failure's story).
+    attempts: list[str] = field(default_factory=list)
 
     @property
     def outcome(self) -> str:
@@ -87,13 +89,20 @@ async def stream(
     )
     await _read(client, "POST", url + "/v1/completions", body, out)
     if resume and out.cut and out.last_id:
-        until = time.monotonic() + resume_within_s
+        cut_at = time.monotonic()
+        until = cut_at + resume_within_s
         attempt = 0
         while out.cut and time.monotonic() < until:
-            target = resume[attempt % len(resume)] + "/v1/streams/" + out.last_id
+            proxy = resume[attempt % len(resume)]
+            target = proxy + "/v1/streams/" + out.last_id
             attempt += 1
             cut, out.cut = out.cut, ""
+            chunks = out.chunks
             await _read(client, "GET", target, None, out)
+            said = out.error or out.cut or "done"
+            out.attempts.append(
+                f"{proxy} +{time.monotonic() - cut_at:.1f}s {out.chunks - chunks} chunks: {said[:120]}"
+            )
             if out.error.startswith("HTTP "):  # not served there (yet): the next proxy
                 out.error, out.cut = "", cut
                 await asyncio.sleep(0.5)
@@ -233,7 +242,10 @@ def summary(streams: list[Stream], refs: dict[str, str], tokens: Tokens) -> dict
         if s.outcome == "ok" and not c.complete:
             out["wrong"] += 1
         if s.outcome != "ok" and len(examples) < 3:
-            examples.append(f"{s.request_id or '?'}: {s.error or s.cut}")
+            tried = (
+                f" (resumes: {'; '.join(s.attempts[:3] + s.attempts[-3:])})" if s.attempts else ""
+            )
+            examples.append(f"{s.request_id or '?'}: {s.error or s.cut}{tried}")
     out["examples"] = examples
     if any(s.resumes for s in streams):
         out["resumed"] = sum(1 for s in streams if s.resumes)

@@ -58,11 +58,17 @@ def test_quick_chaos_suite_loses_nothing(tmp_path: Path) -> None:
 def _diagnosis(name: str, row: dict[str, object], out: Path) -> str:
     """What a failed row says, and every warning or error the fleet logged: all a CI log keeps."""
     lines = [f"{name}: {json.dumps(row, sort_keys=True)}"]
+    # The failed clients' request ids (each example starts with one): every line naming them.
+    failed = [str(e).split(":", 1)[0] for e in row.get("examples", [])]  # type: ignore[attr-defined]
+    failed = [rid for rid in failed if len(rid) > 8]
     for log in sorted((out.parent / f"{out.stem}-logs").glob("*.log")):
         noted = [
             line.strip()[:400]
             for line in log.read_text(errors="replace").splitlines()
-            if '"level": "warning"' in line or '"level": "error"' in line or "Traceback" in line
+            if '"level": "warning"' in line
+            or '"level": "error"' in line
+            or "Traceback" in line
+            or any(rid in line for rid in failed)
         ]
         if noted:
             lines.append(f"-- {log.name}: {len(noted)} warnings/errors, the first 30:")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import httpx
 
@@ -36,3 +37,30 @@ def usage(got: list[sse.Event]) -> dict[str, int]:
     """The usage of the one event that carries it."""
     (found,) = [json.loads(e.data)["usage"] for e in got if '"usage":{' in e.data]
     return dict(found)
+
+
+def logprobs(got: list[sse.Event]) -> dict[str, list[Any]]:
+    """Every chunk's logprobs joined: a completion's four lists, a chat's ``content``."""
+    out: dict[str, list[Any]] = {}
+    for ev in got:
+        if ev.data == sse.DONE_DATA:
+            continue
+        for choice in json.loads(ev.data)["choices"]:
+            for key, values in (choice.get("logprobs") or {}).items():
+                out.setdefault(key, []).extend(values or [])
+    return out
+
+
+def same_logprobs(a: dict[str, list[Any]], b: dict[str, list[Any]], tol: float = 1e-4) -> bool:
+    """``a`` and ``b`` name the same tokens with logprobs within ``tol`` (two engine runs)."""
+
+    def close(x: object, y: object) -> bool:
+        if isinstance(x, float) or isinstance(y, float):
+            return isinstance(x, int | float) and isinstance(y, int | float) and abs(x - y) <= tol
+        if isinstance(x, dict) and isinstance(y, dict):
+            return x.keys() == y.keys() and all(close(x[k], y[k]) for k in x)
+        if isinstance(x, list) and isinstance(y, list):
+            return len(x) == len(y) and all(close(p, q) for p, q in zip(x, y, strict=True))
+        return x == y
+
+    return close(a, b)

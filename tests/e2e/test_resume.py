@@ -2,8 +2,8 @@
 
 A proxy of its own (an API key, a short ``proxy.resume_grace_s``) in front of
 the package's workers. A client cut mid-stream resumes twice, by the plain
-resume path (curl's way) and by ``Last-Event-ID`` (EventSource's): the text
-and the token count equal an unbroken greedy run's. A forged tag and a wrong
+resume path (curl's way) and by ``Last-Event-ID`` (EventSource's): the text,
+the token count and the logprobs equal an unbroken greedy run's. A forged tag and a wrong
 key are refused; a stream nobody resumes is aborted after the grace and its
 KV freed on the worker.
 """
@@ -25,7 +25,7 @@ from proxy import sse
 from star.fleet import LocalCluster
 from star.model.task import Prompt
 from tests.e2e.conftest import latest_reports
-from tests.e2e.streams import SSE, events, text, usage
+from tests.e2e.streams import SSE, events, logprobs, same_logprobs, text, usage
 from tests.procs import proxy_process
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
@@ -74,9 +74,11 @@ def test_a_cut_stream_resumes_exactly_and_an_abandoned_one_is_freed(
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+        colors = {**common, "prompt": "give me a tiny list of colors, teal first."}
         for path, body in (
-            ("/v1/completions", {**common, "prompt": "give me a tiny list of colors, teal first."}),
+            ("/v1/completions", colors),
             ("/v1/chat/completions", {**common, "messages": prompt.messages()}),
+            ("/v1/completions", {**colors, "logprobs": 2}),  # each token's logprobs once
         ):
             with c.stream("POST", path, json=body) as resp:
                 whole = events(resp)
@@ -93,6 +95,8 @@ def test_a_cut_stream_resumes_exactly_and_an_abandoned_one_is_freed(
             assert text(first + second + third) == text(whole) != ""
             assert usage(first + second + third) == usage(whole)
             assert (first + second + third)[-1].data == sse.DONE_DATA
+            scored = logprobs(first + second + third)
+            assert same_logprobs(scored, logprobs(whole)) and bool(scored) == ("logprobs" in body)
 
         # Refused: a forged tag, a wrong key; then a stream nobody resumes is freed.
         _wait(lambda: _decode_requests(cluster) == (0, 0), 180, "idle decode workers")
@@ -134,9 +138,12 @@ def test_a_stream_resumes_on_another_proxy_after_its_proxy_is_killed(
         "stream_options": {"include_usage": True},
     }
     prompt = Prompt(topic="animals", size="medium", start="owl")
+    chat = {**common, "messages": prompt.messages()}
     cases = [
-        ("/v1/chat/completions", {**common, "messages": prompt.messages()}),
+        ("/v1/chat/completions", chat),
         ("/v1/completions", {**common, "prompt": "name three fruits, plum first."}),
+        # the worker keeps the logprobs of what it generated, for the proxy that takes over
+        ("/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 2}),
     ]
     with contextlib.ExitStack() as stack:
         b = stack.enter_context(proxy_process(env, tmp_path / "b.log"))
@@ -161,6 +168,8 @@ def test_a_stream_resumes_on_another_proxy_after_its_proxy_is_killed(
             assert text(first + rest) == text(whole) != ""
             assert usage(rest) == usage(whole)
             assert rest[-1].data == sse.DONE_DATA
+            scored = logprobs(first + rest)
+            assert same_logprobs(scored, logprobs(whole)) and bool(scored) == ("logprobs" in body)
         assert (tmp_path / "b.log").read_text().count('"stream_adopted"') == len(cases)
 
         # Nobody comes back: the worker holds the orphan, decoding on, then frees it (after

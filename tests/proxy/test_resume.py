@@ -19,10 +19,21 @@ from proxy import sse
 from proxy.backend import TokenBatch
 from proxy.http import HttpError, HttpServer, Request, StreamingResponse
 from proxy.openai import ParsedRequest, Relay, parse_chat, parse_completion
-from proxy.resume import FINISH, START, TEXT, USAGE, Position, Reader, Tagger
+from proxy.resume import (
+    FINISH,
+    START,
+    TEXT,
+    USAGE,
+    Position,
+    Reader,
+    Tagger,
+    adopted_batch,
+    check_position,
+)
 from proxy.tokenizer import ModelCard
 from star.settings import ProxySettings
-from tests.e2e.streams import SSE
+from star.wire import Attached
+from tests.e2e.streams import SSE, logprobs
 from tests.proxy.conftest import Proxy, ProxyFactory
 from tests.proxy.fakes import CORPUS, Script
 from tests.proxy.rawhttp import request_bytes, until
@@ -176,6 +187,115 @@ def test_a_resume_from_any_event_joins_exactly_whatever_the_batching(
     roles = [r for r in rest if r["choices"] and "role" in r["choices"][0].get("delta", {})]
     assert len(finishes) == 1 and len(roles) == (1 if chat else 0)
     assert all(r["created"] == 1 and r["id"] == parsed.gen.request_id for r in rest)
+
+
+def _scored(tokens: list[int], start: int = 0) -> dict[str, Any]:
+    """Logprobs fields for ``tokens`` (at positions from ``start``), two top entries each: made
+    up, but a function of the token and its position, as an engine's are of the sequence."""
+    return {
+        "logprobs": [-0.01 * (start + i) - t * 1e-6 for i, t in enumerate(tokens)],
+        "top_ids": [x for t in tokens for x in (t + 1, t + 2)],
+        "top_logprobs": [-1.0 - 0.5 * j for _ in tokens for j in range(2)],
+    }
+
+
+def _scored_events(
+    reader: Reader, tokens: list[int], cuts: list[int], known: int = 0
+) -> list[sse.Event]:
+    """As :func:`_events`, the batches with logprobs (placeholders before ``known``)."""
+    out, at = b"", 0
+    for chunk in [*_chunks(tokens, cuts), []]:
+        fields = _scored(chunk, at)
+        if at < known:  # what a stream taken over from a migration's target holds
+            pad = min(known - at, len(chunk))
+            fields["logprobs"][:pad] = [0.0] * pad
+            fields["top_ids"][: 2 * pad] = [0] * (2 * pad)
+        batch = TokenBatch(chunk, None if chunk else "length", **fields)
+        at += len(chunk)
+        out += reader.feed(batch)
+        if reader.relay.done:
+            break
+    return sse.SSEDecoder().feed(out + reader.end())
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), chat=st.booleans(), stop=st.sampled_from([[], ["e"], ["ö", "42"]]))
+def test_a_resumed_stream_with_logprobs_gives_each_tokens_logprobs_once(
+    card: ModelCard, tokenizer: Tokenizer, data: Any, chat: bool, stop: list[str]
+) -> None:
+    """Text and logprobs before the cut plus the resumed events' equal an unbroken stream's,
+    whatever the batching, also when the resuming proxy holds placeholders for the tokens
+    before the client's position (a stream taken over after a migration)."""
+    text = data.draw(
+        st.text(alphabet=st.sampled_from(sorted(set("".join(CORPUS)))), min_size=1, max_size=60)
+    )
+    tokens = tokenizer.encode(text, add_special_tokens=False).ids or [5]
+    body: dict[str, Any] = {"model": "tiny", "stream": True, "max_tokens": 400, "stop": stop}
+    if chat:
+        body |= {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}
+        parsed = parse_chat(json.dumps(body | {"top_logprobs": 2}).encode(), {"tiny": card})
+    else:
+        parsed = parse_completion(
+            json.dumps(body | {"prompt": "x", "logprobs": 2}).encode(), {"tiny": card}
+        )
+    tagger = Tagger("k")
+    whole = _scored_events(Reader(Relay(parsed, created=1), Position(), tagger), tokens, [])
+    a = _scored_events(
+        Reader(Relay(parsed, created=1), Position(), tagger),
+        tokens,
+        data.draw(st.lists(st.integers(0, 50), max_size=12)),
+    )
+    assert _text(a) == _text(whole) and logprobs(a) == logprobs(whole)
+    cut = data.draw(st.integers(0, len(a) - 2))
+    since = tagger.parse(a[cut].id or "").position
+    known = data.draw(st.integers(0, since.tokens))
+    b = _scored_events(
+        Reader(Relay(parsed, created=1), since, tagger),
+        tokens,
+        data.draw(st.lists(st.integers(0, 50), max_size=12)),
+        known,
+    )
+    assert _text(a[: cut + 1]) + _text(b) == _text(whole)
+    joined = logprobs(a[: cut + 1] + b)
+    assert joined == logprobs(whole)
+    assert 0.0 not in (joined.get("token_logprobs") or [e["logprob"] for e in joined["content"]])
+
+
+def test_a_resume_from_before_the_held_logprobs_is_refused() -> None:
+    check_position("r1", 5, Position(5, 3, TEXT))  # from token 5: held
+    with pytest.raises(HttpError) as err:
+        check_position("r1", 5, Position(4, 3, TEXT))
+    assert err.value.status == 409 and err.value.code == "stream_logprobs_gone"
+
+
+@pytest.mark.parametrize(
+    ("logprobs", "scored_from", "top", "known", "first_lp"),
+    [
+        ([-0.1, -0.2], 1, 1, 1, [0.0, -0.1, -0.2]),  # moved in after 1 token: a placeholder
+        ([-0.1, -0.2, -0.3], 0, 1, 0, [-0.1, -0.2, -0.3]),  # every token generated there
+        (None, 0, 1, 3, [0.0, 0.0, 0.0]),  # a worker that keeps none: nothing known
+        (None, 0, None, 0, None),  # the request asked for none
+    ],
+)
+def test_a_stream_taken_over_holds_the_logprobs_its_worker_had(
+    logprobs: list[float] | None, scored_from: int, top: int | None, known: int, first_lp: Any
+) -> None:
+    k = 0 if logprobs is None else 1
+    done = Attached(
+        stream=1,
+        request_id="r",
+        prompt_token_ids=[1],
+        output_token_ids=[5, 6, 7],
+        context=b"",
+        logprobs=logprobs,
+        top_ids=[9] * (len(logprobs or []) * k),
+        top_logprobs=[-2.0] * (len(logprobs or []) * k),
+        scored_from=scored_from,
+    )
+    batch, held_from = adopted_batch(done, top)
+    assert batch.token_ids == [5, 6, 7] and held_from == known and batch.logprobs == first_lp
+    if first_lp is not None:
+        assert len(batch.top_ids or []) == len(batch.top_logprobs or []) == 3 * (top or 0)
 
 
 # -- the routes ---------------------------------------------------------------------

@@ -23,6 +23,8 @@ from star.wire import (
 )
 from tests.proxy.rawhttp import until
 from tests.workers.fakes import Client, FakeEngine
+from workers.protocol import TokenDelta
+from workers.resumable import Record
 from workers.server import TokenServer
 
 HELLO = Hello(instance="decode-test", role="decode", model="fake")
@@ -224,3 +226,31 @@ async def test_a_generate_for_an_orphaned_request_replaces_it(
     assert finish == "length" and len(got) == 3
     assert engine.aborted == ["r6"] and engine.finished == ["r6"]
     await again.close()
+
+
+def test_a_record_keeps_the_logprobs_of_the_tokens_generated_here() -> None:
+    """A continuation (2 tokens carried in) records the logprobs of its own tokens alone."""
+    leg = ResumableGenerate(
+        stream=1,
+        request_id="r9",
+        prompt_token_ids=[1, 2, 3, 50, 51],
+        sampling={"max_tokens": 30, "logprobs": 1},
+        continued=2,
+        context=b"c",
+    )
+    record = Record.of(leg)
+    assert record is not None
+    record.add(
+        TokenDelta([60, 61], logprobs=[-0.1, -0.2], top_ids=[7, 8], top_logprobs=[-1.0, -2.0])
+    )
+    record.add(TokenDelta([62], "length", logprobs=[-0.3], top_ids=[9], top_logprobs=[-3.0]))
+    done = record.attached(4)
+    assert done.output_token_ids == [50, 51, 60, 61, 62] and done.scored_from == 2
+    assert done.logprobs == [-0.1, -0.2, -0.3] and done.top_ids == [7, 8, 9]
+    assert done.top_logprobs == [-1.0, -2.0, -3.0] and done.finish_reason == "length"
+    plain = Record.of(resumable(2, "r10", 5))
+    assert plain is not None
+    plain.add(TokenDelta([60]))
+    assert plain.attached(1).logprobs is None  # none asked for: none kept
+    with pytest.raises(ValueError, match="without logprobs"):
+        record.add(TokenDelta([63]))  # a broken engine path says so
