@@ -249,6 +249,12 @@ class WorkerClient:
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
 
+    @property
+    def usable(self) -> bool:
+        """Open, its transport too: the worker's close (it dropped this proxy as silent) can
+        close the transport before the reader task has seen EOF and set ``closed``."""
+        return not self.closed and self._writer is not None and not self._writer.is_closing()
+
     def open(self) -> Stream:
         stream = Stream(self, next(self._ids))
         self._streams[stream.id] = stream
@@ -258,14 +264,13 @@ class WorkerClient:
         self._streams.pop(stream_id, None)
 
     async def send(self, msg: Message) -> None:
-        if self.closed or self._writer is None or self._writer.is_closing():
-            # The transport can close (the worker's RST) before the reader
-            # task has seen EOF and set ``closed``.
+        writer = self._writer
+        if not self.usable or writer is None:
             raise ConnectionLost(self.silent or f"connection to {self.address} is closed")
         data = frame(msg, self._seal)
         try:
-            self._writer.write(data)
-            await self._writer.drain()
+            writer.write(data)
+            await writer.drain()
         except (ConnectionError, OSError, RuntimeError) as exc:
             # uvloop raises RuntimeError ("unable to perform operation on
             # <TCPTransport closed=True ...>") writing to a closed transport.
@@ -485,8 +490,16 @@ class WorkerPool:
         return out
 
     async def get(self, address: str) -> WorkerClient:
+        """The open connection to ``address``, or a new one (ConnectionLost while it backs off).
+
+        One whose transport the worker closed is replaced at once, before its
+        reader has noticed: a recovery after a worker dropped this proxy (as
+        silent, when its loop ran late) then reaches that worker again instead
+        of failing on the stale connection (a chaos run's unfaulted row lost a
+        stream so when both decode workers dropped a starved proxy at once).
+        """
         client = self._clients.get(address)
-        if client is not None and not client.closed:
+        if client is not None and client.usable:
             return client
         b = self._backoff.get(address)
         if b is not None:
@@ -497,7 +510,7 @@ class WorkerPool:
             raise ConnectionLost(f"worker {address} unreachable ({b.why}): {when}")
         async with self._locks.setdefault(address, asyncio.Lock()):
             client = self._clients.get(address)
-            if client is not None and not client.closed:
+            if client is not None and client.usable:
                 return client
             if address in self._backoff:  # the connect this one waited for failed
                 raise ConnectionLost(f"worker {address} unreachable ({self._backoff[address].why})")

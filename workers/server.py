@@ -332,6 +332,14 @@ class _Connection:
         """Take over a resumable request: answer Attached, then its tokens on ``msg.stream``."""
         stream = self.server.resumable.get(msg.request_id)
         if stream is None or stream.record is None:
+            ended = self.server.ended.get(msg.request_id)
+            if ended is not None:  # its proxy died before its client had the end, or the move
+                self.write(ended.attached(msg.stream))
+                self.log.info(
+                    "request_attached", request_id=msg.request_id, stream=msg.stream,
+                    tokens=len(ended.outputs), ended=True, released=ended.released,
+                )  # fmt: skip
+                return
             text = f"request {msg.request_id} is not held here"
             self.write(Error(msg.stream, ErrorCode.UNKNOWN_REQUEST.value, text))
             return
@@ -402,6 +410,8 @@ class _Connection:
                 stream.state = next_state(stream.state, StreamEvent.HANDOFF)
             if stream.record is not None:
                 stream.record.released = True
+                if stream.task.done():  # ended before the engine said released
+                    self.server.keep_ended(stream.record)
             if stream.conn is None:
                 return  # an orphan: an Attach says released, its proxy continues it elsewhere
             await stream.conn.send(
@@ -466,7 +476,9 @@ def _stream_done(server: TokenServer, stream: _Stream, task: asyncio.Task[None])
         return  # an orphan: kept (resumable, ended) until attached or its grace runs out
     conn.streams.pop(stream.id, None)
     if server.resumable.get(stream.request_id) is stream:
-        del server.resumable[stream.request_id]  # its proxy had every frame
+        del server.resumable[stream.request_id]  # its proxy had every frame, but:
+        if stream.record is not None and not aborted:
+            server.keep_ended(stream.record)
     if task.cancelled():
         if aborted:
             # Acknowledge the Abort so the proxy can forget the stream.
@@ -537,6 +549,12 @@ class TokenServer:
         # whose proxy went away are held orphan_grace_s (worker.orphan_grace_s).
         self.resumable: dict[str, _Stream] = {}
         self.orphans = Orphans(orphan_grace_s, self._orphan_expired)
+        # Records of resumable requests whose stream ended here (finished, or
+        # released for a migration), kept as long: their proxy had every frame
+        # but may die before its client has them, or before it opened a move's
+        # target leg; an Attach then answers with the end, or with released.
+        self.ended: dict[str, Record] = {}
+        self._ended_timers = Orphans(orphan_grace_s, self._ended_expired)
         self.draining = False
         self.stream_count = 0
         self._idle = asyncio.Event()
@@ -581,6 +599,15 @@ class TokenServer:
         self.orphans.release(request_id)
         self._orphan_expired(request_id)
         return stream.task
+
+    def keep_ended(self, record: Record) -> None:
+        """Keep the record of a request that ended here for an Attach (``worker.orphan_grace_s``)."""
+        if record.ended and self._ended_timers.grace_s > 0 and not self.draining:
+            self.ended[record.request_id] = record
+            self._ended_timers.hold(record.request_id)
+
+    def _ended_expired(self, request_id: str) -> None:
+        self.ended.pop(request_id, None)
 
     def _orphan_expired(self, request_id: str) -> None:
         """No proxy attached the orphan in time: abort it (its KV is freed), forget it."""
@@ -642,6 +669,8 @@ class TokenServer:
             log.warning("drain_timed_out_aborting_streams", streams=self.stream_count)
         for request_id in self.orphans.clear():
             self._orphan_expired(request_id)
+        self._ended_timers.clear()
+        self.ended.clear()
         for conn in list(self._connections):
             await conn.close()
         for task in list(self._tasks):

@@ -496,7 +496,7 @@ SCENARIOS: dict[str, tuple[Scenario, bool]] = {
     "prefill-kill": (prefill_kill, False),
     "proxy-kill": (proxy_kill, False),
     "proxy-restart": (proxy_restart, False),
-    "proxy-kill-resume": (proxy_kill_resume, False),
+    "proxy-kill-resume": (proxy_kill_resume, True),
     "proxy-restart-resume": (proxy_restart_resume, False),
     "scheduler-kill": (scheduler_kill, True),
     "redis-kill": (redis_kill, False),

@@ -50,6 +50,8 @@ def test_quick_chaos_suite_loses_nothing(tmp_path: Path) -> None:
     assert rows["scheduler-kill"]["new_leader_s"] is not None
     assert rows["scheduler-kill"]["new_leader_s"] < 15
     assert rows["decode-kill"].get("decode-0_back_s") is not None
+    # The killed proxy's clients came back for the rest of their streams (exact, above).
+    assert rows["proxy-kill-resume"].get("resumed", 0) > 0, rows["proxy-kill-resume"]
     assert done.returncode == 0, done.stderr[-3000:]
     assert not [line for line in done.stderr.splitlines() if "left behind" in line]
     assert _namespaces() <= before, "the run left network namespaces behind"

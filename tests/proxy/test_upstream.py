@@ -210,3 +210,34 @@ async def test_a_backlog_on_a_stream_lets_the_event_loop_run() -> None:
     assert 0 < taken <= Stream.YIELD_EVERY
     await asyncio.wait_for(task, 5)
     assert taken == backlog
+
+
+async def test_the_pool_replaces_a_connection_its_worker_closed_before_the_reader_saw_it() -> None:
+    """A worker that dropped this proxy (as silent, its loop late) closes the transport
+    before the reader task has set ``closed``: the pool connects again instead of handing
+    out the dead connection, so a recovery reaches that worker (before, a chaos run's
+    unfaulted row lost a stream when both decode workers dropped a starved proxy at once)."""
+    from proxy.upstream import WorkerPool
+
+    async def hello(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(frame(Hello("decode-0", "decode", "tiny")))
+        await writer.drain()
+        await reader.read()
+        writer.close()
+
+    server = await asyncio.start_server(hello, "127.0.0.1", 0)
+    address = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    pool = WorkerPool(liveness_timeout_s=0)
+    try:
+        first = await pool.get(address)
+        assert await pool.get(address) is first
+        assert first._writer is not None
+        first._writer.transport.abort()  # closed under the client; `closed` not yet set
+        assert not first.closed and not first.usable
+        second = await pool.get(address)
+        assert second is not first and second.usable
+        await second.open().send(Error(1, "x", "y"))  # reaches the worker: no ConnectionLost
+    finally:
+        await pool.close()
+        server.close()
+        await server.wait_closed()

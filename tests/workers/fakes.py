@@ -33,6 +33,10 @@ class FakeEngine:
     finished: list[str] = field(default_factory=list)
     live: set[str] = field(default_factory=set)
     idle: asyncio.Event = field(default_factory=asyncio.Event)
+    # With ``releases``, a Release holds the request's KV (as vLLM's does): its
+    # stream ends at its next step without a finish; else it is unsupported.
+    releases: bool = False
+    released: set[str] = field(default_factory=set)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
         n = int(request.sampling.get("max_tokens", 4))
@@ -46,6 +50,9 @@ class FakeEngine:
         first = request.continued if request.resume else 0
         try:
             for i in range(first, n):
+                if request.request_id in self.released:
+                    done = True
+                    return
                 if fail is not None and i == fail:
                     raise BadRequest(f"scripted failure of {request.request_id}")
                 await asyncio.sleep(self.step_s)
@@ -66,7 +73,10 @@ class FakeEngine:
                 self.aborted.append(request.request_id)
 
     async def release(self, request_id: str, migration: str) -> HandoffInfo:
-        raise Unsupported("no D->D release in the fake")
+        if not self.releases:
+            raise Unsupported("no D->D release in the fake")
+        self.released.add(request_id)
+        return HandoffInfo({"remote": request_id, "migration": migration}, num_tokens=0)
 
     async def wait_idle(self) -> None:
         async with asyncio.timeout(30):

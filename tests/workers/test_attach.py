@@ -17,7 +17,9 @@ from star.wire import (
     Error,
     ErrorCode,
     Generate,
+    Handoff,
     Hello,
+    Release,
     ResumableGenerate,
     Tokens,
 )
@@ -254,3 +256,52 @@ def test_a_record_keeps_the_logprobs_of_the_tokens_generated_here() -> None:
     assert plain.attached(1).logprobs is None  # none asked for: none kept
     with pytest.raises(ValueError, match="without logprobs"):
         record.add(TokenDelta([63]))  # a broken engine path says so
+
+
+async def test_a_request_released_for_a_move_its_proxy_never_finished_is_still_found(
+    server: TokenServer, engine: FakeEngine
+) -> None:
+    """The proxy died after the source's Handoff, before it opened the target's leg: the
+    source's stream has ended and no worker runs the request. The source keeps the
+    released record for the grace, and another proxy's Attach learns it must continue the
+    request elsewhere (a chaos proxy-kill-resume client got 404 for 90 s without it)."""
+    engine.releases = True
+    first = await connect(server)
+    await first.send(resumable(1, "r11", 10_000))
+    seen = await tokens_until(first, 1, 3)
+    await first.send(Release(stream=1, migration="m-1"))
+    while not isinstance(msg := await first.recv(), Handoff):
+        assert isinstance(msg, Tokens) and msg.stream == 1, msg
+        seen += msg.token_ids
+    await until(lambda: "r11" not in engine.live)  # the source's stream has ended
+    await asyncio.sleep(0.05)
+    await first.close()  # then the proxy dies, the move half done
+    second = await connect(server)
+    await second.send(Attach(stream=3, request_id="r11"))
+    attached = await second.recv()
+    assert isinstance(attached, Attached) and attached.released, attached
+    assert attached.finish_reason is None and attached.output_token_ids[: len(seen)] == seen
+    await asyncio.sleep(GRACE_S + 0.3)  # then it is forgotten
+    await second.send(Attach(stream=4, request_id="r11"))
+    gone = await second.recv()
+    assert isinstance(gone, Error) and gone.code == ErrorCode.UNKNOWN_REQUEST.value
+    await second.close()
+
+
+async def test_a_request_that_finished_before_its_proxy_died_hands_over_its_end(
+    server: TokenServer, engine: FakeEngine
+) -> None:
+    """The worker sent every frame, but the proxy died before its client had them all: the
+    finished record is kept for the grace, so another proxy can serve the client the rest
+    (a chaos proxy-kill-resume client got 404 for 90 s without it)."""
+    first = await connect(server)
+    await first.send(resumable(1, "r12", 5))
+    got, finish = await rest(first, 1)
+    assert finish == "length"
+    await first.close()
+    second = await connect(server)
+    await second.send(Attach(stream=2, request_id="r12"))
+    attached = await second.recv()
+    assert isinstance(attached, Attached) and attached.finish_reason == "length"
+    assert attached.output_token_ids == got == [100, 101, 102, 103, 104]
+    await second.close()
