@@ -49,18 +49,3 @@ def logprobs(got: list[sse.Event]) -> dict[str, list[Any]]:
             for key, values in (choice.get("logprobs") or {}).items():
                 out.setdefault(key, []).extend(values or [])
     return out
-
-
-def same_logprobs(a: dict[str, list[Any]], b: dict[str, list[Any]], tol: float = 1e-4) -> bool:
-    """``a`` and ``b`` name the same tokens with logprobs within ``tol`` (two engine runs)."""
-
-    def close(x: object, y: object) -> bool:
-        if isinstance(x, float) or isinstance(y, float):
-            return isinstance(x, int | float) and isinstance(y, int | float) and abs(x - y) <= tol
-        if isinstance(x, dict) and isinstance(y, dict):
-            return x.keys() == y.keys() and all(close(x[k], y[k]) for k in x)
-        if isinstance(x, list) and isinstance(y, list):
-            return len(x) == len(y) and all(close(p, q) for p, q in zip(x, y, strict=True))
-        return x == y
-
-    return close(a, b)
