@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import hashlib
 import time
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
@@ -38,6 +39,14 @@ class GroupReader:
     new entries. Undecodable entries are dead-lettered and acknowledged so
     they are never delivered again. If the group vanished (a Redis restarted
     without persistence) it is created again.
+
+    Nothing acknowledged is handed out twice, also across a failover: the
+    bodies of the last :data:`ACKED_WINDOW` acknowledged entries are
+    remembered, and an entry with one of them is acknowledged and dropped
+    (``duplicate_entries_dropped``). A promoted replica can lack the old
+    master's last acknowledgement (the entry comes back, pending or new) or
+    its last entry (the publisher, whose reply the failover cut, adds it
+    again under a new id): asynchronous replication.
     """
 
     def __init__(
@@ -59,6 +68,8 @@ class GroupReader:
         self._claim_cursor = "0-0"
         self._last_claim = 0.0
         self._group_ready = False
+        self._delivered: dict[str, bytes] = {}  # entry id -> body digest, until acked
+        self._acked = _Window(ACKED_WINDOW)
 
     async def _ensure_group(self) -> None:
         try:
@@ -126,12 +137,27 @@ class GroupReader:
         return first_stream_rows(rows)
 
     async def _accept(self, batch: list[Any]) -> list[Entry]:
-        """Decode a batch; bad entries are dead-lettered and acknowledged at once."""
-        good = await self.bus.decode_or_bury(self.key, batch, self.expect)
+        """Decode a batch; bad entries are dead-lettered and acknowledged at
+        once, entries acknowledged before (a failover's repeats) too."""
+        fresh, repeated = [], []
+        for row in batch:
+            entry_id, raw = as_str(row[0]), row[1]
+            digest = _digest(raw)
+            if digest is not None and digest in self._acked:
+                repeated.append(entry_id)
+                continue
+            fresh.append(row)
+            if digest is not None:
+                self._delivered[entry_id] = digest
+        if repeated:
+            log.info("duplicate_entries_dropped", stream=self.key, ids=repeated)
+        good = await self.bus.decode_or_bury(self.key, fresh, self.expect)
         good_ids = {e.id for e in good}
-        bad = [as_str(i) for i, _ in batch if as_str(i) not in good_ids]
-        if bad:
-            await self.bus.redis.xack(self.key, self.group, *bad)
+        bad = [as_str(i) for i, _ in fresh if as_str(i) not in good_ids]
+        if bad or repeated:
+            await self.bus.redis.xack(self.key, self.group, *bad, *repeated)
+        while len(self._delivered) > ACKED_WINDOW:  # handed out, never acknowledged
+            del self._delivered[next(iter(self._delivered))]
         return good
 
     async def ack(self, *entry_ids: str) -> None:
@@ -140,6 +166,10 @@ class GroupReader:
             await self.bus.retrying(
                 f"XACK {self.key}", lambda: self.bus.redis.xack(self.key, self.group, *entry_ids)
             )
+            for entry_id in entry_ids:
+                digest = self._delivered.pop(entry_id, None)
+                if digest is not None:
+                    self._acked.add(digest)
 
     async def pending(self) -> int:
         """How many entries of the group are delivered but not acknowledged."""
@@ -328,6 +358,37 @@ class Subscriber:
                 continue
             outage.up()
             self._buffer.extend(batch)
+
+
+# Acknowledged bodies a GroupReader remembers: far more than a failover repeats
+# (the publisher looks 64 entries back before adding again).
+ACKED_WINDOW = 4096
+
+
+class _Window:
+    """The last ``size`` items added, for membership tests."""
+
+    def __init__(self, size: int) -> None:
+        self._order: collections.deque[bytes] = collections.deque()
+        self._items: set[bytes] = set()
+        self._size = size
+
+    def __contains__(self, item: bytes) -> bool:
+        return item in self._items
+
+    def add(self, item: bytes) -> None:
+        if item in self._items:
+            return
+        self._order.append(item)
+        self._items.add(item)
+        if len(self._order) > self._size:
+            self._items.discard(self._order.popleft())
+
+
+def _digest(raw: Any) -> bytes | None:
+    """A digest of an entry's body (None: trimmed while pending, or no body)."""
+    body = raw.get(b"body") if raw else None
+    return hashlib.blake2b(body, digest_size=16).digest() if body else None
 
 
 def _id_tuple(entry_id: str) -> tuple[int, int]:

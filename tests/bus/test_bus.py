@@ -7,6 +7,7 @@ import time
 
 import msgpack
 import pytest
+from structlog.testing import capture_logs
 
 from star.bus import Bus, BusUnavailable, GroupReader, Subscriber, parse_dead
 from star.wire import Decision, Event, EventKind, LoadEntry, Report, encode
@@ -16,7 +17,14 @@ from tests.redis_server import RedisServer
 
 def decision(i: int) -> Decision:
     return Decision(
-        id=f"d{i}", request=f"r{i}", source="a", target="b", tick=i, delta_v=-1.0 * i, mode="current", ts=time.time()
+        id=f"d{i}",
+        request=f"r{i}",
+        source="a",
+        target="b",
+        tick=i,
+        delta_v=-1.0 * i,
+        mode="current",
+        ts=time.time(),
     )
 
 
@@ -70,6 +78,35 @@ async def test_group_reader_acks_and_never_redelivers(bus: Bus) -> None:
     await again.ack(*ids[3:])
     assert await again.read(block_ms=50) == []
     assert await again.pending() == 0
+
+
+async def test_group_reader_drops_what_a_failover_repeats(bus: Bus) -> None:
+    """What a promoted replica can hand out again: an entry whose acknowledgement
+    it lacks (the group's position goes back) and an entry the publisher adds
+    again after its reply was cut (same body, new id). Neither reaches the
+    caller twice; what was never acknowledged still comes again."""
+    sent = [decision(i) for i in range(4)]
+    ids = [await bus.publish("decisions", m) for m in sent]
+    reader = GroupReader(bus, "decisions", "g", "c1", Decision)
+    got = await reader.read()
+    assert [e.id for e in got] == ids
+    await reader.ack(*ids[:3])  # the fourth stays pending, never acknowledged
+    # The new master's group is behind, and it lacks the ack of the first three.
+    await bus.redis.xgroup_setid(bus.keys.decisions, "g", "0")
+    again = await bus.publish("decisions", sent[1], retry=False)  # re-added, new id
+    assert again not in ids
+    with capture_logs() as logs:
+        redelivered = await reader.read()
+    assert [e.id for e in redelivered] == [ids[3]]  # only the unacknowledged one
+    assert [e["ids"] for e in logs if e["event"] == "duplicate_entries_dropped"] == [
+        [*ids[:3], again]
+    ]
+    await reader.ack(ids[3])
+    assert await reader.read(block_ms=50) == []
+    assert await reader.pending() == 0  # the dropped repeats were acknowledged
+    # A new decision with its own body still comes through.
+    fresh = await bus.publish("decisions", decision(9))
+    assert [e.id for e in await reader.read()] == [fresh]
 
 
 async def test_chunks_decode_lazily_let_the_loop_run_between_and_ack_per_batch(
@@ -177,7 +214,9 @@ async def test_subscriber_sees_every_entry_in_order(bus: Bus) -> None:
     async def producer() -> list[str]:
         out = []
         for i in range(200):
-            out.append(await bus.publish("events", Event.now(EventKind.FINISHED, "p", request=f"r{i}")))
+            out.append(
+                await bus.publish("events", Event.now(EventKind.FINISHED, "p", request=f"r{i}"))
+            )
         return out
 
     task = asyncio.create_task(producer())
@@ -188,7 +227,10 @@ async def test_subscriber_sees_every_entry_in_order(bus: Bus) -> None:
 
 
 async def test_load_hash_roundtrip_and_bad_values_skipped(bus: Bus) -> None:
-    entries = [LoadEntry(f"d{i}", "decode", f"127.0.0.1:{9000 + i}", 10 * i, 1000, 1.5 * i, i, time.time()) for i in range(3)]
+    entries = [
+        LoadEntry(f"d{i}", "decode", f"127.0.0.1:{9000 + i}", 10 * i, 1000, 1.5 * i, i, time.time())
+        for i in range(3)
+    ]
     await bus.publish_load(entries, ttl_s=5)
     await bus.redis.hset(bus.keys.load, "broken", b"garbage")
     view = await bus.read_load()
@@ -261,9 +303,18 @@ async def test_report_roundtrip_over_the_bus(bus: Bus) -> None:
     from star.wire import RequestLoad
 
     report = Report(
-        instance="decode-0", role="decode", seq=7, ts=time.time(), address="127.0.0.1:1",
-        capacity_tokens=1000, used_tokens=30, bytes_per_token=4096, step_time_s=0.01, delta=32,
-        trace=[30.0, 20.0], requests=[RequestLoad("r1", 30, 10, 12.5)],
+        instance="decode-0",
+        role="decode",
+        seq=7,
+        ts=time.time(),
+        address="127.0.0.1:1",
+        capacity_tokens=1000,
+        used_tokens=30,
+        bytes_per_token=4096,
+        step_time_s=0.01,
+        delta=32,
+        trace=[30.0, 20.0],
+        requests=[RequestLoad("r1", 30, 10, 12.5)],
     )
     await bus.publish("reports", report)
     got = await GroupReader(bus, "reports", "g", "c", Report).read()
@@ -294,11 +345,20 @@ async def test_publish_retry_after_lost_reply_does_not_duplicate(bus: Bus) -> No
 
 
 async def test_request_events_are_one_requests_events_in_order(bus: Bus) -> None:
-    await bus.publish("events", Event(EventKind.DISPATCHED, 1.0, "proxy:p", request="a", instance="d0"))
-    await bus.publish("events", Event(EventKind.DISPATCHED, 2.0, "proxy:p", request="b", instance="d1"))
+    await bus.publish(
+        "events", Event(EventKind.DISPATCHED, 1.0, "proxy:p", request="a", instance="d0")
+    )
+    await bus.publish(
+        "events", Event(EventKind.DISPATCHED, 2.0, "proxy:p", request="b", instance="d1")
+    )
     await bus.redis.xadd(bus.keys.stream("events"), {"kind": "event", "body": b"\xc1 not msgpack"})
     await bus.redis.xadd(bus.keys.stream("events"), {"kind": "event"})  # no body
-    await bus.publish("events", Event(EventKind.FINISHED, 3.0, "proxy:p", request="a", instance="d0"))
+    await bus.publish(
+        "events", Event(EventKind.FINISHED, 3.0, "proxy:p", request="a", instance="d0")
+    )
     got = await bus.request_events("a")
-    assert [(e.event, e.ts) for e in got] == [(EventKind.DISPATCHED, 1.0), (EventKind.FINISHED, 3.0)]
+    assert [(e.event, e.ts) for e in got] == [
+        (EventKind.DISPATCHED, 1.0),
+        (EventKind.FINISHED, 3.0),
+    ]
     assert await bus.request_events("nobody") == []
