@@ -308,10 +308,18 @@ class _Connection:
                     if record is not None:
                         record.add(delta)
                     conn = stream.conn
-                    if conn is not None:
+                    if conn is None:
+                        continue
+                    try:
                         if delta.prompt is not None:
                             await conn.send(delta.prompt.to_frame(stream.id))
                         await conn.send(delta.to_frame(stream.id))
+                    except ConnectionError:
+                        if record is None:
+                            raise
+                        # Its proxy died while this waited on its socket: the
+                        # record has the delta, and the connection's close
+                        # orphans the request (or aborts it). It decodes on.
         except WorkerError as exc:
             bound.info("stream_failed", code=exc.code.value, error=str(exc))
             if record is not None:

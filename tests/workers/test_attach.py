@@ -104,6 +104,45 @@ async def test_an_orphan_decodes_on_and_another_proxy_takes_it_exactly_once(
     await second.close()
 
 
+@pytest.mark.parametrize("reset", ["before-eof", "after-eof"])
+async def test_an_orphan_whose_send_was_waiting_on_the_dead_socket_decodes_on(
+    server: TokenServer, engine: FakeEngine, reset: str
+) -> None:
+    """A proxy that stopped reading, then died: the stream's task was blocked
+    in drain() and the reset reaches it before or after the read loop's EOF
+    (chaos proxy-kill-resume: such a request was attached at 520 of 600
+    tokens, never ended, and its client waited out its read timeout)."""
+    first = await connect(server)
+    await first.send(resumable(1, "r9", 40))
+    seen = await tokens_until(first, 1, 3)
+    conn = server.resumable["r9"].conn
+    assert conn is not None
+    dead = asyncio.Event()
+
+    async def stuck() -> None:  # the socket's buffers full, then the peer's RST
+        await dead.wait()
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+    conn.writer.drain = stuck  # type: ignore[method-assign]
+    await asyncio.sleep(0.05)  # the stream's task waits in drain()
+    if reset == "before-eof":
+        dead.set()
+        await asyncio.sleep(0.05)
+    await first.close()
+    dead.set()
+    await asyncio.sleep(0.1)
+    assert "r9" in engine.live  # held, decoding on
+    second = await connect(server)
+    await second.send(Attach(stream=2, request_id="r9"))
+    attached = await second.recv()
+    assert isinstance(attached, Attached) and attached.output_token_ids[:3] == seen
+    assert attached.finish_reason is None
+    after, finish = await rest(second, 2)
+    assert attached.output_token_ids + after == [100 + i for i in range(40)]
+    assert finish == "length" and engine.finished == ["r9"]
+    await second.close()
+
+
 async def test_a_continuation_reports_the_tokens_before_it(server: TokenServer) -> None:
     c = await connect(server)
     leg = resumable(2, "r2", 3)
