@@ -166,6 +166,16 @@ class SchedulerService(Service):
             if score is not None:
                 self.metrics.predictor_scored(score, self.accuracy)
             resolved = self.view.apply_event(event)
+            for instance in self.view.suspected:
+                log.warning(
+                    "instance_suspected_excluded",
+                    instance=instance,
+                    migration_id=event.migration,
+                    side=event.detail,
+                    reason=event.data.get("reason", ""),
+                    hint="back with its next report; a dead worker stays out",
+                )
+            self.view.suspected.clear()
             if resolved is not None:
                 decision, outcome = resolved
                 self.metrics.decisions.labels(decision.mode, outcome).inc()

@@ -3,7 +3,8 @@
 Paper §5.2, Algorithm 1 line 4 ("Collect worker states and update the average
 workload"): the scheduler keeps the newest report of every instance, drops an
 instance whose reports stop for longer than ``staleness_s`` (or at once when
-its worker announces ``worker_down``, until it reports again) and, per
+its worker announces ``worker_down``, or a migration's ABORTED event names it
+as the side that failed, until it reports again) and, per
 docs/design.md §3.3, books each decided move on the target at once — until the migration's
 outcome arrives on ``<prefix>:events`` the request counts on the target, not
 on the source, and both instances are "in flight" (no second migration; the
@@ -42,6 +43,12 @@ TERMINAL: dict[EventKind, str] = {
     EventKind.REFUSED: "refused",
     EventKind.EXPIRED: "expired",
 }
+
+
+# ABORTED details naming the instance that failed (its ``instance``): the
+# source lost or silent, the target unreachable or failed before its first
+# token (proxy/migration.py). "client" (the request ended meanwhile) does not.
+FAILED_SIDES = frozenset({"src", "dst"})
 
 
 @dataclass(slots=True)
@@ -185,6 +192,8 @@ class ClusterView:
     settling: dict[str, Settling] = field(default_factory=dict)  # by request id
     # instance -> ``ts`` of its worker_down (the worker's clock, like Report.ts)
     down: dict[str, float] = field(default_factory=dict)
+    # Instances apply_event took out (suspect), for the caller to log and clear.
+    suspected: list[str] = field(default_factory=list)
     # Columns (Seen.column) each report converts when it is applied, so a tick
     # only joins them: the scheduler's mode's (planner_columns); others on demand.
     columns: tuple[str, ...] = ()
@@ -231,6 +240,22 @@ class ClusterView:
         seen.stale = True
         return True
 
+    def suspect(self, instance: str) -> bool:
+        """A move's source or target failed (an ABORTED event names it): no move
+        to or from it, and no dispatch, until it reports again.
+
+        A dead worker's reports stop, so it stays out until it is back
+        (without this, until ``staleness_s``: a SIGKILLed target was chosen
+        again and again, each time a recompute for the request it was to
+        take); a live one's next report (``report_interval_s``) brings it
+        back. The mark is its own last report's ``ts`` (its clock: no skew
+        with the proxy's). True if it was live.
+        """
+        seen = self.seen.get(instance)
+        if seen is None or seen.stale:
+            return False
+        return self.mark_down(instance, seen.report.ts)
+
     def mark_stale(self, now: float) -> list[str]:
         """Flag instances whose reports stopped; returns the newly stale ones."""
         newly = []
@@ -254,6 +279,9 @@ class ClusterView:
         Returns ``(decision, outcome)`` when the event ends one. A request that
         finishes while migrating also ends its migration ("finished").
         """
+        if event.event is EventKind.ABORTED and event.detail in FAILED_SIDES and event.instance:
+            if self.suspect(event.instance):
+                self.suspected.append(event.instance)
         if event.event in TERMINAL and event.migration in self.in_flight:
             flight = self.in_flight.pop(event.migration)
             if event.event is EventKind.RESUMED:

@@ -285,6 +285,42 @@ def test_a_down_instance_is_neither_source_nor_target() -> None:
     assert not plan(v.instances(params), params).moves
 
 
+# (the ABORTED event's detail and instance, live instances after it, after b's next report)
+SUSPECT_CASES = [
+    pytest.param("dst", "b", ["a", "c"], ["a", "b", "c"], id="the target failed"),
+    pytest.param("src", "a", ["b", "c"], ["b", "c"], id="the source failed"),
+    pytest.param("client", "b", ["a", "b", "c"], ["a", "b", "c"], id="the request ended"),
+    pytest.param("dst", "", ["a", "b", "c"], ["a", "b", "c"], id="no instance named"),
+    pytest.param("dst", "x", ["a", "b", "c"], ["a", "b", "c"], id="an unknown instance"),
+]
+
+
+@pytest.mark.parametrize(("detail", "named", "live", "after"), SUSPECT_CASES)
+def test_the_side_a_move_failed_on_is_out_until_it_reports_again(
+    detail: str, named: str, live: list[str], after: list[str]
+) -> None:
+    """Chaos decode-kill: the scheduler sent move after move to a SIGKILLed
+    target (its reports fresh for staleness_s), each aborted and each a
+    recompute, until the request's recovery budget ran out."""
+    params = PlannerParams(mode=Mode.parse("current"))
+    v = view()
+    v.apply_report(at(report("a", [4000, 3000, 2500]), 100.0), now=0.0)
+    v.apply_report(at(report("b", [10]), 100.0), now=0.0)
+    v.apply_report(at(report("c", [300]), 100.0), now=0.0)
+    v.book(decision(), now=0.0)
+    got = v.apply_event(
+        Event(EventKind.ABORTED, 100.2, "proxy:p", migration="m1", instance=named, detail=detail)
+    )
+    assert got is not None and got[1] == "aborted"
+    assert v.suspected == ([named] if live != ["a", "b", "c"] else [])
+    assert sorted(i.id for i in v.instances(params)) == live
+    assert sorted(e.instance for e in v.load_entries({}, 0.0)) == live  # nor dispatched to
+    if "b" not in live:
+        assert "b" not in {m.target for m in plan(v.instances(params), params).moves}
+    v.apply_report(at(report("b", [10], seq=2), 100.5), now=0.5)  # alive: its next report
+    assert sorted(i.id for i in v.instances(params)) == after
+
+
 # (reports as (instance, loads, draining), planner moves as (source, target),
 # instances in the dispatch view). "a" is overloaded, "b" idle, "c" light.
 DRAIN_CASES = [
