@@ -11,7 +11,10 @@ prefix of the reference); one whose connection closed without ``[DONE]`` or
 an error was cut. A resuming client (``resume``) that is cut asks the
 proxies in turn for the rest after the last event id it got
 (``GET /v1/streams/{id}``, docs/operations.md "Resuming a stream") and is
-judged on the whole text.
+judged on the whole text; one that got no response at all (its proxy died
+between taking the request and its first event: no id to resume from) sends
+it again to the next proxy, as the openai SDK's ``max_retries`` does with a
+connection error before a response.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from benchmarks.chaos.fleet import MODEL
 from benchmarks.client import payload
 
 SSE = {"accept": "text/event-stream"}  # proxy.app.wants_event_ids
+RETRIES = 2  # the openai SDK's default max_retries
 
 WORDS = "river lantern copper meadow falcon quartz harbor ember violet canyon".split()
 
@@ -53,6 +57,8 @@ class Stream:
     error: str = ""  # an SSE error event, or a non-200 answer
     cut: str = ""  # the connection ended without [DONE] or an error
     request_id: str = ""
+    responded: bool = False  # a status line came back
+    retried: int = 0  # sent again after no response at all
     started: float = 0.0
     first_token: float | None = None
     times: list[float] = field(default_factory=list)
@@ -88,6 +94,13 @@ async def stream(
         "completions", MODEL, prompt, max_tokens, {"temperature": 0.0, "ignore_eos": True}
     )
     await _read(client, "POST", url + "/v1/completions", body, out)
+    for proxy in (resume or [])[:RETRIES]:
+        if not out.cut or out.responded:
+            break
+        out.attempts.append(f"{url}: no response ({out.cut[:80]}), sent again to {proxy}")
+        out.cut, out.retried = "", out.retried + 1
+        url = proxy
+        await _read(client, "POST", url + "/v1/completions", body, out)
     if resume and out.cut and out.last_id:
         cut_at = time.monotonic()
         until = cut_at + resume_within_s
@@ -120,6 +133,7 @@ async def _read(client: httpx.AsyncClient, method: str, url: str, body: Any, out
     try:
         # An SSE client (accept: text/event-stream): its events carry ids to resume from.
         async with client.stream(method, url, json=body, headers=SSE) as resp:
+            out.responded = True
             if resp.status_code != 200:
                 out.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
                 return
@@ -249,4 +263,6 @@ def summary(streams: list[Stream], refs: dict[str, str], tokens: Tokens) -> dict
     out["examples"] = examples
     if any(s.resumes for s in streams):
         out["resumed"] = sum(1 for s in streams if s.resumes)
+    if any(s.retried for s in streams):
+        out["retried"] = sum(1 for s in streams if s.retried)
     return out

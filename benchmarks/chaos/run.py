@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -233,6 +234,11 @@ def _table(rows: list[dict[str, Any]]) -> str:
 
 async def _main(args: argparse.Namespace, names: list[str], run_dir: Path) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
+    # SIGTERM (a test past its time, systemd) ends the run the way Ctrl-C does:
+    # the fleet stops and the namespaces go.
+    main = asyncio.current_task()
+    assert main is not None
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main.cancel)
     ttl = json.dumps({"kv_connector_extra_config": {"decoder_kv_blocks_ttl": TTL_S}})
     env = {
         **os.environ,

@@ -19,8 +19,12 @@ from benchmarks.chaos.scenarios import SCENARIOS
 from tests.procs import cluster_env, reaper
 
 QUICK = {name for name, (_, quick) in SCENARIOS.items() if quick}
+# The quick run takes 2.5-5 min (the fleet's start included); past RUN_S it is
+# stopped and what it printed so far is the failure. The test's own limit is above it.
+RUN_S = 840
 
 
+@pytest.mark.timeout(RUN_S + 60)
 def test_quick_chaos_suite_loses_nothing(tmp_path: Path) -> None:
     reason = unavailable()
     if reason is not None:
@@ -28,15 +32,7 @@ def test_quick_chaos_suite_loses_nothing(tmp_path: Path) -> None:
     out = tmp_path / "rows.json"
     before = _namespaces()
     with reaper(str(tmp_path)) as mark:
-        done = subprocess.run(
-            [sys.executable, "-m", "benchmarks.chaos.run", "--quick", "--tokens", "600",
-             "--out", str(out)],
-            env=cluster_env(**mark),
-            cwd=Path(__file__).resolve().parents[2],
-            capture_output=True,
-            text=True,
-            timeout=1500,
-        )  # fmt: skip
+        done = _run_quick(out, cluster_env(**mark))
     assert out.exists(), f"no rows (exit {done.returncode}):\n{done.stderr[-3000:]}"
     rows = {row["scenario"]: row for row in json.loads(out.read_text())}
     assert set(rows) == QUICK, done.stderr[-3000:]
@@ -55,6 +51,28 @@ def test_quick_chaos_suite_loses_nothing(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     assert not [line for line in done.stderr.splitlines() if "left behind" in line]
     assert _namespaces() <= before, "the run left network namespaces behind"
+
+
+def _run_quick(out: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """``benchmarks.chaos.run --quick``; past RUN_S interrupted (its fleet and
+    namespaces are taken down) and what it printed so far is the failure."""
+    argv = [sys.executable, "-m", "benchmarks.chaos.run", "--quick", "--tokens", "600",
+            "--out", str(out)]  # fmt: skip
+    cwd = Path(__file__).resolve().parents[2]
+    with subprocess.Popen(
+        argv, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=RUN_S)
+        except subprocess.TimeoutExpired:
+            proc.terminate()  # the run stops its fleet and removes its namespaces
+            try:
+                _, stderr = proc.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                _, stderr = proc.communicate()
+            pytest.fail(f"the quick chaos run took over {RUN_S} s; it printed:\n{stderr[-4000:]}")
+    return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
 
 
 def _diagnosis(name: str, row: dict[str, object], out: Path) -> str:
