@@ -550,6 +550,11 @@ class ClusterBackend:
     def emit_event(self, event: Event) -> None:
         self._emit(event)
 
+    async def rejoin(self, instance: str, address: str, request_id: str) -> adopt.Found | None:
+        """``request_id`` on ``instance`` again after this proxy's connection to it
+        broke (:meth:`proxy.decode_run.DecodeRun._rejoin`); None: not held there."""
+        return await adopt.attach(self.pool, [(instance, address)], request_id)
+
     async def open_leg(self, address: str) -> Stream:
         client = await self.pool.get(address)
         return client.open()

@@ -51,11 +51,13 @@ from star.bus import Bus, Subscriber
 from star.decisions import DecisionGate, report_drop
 from star.wire import (
     Abort,
+    Attached,
     Decision,
     Error,
     Event,
     Generate,
     Handoff,
+    LogprobTokens,
     Message,
     PromptLogprobs,
     Release,
@@ -235,12 +237,60 @@ class DecodeRun:
             except TimeoutError:
                 continue  # the loop's top says which
             except ConnectionLost as exc:
-                return Lost(str(exc))
+                self._waiting = None
+                rejoined = await self._rejoin()
+                if rejoined is None:
+                    return Lost(str(exc))
+                if rejoined is _RUNS_ON:
+                    continue
+                return rejoined
             finally:
                 self._waiting = None
             if isinstance(msg, Tokens | Handoff | Error | PromptLogprobs):
                 return Received(msg, time.monotonic())
             # nothing else belongs to a request's stream
+
+    async def _rejoin(self) -> Received | object | None:
+        """After a plain loss of the leg's connection, a resumable request its
+        worker still holds runs on there: the worker dropped this proxy as
+        silent (a starved event loop), or this proxy dropped the worker. No
+        recompute, and no orphan decoding on there for ``worker.orphan_grace_s``
+        beside a recompute elsewhere (which, fleet-wide, starved the fleet
+        further). The tokens it generated meanwhile come as one frame
+        (:data:`_RUNS_ON`: none; None: not held there, recover as usual).
+        """
+        rejoin = getattr(self.fleet, "rejoin", None)
+        m = self.machine
+        if (
+            rejoin is None
+            or not self.req.context
+            or m.state is not RunState.DECODING
+            or m.pending is not None
+            or not m.address
+        ):
+            return None
+        found = await rejoin(m.instance, m.address, self.req.request_id)
+        if found is None:
+            return None
+        frame = rejoined_frame(found.attached, m.generated, found.leg.id)
+        if frame is None:  # released for a move, or not this run's tokens
+            found.leg.close()
+            with contextlib.suppress(ConnectionLost):
+                await found.leg.send(Abort(found.leg.id))
+            return None
+        assert self.leg is not None
+        self.leg.close()
+        self.leg = found.leg
+        log.info(
+            "stream_rejoined",
+            request_id=self.req.request_id,
+            instance=m.instance,
+            tokens=len(frame.token_ids),
+            finished=frame.finish_reason is not None,
+        )
+        if not frame.token_ids and frame.finish_reason is None:
+            return _RUNS_ON
+        return Received(frame, time.monotonic())
 
     async def _perform(self, first: Input) -> list[TokenBatch]:
         """Feed ``first`` to the machine and do what it says (answering its questions)."""
@@ -307,6 +357,36 @@ class DecodeRun:
 
     def _emit(self, action: Emit) -> None:
         self.fleet.emit_event(event(action, self.fleet.origin, self.req.request_id))
+
+
+_RUNS_ON = object()  # _rejoin: the leg runs on, nothing new yet
+
+
+def rejoined_frame(done: Attached, have: list[int], stream: int) -> Tokens | None:
+    """The frame that brings a run holding ``have`` up to ``done`` (an Attach's
+    answer from the worker it ran on): the tokens after ``have``, with their
+    logprobs if it asked for some, and the end if it has ended. None when
+    ``done`` is not where ``have`` left off (released for a move, other tokens,
+    logprobs the worker does not hold)."""
+    out = done.output_token_ids
+    if done.released or out[: len(have)] != have:
+        return None
+    gap = out[len(have) :]
+    if done.logprobs is None:
+        return Tokens(stream, gap, done.finish_reason, done.stop_reason)
+    start = len(have) - done.scored_from  # the gap's first position in the scored arrays
+    if start < 0:
+        return None
+    k = len(done.top_ids) // len(done.logprobs) if done.logprobs else 0
+    return LogprobTokens(
+        stream,
+        gap,
+        done.finish_reason,
+        done.stop_reason,
+        logprobs=done.logprobs[start:],
+        top_ids=done.top_ids[start * k :],
+        top_logprobs=done.top_logprobs[start * k :],
+    )
 
 
 def resumable(frame: Generate, context: bytes) -> ResumableGenerate:

@@ -280,3 +280,44 @@ async def test_a_stopping_proxy_hands_its_streams_to_the_workers(
 
 def first_request(engine: FakeEngine) -> str:
     return engine.started[0]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+async def test_a_stream_whose_worker_dropped_its_proxy_runs_on_there(
+    worker: tuple[TokenServer, FakeEngine],
+    second_proxy: tuple[ProxyApp, HttpServer],
+    card: ModelCard,
+    chat: bool,
+) -> None:
+    """A worker drops a starved proxy as silent: the proxy attaches its requests
+    there again (stream_rejoined) instead of recomputing them elsewhere while
+    the orphans decode on (an e2e cell at 2P+6D held 208 such orphans, 121 of
+    them decoding their whole grace beside their recompute)."""
+    srv, engine = worker
+    _, http = second_proxy
+    parsed = _parsed(card, chat)
+    route = "/v1/chat/completions" if chat else "/v1/completions"
+    body: dict[str, Any] = {"model": "tiny", "stream": True, "max_tokens": TOKENS}
+    body |= {"stream_options": {"include_usage": True}, "stop": ["never-in-the-text"]}
+    body |= {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "héllo"}
+    whole_reader = Reader(Relay(parsed, created=77), Position(), Tagger(SECRET))
+    ids = [FIRST + i for i in range(TOKENS)]
+    whole = sse.SSEDecoder().feed(whole_reader.feed(TokenBatch(ids, "length")) + whole_reader.end())
+    events: list[sse.Event] = []
+    async with httpx.AsyncClient(
+        base_url=f"http://127.0.0.1:{http.port}", timeout=30, headers=SSE
+    ) as c:
+        async with c.stream("POST", route, json=body) as resp:
+            assert resp.status_code == 200, await resp.aread()
+            decoder, dropped = sse.SSEDecoder(), False
+            async for chunk in resp.aiter_raw():
+                events += decoder.feed(chunk)
+                if not dropped and len(events) >= 4:
+                    dropped = True
+                    for conn in list(srv._connections):  # the worker finds its proxy silent
+                        conn._silent(2.0)
+    assert dropped and _text(events) == _text(whole) != ""
+    assert _usage(events) == TOKENS and events[-1].data == sse.DONE_DATA
+    # One engine request, never started again elsewhere, never an orphan aborted.
+    (rid,) = set(engine.started)
+    assert engine.started == [rid] and engine.finished == [rid] and engine.aborted == []

@@ -11,19 +11,22 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
 from proxy.backend import BackendError, GenerationRequest, TokenBatch
-from proxy.decode_run import DecodeRun, Migrator
+from proxy.decode_run import DecodeRun, Migrator, rejoined_frame
 from proxy.upstream import ConnectionLost
 from star.wire import (
     Abort,
+    Attached,
     Decision,
     Error,
     Event,
     Generate,
     Handoff,
+    LogprobTokens,
     Message,
     PromptLogprobs,
     Release,
@@ -501,3 +504,50 @@ async def test_prompt_logprobs_from_a_leg_go_out_with_its_first_batch_once() -> 
     await client.task
     assert client.tokens == [1, 2, 3] and client.error is None
     assert [b.prompt for b in client.batches[1:]] == [None]
+
+
+def _attached(out: list[int], **kw: object) -> Attached:
+    return Attached(stream=9, request_id="r", prompt_token_ids=[1], output_token_ids=out,
+                    context=b"", **kw)  # type: ignore[arg-type]  # fmt: skip
+
+
+# (the worker's answer, the tokens the run holds, the frame it gets: token ids,
+# finish, logprobs and top ids; None: recover as before)
+REJOIN_CASES = [
+    pytest.param(_attached([5, 6, 7, 8]), [5, 6], ([7, 8], None, None, None), id="decoded on"),
+    pytest.param(_attached([5, 6]), [5, 6], ([], None, None, None), id="nothing new yet"),
+    pytest.param(
+        _attached([5, 6, 7], finish_reason="length"), [5], ([6, 7], "length", None, None),
+        id="ended meanwhile",
+    ),
+    pytest.param(_attached([5, 6, 7], released=True), [5], None, id="released for a move"),
+    pytest.param(_attached([5, 9, 7]), [5, 6], None, id="not this run's tokens"),
+    pytest.param(
+        _attached([5, 6, 7, 8], logprobs=[-0.6, -0.7, -0.8], top_ids=[1, 2, 3, 4, 5, 6],
+                  top_logprobs=[-1.0, -1.1, -2.0, -2.1, -3.0, -3.1], scored_from=1),
+        [5, 6], ([7, 8], None, [-0.7, -0.8], [3, 4, 5, 6]),
+        id="logprobs of the gap (scored after a continuation's first token)",
+    ),
+    pytest.param(
+        _attached([5, 6, 7], logprobs=[-0.7], scored_from=2), [5], None,
+        id="logprobs of a token the worker did not compute",
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("done", "have", "want"), REJOIN_CASES)
+def test_a_rejoined_run_gets_the_tokens_after_its_own(
+    done: Attached, have: list[int], want: tuple[Any, ...] | None
+) -> None:
+    frame = rejoined_frame(done, have, stream=3)
+    if want is None:
+        assert frame is None
+        return
+    assert frame is not None and frame.stream == 3
+    ids, finish, logprobs, top = want
+    assert (frame.token_ids, frame.finish_reason) == (ids, finish)
+    if logprobs is None:
+        assert not isinstance(frame, LogprobTokens)
+    else:
+        assert isinstance(frame, LogprobTokens) and frame.consistent()
+        assert (frame.logprobs, frame.top_ids) == (logprobs, top)
