@@ -6,9 +6,11 @@ invalid ones for the error shapes) to a plain vLLM OpenAI server and to a
 STAR fleet on the same model, and compares the responses field by field:
 each choice's text (token for token), ``finish_reason`` and ``stop_reason``,
 tool calls and reasoning, logprobs (values within ``--tol``, token strings
-exactly), usage, and for refusals the HTTP status and the error's ``type``.
-Ids, timestamps and tool-call ids are not compared; neither are error
-messages' wording. A streamed response is compared as the whole it puts
+exactly), usage, and for refusals the HTTP status and the error's ``type``;
+and the answers' shapes: every field path either carries (each chunk's of a
+stream, the usage chunk's apart), so a field one server writes (``null``
+included) and the other leaves out is a difference. Ids, timestamps and
+tool-call ids are not compared; neither are error messages' wording. A streamed response is compared as the whole it puts
 together (text, logprobs and tool-call arguments concatenated per choice,
 the last finish reason, the usage chunk).
 
@@ -277,6 +279,9 @@ class Outcome:
 
     status: int = 0
     doc: dict[str, Any] = field(default_factory=dict)  # the comparable fields
+    # Every field path the answer carried (``choices[].delta.content``; a
+    # stream's: those of its chunks, and of its usage chunk apart): its shape.
+    fields: set[str] = field(default_factory=set)
     request_ids: list[str] = field(default_factory=list)  # response ids seen (chunks' ``id``)
     error: str = ""  # a transport failure (no answer)
 
@@ -452,6 +457,7 @@ async def send(
                 doc = resp.json()
             except ValueError:
                 doc = {"error": {"type": None, "message": resp.text[:200]}}
+            out.fields = field_paths(doc)
             if resp.status_code != 200:
                 out.doc = _error(resp.status_code, doc)
             else:
@@ -467,6 +473,7 @@ async def send(
                 except ValueError:
                     doc = {"error": {"type": None, "message": raw[:200].decode(errors="replace")}}
                 out.doc = _error(resp.status_code, doc)
+                out.fields = field_paths(doc)
                 return out
             chunks: list[dict[str, Any]] = []
             stream_error = None
@@ -478,6 +485,8 @@ async def send(
                     stream_error = doc["error"]
                     continue
                 chunks.append(doc)
+                # The usage chunk (no choices) is a shape of its own.
+                out.fields |= field_paths(doc, "usage chunk: " if not doc.get("choices") else "")
                 if doc.get("id") and doc["id"] not in out.request_ids:
                     out.request_ids.append(doc["id"])
             out.doc = assembled(case.route, chunks)
@@ -492,6 +501,35 @@ async def send(
 # -- comparison -----------------------------------------------------------------------------
 
 IGNORED = {"message", "stream_error_message"}  # error wording: reported, not compared
+# Fields whose values are maps keyed by token text (completions' top_logprobs)
+# or free-form: their own keys are not a shape.
+_OPAQUE = {"top_logprobs", "prompt_logprobs", "arguments", "parameters", "metrics"}
+
+
+def field_paths(doc: Any, prefix: str = "") -> set[str]:
+    """Every field path of a JSON answer: ``choices[].message.content``; lists as ``[]``."""
+    out: set[str] = set()
+
+    def walk(v: Any, path: str) -> None:
+        if isinstance(v, dict):
+            for k, x in v.items():
+                p = f"{path}.{k}" if path else str(k)
+                out.add(prefix + p)
+                if k not in _OPAQUE:
+                    walk(x, p)
+        elif isinstance(v, list):
+            for x in v:
+                walk(x, path + "[]")
+
+    walk(doc, "")
+    return out
+
+
+def shape_differences(a: set[str], b: set[str]) -> list[str]:
+    """The fields only one of two answers carried (``a`` vLLM's, ``b`` STAR's)."""
+    return [f"field {p} (only in vLLM)" for p in sorted(a - b)] + [
+        f"field {p} (only in STAR)" for p in sorted(b - a)
+    ]
 
 
 def differences(a: Any, b: Any, tol: float, path: str = "") -> list[str]:
@@ -830,6 +868,8 @@ def compare(
     rows = []
     for i, ((case, stream), a, b) in enumerate(zip(table, vllm, star, strict=True)):
         row = Row(case, stream, a, b, differences(a.doc, b.doc, tol))
+        if a.status == b.status and not (a.error or b.error):
+            row.diffs += shape_differences(a.fields, b.fields)
         if migrated is not None:
             tries, what = migrated[i]
             row.migrated = what
@@ -837,6 +877,7 @@ def compare(
                 (f"try {k + 1}: " if len(tries) > 1 else "") + d
                 for k, m in enumerate(tries)
                 for d in differences(a.doc, m.doc, tol)
+                + (shape_differences(a.fields, m.fields) if a.status == m.status else [])
             ]
         rows.append(row)
     return rows

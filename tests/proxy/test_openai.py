@@ -10,7 +10,14 @@ import pytest
 from proxy import sse
 from proxy.backend import TokenBatch
 from proxy.http import HttpError
-from proxy.openai import ParsedRequest, Relay, models_payload, parse_chat, parse_completion
+from proxy.openai import (
+    FINGERPRINT,
+    ParsedRequest,
+    Relay,
+    models_payload,
+    parse_chat,
+    parse_completion,
+)
 from proxy.tokenizer import ModelCard, compile_template
 
 MODEL = "tiny"
@@ -263,12 +270,15 @@ def ids(card: ModelCard, text: str) -> list[int]:
     return list(card.tokenizer.encode(text).ids)
 
 
-def test_completion_stream_chunks_have_openai_shape(card: ModelCard) -> None:
+def test_completion_stream_chunks_have_vllms_shape(card: ModelCard) -> None:
     p = completion(card, stream=True, stream_options={"include_usage": True})
     a, b = ids(card, "Hello"), ids(card, " 你好")
     _, chunks = run_relay(p, [TokenBatch(a), TokenBatch(b, "length")])
     rid = p.gen.request_id
-    base = {"id": rid, "object": "text_completion", "created": 123, "model": MODEL, "usage": None}
+    # vLLM 0.32's chunks (model_dump_json(exclude_unset=True)): no usage on a
+    # token chunk, the token ids it was not asked to return as null.
+    base = {"id": rid, "object": "text_completion", "created": 123, "model": MODEL}
+    ids_null = {"prompt_token_ids": None, "token_ids": None}
     assert chunks == [
         {
             **base,
@@ -279,6 +289,7 @@ def test_completion_stream_chunks_have_openai_shape(card: ModelCard) -> None:
                     "logprobs": None,
                     "finish_reason": None,
                     "stop_reason": None,
+                    **ids_null,
                 }
             ],
         },
@@ -291,6 +302,7 @@ def test_completion_stream_chunks_have_openai_shape(card: ModelCard) -> None:
                     "logprobs": None,
                     "finish_reason": "length",
                     "stop_reason": None,
+                    **ids_null,
                 }
             ],
         },
@@ -302,11 +314,12 @@ def test_completion_stream_chunks_have_openai_shape(card: ModelCard) -> None:
                 "completion_tokens": len(a) + len(b),
                 "total_tokens": len(p.gen.prompt_token_ids) + len(a) + len(b),
             },
+            "system_fingerprint": FINGERPRINT,  # where vLLM stamps its own
         },
     ]
 
 
-def test_chat_stream_chunks_have_openai_shape(card: ModelCard) -> None:
+def test_chat_stream_chunks_have_vllms_shape(card: ModelCard) -> None:
     p = chat(card, stream=True)
     _, chunks = run_relay(p, [TokenBatch(ids(card, "Hi")), TokenBatch([], "stop", 9)])
     base = {
@@ -326,11 +339,20 @@ def test_chat_stream_chunks_have_openai_shape(card: ModelCard) -> None:
                     "finish_reason": None,
                 }
             ],
+            # vLLM names the prompt on a choice's first chunk (null unless asked)
+            "prompt_token_ids": None,
+            "prompt_text": None,
         },
         {
             **base,
             "choices": [
-                {"index": 0, "delta": {"content": "Hi"}, "logprobs": None, "finish_reason": None}
+                {
+                    "index": 0,
+                    "delta": {"content": "Hi"},
+                    "logprobs": None,
+                    "finish_reason": None,
+                    "token_ids": None,
+                }
             ],
         },
         # vLLM: a chat chunk names the stop token id (stop_reason) on its finishing chunk only
@@ -343,8 +365,10 @@ def test_chat_stream_chunks_have_openai_shape(card: ModelCard) -> None:
                     "logprobs": None,
                     "finish_reason": "stop",
                     "stop_reason": 9,
+                    "token_ids": None,
                 }
             ],
+            "system_fingerprint": FINGERPRINT,  # the finishing chunk, with no usage chunk
         },
     ]
 
@@ -382,18 +406,79 @@ def test_chat_response_shape(card: ModelCard) -> None:
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": "café 😀"},
+                # vLLM's ChatMessage.model_dump(): its placeholders null, no empty tool_calls
+                "message": {
+                    "role": "assistant",
+                    "content": "café 😀",
+                    "refusal": None,
+                    "annotations": None,
+                    "audio": None,
+                    "function_call": None,
+                    "reasoning": None,
+                },
                 "logprobs": None,
                 "finish_reason": "stop",
                 "stop_reason": 7,  # vLLM: the stop token id the engine stopped on
+                "token_ids": None,
+                "routed_experts": None,
             }
         ],
+        "service_tier": None,
+        "system_fingerprint": FINGERPRINT,  # vLLM: vllm-<version>-<config hash>
         "usage": {
             "prompt_tokens": len(p.gen.prompt_token_ids),
             "completion_tokens": len(ids(card, "café 😀")) + 1,
             "total_tokens": len(p.gen.prompt_token_ids) + len(ids(card, "café 😀")) + 1,
+            "prompt_tokens_details": None,
+            "completion_tokens_details": None,
         },
+        "prompt_logprobs": None,
+        "prompt_token_ids": None,
+        "prompt_text": None,
+        "kv_transfer_params": None,
+        "ec_transfer_params": None,
+        "metrics": None,
     }
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # importing vLLM (torch.jit)
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_a_whole_answer_has_the_fields_of_vllms_own(card: ModelCard, kind: str) -> None:
+    """Field for field what the installed vLLM's response model dumps (its
+    server answers with model_dump()): a field vLLM adds fails here."""
+    import vllm.entrypoints.openai.chat_completion.protocol as chat_protocol
+    import vllm.entrypoints.openai.completion.protocol as completion_protocol
+    from vllm.entrypoints.serve.engine.protocol import UsageInfo
+
+    from benchmarks.conformance import field_paths
+
+    p = chat(card) if kind == "chat" else completion(card)
+    relay = Relay(p, created=5)
+    relay.feed(TokenBatch(ids(card, "Hi there"), "length"))
+    usage = UsageInfo(prompt_tokens=3, total_tokens=5, completion_tokens=2)
+    if kind == "chat":
+        message = chat_protocol.ChatMessage(role="assistant", content="Hi there")
+        theirs: Any = chat_protocol.ChatCompletionResponse(
+            model=MODEL,
+            choices=[
+                chat_protocol.ChatCompletionResponseChoice(
+                    index=0, message=message, finish_reason="length"
+                )
+            ],
+            usage=usage,
+        )
+    else:
+        theirs = completion_protocol.CompletionResponse(
+            model=MODEL,
+            choices=[
+                completion_protocol.CompletionResponseChoice(
+                    index=0, text="Hi there", finish_reason="length"
+                )
+            ],
+            usage=usage,
+        )
+    assert field_paths(relay.response()) == field_paths(theirs.model_dump())
 
 
 def test_relay_refuses_a_stream_that_never_finished(card: ModelCard) -> None:
