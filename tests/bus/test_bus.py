@@ -17,14 +17,7 @@ from tests.redis_server import RedisServer
 
 def decision(i: int) -> Decision:
     return Decision(
-        id=f"d{i}",
-        request=f"r{i}",
-        source="a",
-        target="b",
-        tick=i,
-        delta_v=-1.0 * i,
-        mode="current",
-        ts=time.time(),
+        id=f"d{i}", request=f"r{i}", source="a", target="b", tick=i, delta_v=-1.0 * i, mode="current", ts=time.time()
     )
 
 
@@ -214,9 +207,7 @@ async def test_subscriber_sees_every_entry_in_order(bus: Bus) -> None:
     async def producer() -> list[str]:
         out = []
         for i in range(200):
-            out.append(
-                await bus.publish("events", Event.now(EventKind.FINISHED, "p", request=f"r{i}"))
-            )
+            out.append(await bus.publish("events", Event.now(EventKind.FINISHED, "p", request=f"r{i}")))
         return out
 
     task = asyncio.create_task(producer())
@@ -227,10 +218,7 @@ async def test_subscriber_sees_every_entry_in_order(bus: Bus) -> None:
 
 
 async def test_load_hash_roundtrip_and_bad_values_skipped(bus: Bus) -> None:
-    entries = [
-        LoadEntry(f"d{i}", "decode", f"127.0.0.1:{9000 + i}", 10 * i, 1000, 1.5 * i, i, time.time())
-        for i in range(3)
-    ]
+    entries = [LoadEntry(f"d{i}", "decode", f"127.0.0.1:{9000 + i}", 10 * i, 1000, 1.5 * i, i, time.time()) for i in range(3)]
     await bus.publish_load(entries, ttl_s=5)
     await bus.redis.hset(bus.keys.load, "broken", b"garbage")
     view = await bus.read_load()
@@ -303,18 +291,9 @@ async def test_report_roundtrip_over_the_bus(bus: Bus) -> None:
     from star.wire import RequestLoad
 
     report = Report(
-        instance="decode-0",
-        role="decode",
-        seq=7,
-        ts=time.time(),
-        address="127.0.0.1:1",
-        capacity_tokens=1000,
-        used_tokens=30,
-        bytes_per_token=4096,
-        step_time_s=0.01,
-        delta=32,
-        trace=[30.0, 20.0],
-        requests=[RequestLoad("r1", 30, 10, 12.5)],
+        instance="decode-0", role="decode", seq=7, ts=time.time(), address="127.0.0.1:1",
+        capacity_tokens=1000, used_tokens=30, bytes_per_token=4096, step_time_s=0.01, delta=32,
+        trace=[30.0, 20.0], requests=[RequestLoad("r1", 30, 10, 12.5)],
     )
     await bus.publish("reports", report)
     got = await GroupReader(bus, "reports", "g", "c", Report).read()
@@ -345,20 +324,11 @@ async def test_publish_retry_after_lost_reply_does_not_duplicate(bus: Bus) -> No
 
 
 async def test_request_events_are_one_requests_events_in_order(bus: Bus) -> None:
-    await bus.publish(
-        "events", Event(EventKind.DISPATCHED, 1.0, "proxy:p", request="a", instance="d0")
-    )
-    await bus.publish(
-        "events", Event(EventKind.DISPATCHED, 2.0, "proxy:p", request="b", instance="d1")
-    )
+    await bus.publish("events", Event(EventKind.DISPATCHED, 1.0, "proxy:p", request="a", instance="d0"))
+    await bus.publish("events", Event(EventKind.DISPATCHED, 2.0, "proxy:p", request="b", instance="d1"))
     await bus.redis.xadd(bus.keys.stream("events"), {"kind": "event", "body": b"\xc1 not msgpack"})
     await bus.redis.xadd(bus.keys.stream("events"), {"kind": "event"})  # no body
-    await bus.publish(
-        "events", Event(EventKind.FINISHED, 3.0, "proxy:p", request="a", instance="d0")
-    )
+    await bus.publish("events", Event(EventKind.FINISHED, 3.0, "proxy:p", request="a", instance="d0"))
     got = await bus.request_events("a")
-    assert [(e.event, e.ts) for e in got] == [
-        (EventKind.DISPATCHED, 1.0),
-        (EventKind.FINISHED, 3.0),
-    ]
+    assert [(e.event, e.ts) for e in got] == [(EventKind.DISPATCHED, 1.0), (EventKind.FINISHED, 3.0)]
     assert await bus.request_events("nobody") == []
