@@ -239,10 +239,10 @@ class DecodeRun:
             except ConnectionLost as exc:
                 self._waiting = None
                 rejoined = await self._rejoin()
-                if rejoined is None:
+                if rejoined is False:
                     return Lost(str(exc))
-                if rejoined is _RUNS_ON:
-                    continue
+                if rejoined is True:
+                    continue  # the same worker runs it on; nothing new yet
                 return rejoined
             finally:
                 self._waiting = None
@@ -250,14 +250,14 @@ class DecodeRun:
                 return Received(msg, time.monotonic())
             # nothing else belongs to a request's stream
 
-    async def _rejoin(self) -> Received | object | None:
+    async def _rejoin(self) -> Received | bool:
         """After a plain loss of the leg's connection, a resumable request its
         worker still holds runs on there: the worker dropped this proxy as
         silent (a starved event loop), or this proxy dropped the worker. No
         recompute, and no orphan decoding on there for ``worker.orphan_grace_s``
         beside a recompute elsewhere (which, fleet-wide, starved the fleet
         further). The tokens it generated meanwhile come as one frame
-        (:data:`_RUNS_ON`: none; None: not held there, recover as usual).
+        (True: none yet; False: not held there, recover as usual).
         """
         rejoin = getattr(self.fleet, "rejoin", None)
         m = self.machine
@@ -268,16 +268,16 @@ class DecodeRun:
             or m.pending is not None
             or not m.address
         ):
-            return None
+            return False
         found = await rejoin(m.instance, m.address, self.req.request_id)
         if found is None:
-            return None
+            return False
         frame = rejoined_frame(found.attached, m.generated, found.leg.id)
         if frame is None:  # released for a move, or not this run's tokens
             found.leg.close()
             with contextlib.suppress(ConnectionLost):
                 await found.leg.send(Abort(found.leg.id))
-            return None
+            return False
         assert self.leg is not None
         self.leg.close()
         self.leg = found.leg
@@ -289,7 +289,7 @@ class DecodeRun:
             finished=frame.finish_reason is not None,
         )
         if not frame.token_ids and frame.finish_reason is None:
-            return _RUNS_ON
+            return True
         return Received(frame, time.monotonic())
 
     async def _perform(self, first: Input) -> list[TokenBatch]:
@@ -357,9 +357,6 @@ class DecodeRun:
 
     def _emit(self, action: Emit) -> None:
         self.fleet.emit_event(event(action, self.fleet.origin, self.req.request_id))
-
-
-_RUNS_ON = object()  # _rejoin: the leg runs on, nothing new yet
 
 
 def rejoined_frame(done: Attached, have: list[int], stream: int) -> Tokens | None:
