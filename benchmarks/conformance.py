@@ -10,9 +10,10 @@ exactly), usage, and for refusals the HTTP status and the error's ``type``;
 and the answers' shapes: every field path either carries (each chunk's of a
 stream, the usage chunk's apart), so a field one server writes (``null``
 included) and the other leaves out is a difference. Ids, timestamps and
-tool-call ids are not compared; neither are error messages' wording. A streamed response is compared as the whole it puts
-together (text, logprobs and tool-call arguments concatenated per choice,
-the last finish reason, the usage chunk).
+tool-call ids are not compared; neither are error messages' wording. A
+streamed response is compared as the whole it puts together (text, logprobs
+and tool-call arguments concatenated per choice, the last finish reason, the
+usage chunk).
 
 Unless ``--vllm-url`` / ``--star-url`` name running servers, it starts them
 one after the other, on the shipped tiny model unless ``--model``: ``python

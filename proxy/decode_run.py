@@ -237,7 +237,7 @@ class DecodeRun:
             except TimeoutError:
                 continue  # the loop's top says which
             except ConnectionLost as exc:
-                self._waiting = None
+                self._waiting = None  # exited: migrate() must not reschedule it meanwhile
                 rejoined = await self._rejoin()
                 if rejoined is False:
                     return Lost(str(exc))
@@ -374,7 +374,7 @@ def rejoined_frame(done: Attached, have: list[int], stream: int) -> Tokens | Non
     start = len(have) - done.scored_from  # the gap's first position in the scored arrays
     if start < 0:
         return None
-    k = len(done.top_ids) // len(done.logprobs) if done.logprobs else 0
+    k = done.top_k
     return LogprobTokens(
         stream,
         gap,

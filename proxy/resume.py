@@ -232,7 +232,7 @@ def adopted_batch(done: Attached, top: int | None) -> tuple[TokenBatch, int]:
     else:
         known, top_ids, top_lps = done.scored_from, done.top_ids, done.top_logprobs
         if held:
-            top = len(top_ids) // len(held)
+            top = done.top_k
     batch.logprobs = [0.0] * known + list(held)
     batch.top_ids = [0] * (known * top) + list(top_ids)
     batch.top_logprobs = [0.0] * (known * top) + list(top_lps)

@@ -431,6 +431,11 @@ class Attached(Message, frozen=True, tag="attached"):
     top_logprobs: list[float] = []
     scored_from: int = 0
 
+    @property
+    def top_k(self) -> int:
+        """How many top tokens each scored position carries (as :class:`LogprobTokens`)."""
+        return len(self.top_ids) // len(self.logprobs) if self.logprobs else 0
+
 
 class Abort(Message, frozen=True, tag="abort"):
     """The client went away: stop the stream and free its KV."""

@@ -342,11 +342,7 @@ class _Connection:
         if stream is None or stream.record is None:
             ended = self.server.ended.get(msg.request_id)
             if ended is not None:  # its proxy died before its client had the end, or the move
-                self.write(ended.attached(msg.stream))
-                self.log.info(
-                    "request_attached", request_id=msg.request_id, stream=msg.stream,
-                    tokens=len(ended.outputs), ended=True, released=ended.released,
-                )  # fmt: skip
+                self._attached(msg, ended, released=ended.released)
                 return
             text = f"request {msg.request_id} is not held here"
             self.write(Error(msg.stream, ErrorCode.UNKNOWN_REQUEST.value, text))
@@ -364,20 +360,19 @@ class _Connection:
             self.streams.pop(stream.id, None)
         self.server.orphans.release(msg.request_id)
         stream.conn, stream.id = self, msg.stream
-        record = stream.record
-        self.write(record.attached(msg.stream))
-        self.log.info(
-            "request_attached",
-            request_id=msg.request_id,
-            stream=msg.stream,
-            tokens=len(record.outputs),
-            ended=record.ended,
-            moved=old is not None and old is not self,
-        )
+        self._attached(msg, stream.record, moved=old is not None and old is not self)
         if stream.task.done():
             self.server.resumable.pop(msg.request_id, None)  # its end is in the Attached
         else:
             self.streams[msg.stream] = stream
+
+    def _attached(self, msg: Attach, record: Record, **said: bool) -> None:
+        """Answer ``msg`` with ``record`` (what it holds of the request), and log it."""
+        self.write(record.attached(msg.stream))
+        self.log.info(
+            "request_attached", request_id=msg.request_id, stream=msg.stream,
+            tokens=len(record.outputs), ended=record.ended, **said,
+        )  # fmt: skip
 
     def _on_abort(self, stream_id: int) -> None:
         stream = self.streams.get(stream_id)

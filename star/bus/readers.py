@@ -69,7 +69,7 @@ class GroupReader:
         self._last_claim = 0.0
         self._group_ready = False
         self._delivered: dict[str, bytes] = {}  # entry id -> body digest, until acked
-        self._acked = _Window(ACKED_WINDOW)
+        self._acked: dict[bytes, None] = {}  # the digests acked last, oldest first
 
     async def _ensure_group(self) -> None:
         try:
@@ -156,8 +156,7 @@ class GroupReader:
         bad = [as_str(i) for i, _ in fresh if as_str(i) not in good_ids]
         if bad or repeated:
             await self.bus.redis.xack(self.key, self.group, *bad, *repeated)
-        while len(self._delivered) > ACKED_WINDOW:  # handed out, never acknowledged
-            del self._delivered[next(iter(self._delivered))]
+        _keep_newest(self._delivered, ACKED_WINDOW)  # handed out, never acknowledged
         return good
 
     async def ack(self, *entry_ids: str) -> None:
@@ -169,7 +168,8 @@ class GroupReader:
             for entry_id in entry_ids:
                 digest = self._delivered.pop(entry_id, None)
                 if digest is not None:
-                    self._acked.add(digest)
+                    self._acked.setdefault(digest)
+            _keep_newest(self._acked, ACKED_WINDOW)
 
     async def pending(self) -> int:
         """How many entries of the group are delivered but not acknowledged."""
@@ -365,24 +365,10 @@ class Subscriber:
 ACKED_WINDOW = 4096
 
 
-class _Window:
-    """The last ``size`` items added, for membership tests."""
-
-    def __init__(self, size: int) -> None:
-        self._order: collections.deque[bytes] = collections.deque()
-        self._items: set[bytes] = set()
-        self._size = size
-
-    def __contains__(self, item: bytes) -> bool:
-        return item in self._items
-
-    def add(self, item: bytes) -> None:
-        if item in self._items:
-            return
-        self._order.append(item)
-        self._items.add(item)
-        if len(self._order) > self._size:
-            self._items.discard(self._order.popleft())
+def _keep_newest(d: dict[Any, Any], size: int) -> None:
+    """Drop ``d``'s oldest entries (insertion order) beyond ``size``."""
+    while len(d) > size:
+        del d[next(iter(d))]
 
 
 def _digest(raw: Any) -> bytes | None:
