@@ -1,6 +1,7 @@
 """``star up``: a whole local cluster in one command (the embedded default).
 
-Redis at the configured URL or, if none answers, a private ``redis-server``;
+Redis at the configured URL or, if none answers, a private ``redis-server``
+(with ``redis.sentinels``: the master they name, which must answer);
 1 prefill + 3 decode workers on the tiny demo model; the scheduler; the proxy
 on 127.0.0.1:8000. Every process runs in its own session so that stopping
 (Ctrl-C, SIGTERM, or any process dying) kills whole process groups: vLLM's
@@ -35,6 +36,7 @@ from star.fleet import (
     restore_sigterm,
 )
 from star.redact import redact_url
+from star.redis_sentinel import describe
 from star.settings import add_setting_flag
 
 
@@ -44,11 +46,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="start a local cluster: redis, prefill + decode workers, scheduler, proxy",
         description=(
             "Start a complete local STAR cluster and keep it running until Ctrl-C: "
-            "Redis (the configured one, or a private redis-server if none answers), "
+            "Redis (the configured one, or a private redis-server if none answers; with "
+            "redis.sentinels the master those Sentinels name, followed across a failover), "
             "prefill and decode vLLM workers on the tiny demo model, the scheduler and "
             "the OpenAI-compatible proxy. Prints how to stream a request once it is ready."
         ),
-        epilog="example: star up --decode 2 --port 8080",
+        epilog=(
+            "examples: star up --decode 2 --port 8080; on a Sentinel-watched Redis: "
+            "star up --set redis.sentinels=10.0.0.1,10.0.0.2 --set redis.service_name=star"
+        ),
     )
     parser.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
     parser.add_argument("--decode", type=int, default=3, help="decode workers (default 3)")
@@ -79,14 +85,8 @@ def run(args: argparse.Namespace) -> int:
     if settings.cluster.secret:  # from a config file too: LocalCluster keeps it
         env[SECRET_ENV] = settings.cluster.secret
     model = args.model or settings.worker.model or None
-    if settings.redis.sentinels:
-        # star up checks, and may start, one Redis at redis.url; its children
-        # would follow the Sentinels' master instead, a different bus.
-        raise CliError(
-            "star up runs a local cluster on one Redis (redis.url, or a private one it starts) "
-            "and does not follow Sentinels; unset redis.sentinels (STAR_REDIS_SENTINELS) for it, "
-            "or run each process against the Sentinels under systemd (docs/operations.md)"
-        )
+    # With redis.sentinels: the master they name must answer now (no private
+    # Redis is started in its place), and every child follows it.
     refuse_a_second_cluster(settings)
     cluster = LocalCluster(
         settings.redis.url,
@@ -98,13 +98,17 @@ def run(args: argparse.Namespace) -> int:
         env=env,
         restart_proxy=True,
         notify=lambda message: print(f"star up: {message}", file=sys.stderr, flush=True),
+        sentinels=settings.redis.sentinels,
+        service_name=settings.redis.service_name,
     )
     port = cluster.port
 
     previous = on_sigterm_raise()
     try:
         cluster.start()
-        if cluster.private_redis:
+        if settings.redis.sentinels:
+            print(f"star up: on the {describe(settings.redis)} (followed across a failover)")
+        elif cluster.private_redis:
             print(
                 f"star up: no Redis at {redact_url(settings.redis.url)}; started a private one at "
                 f"{cluster.plain_redis_url} (password in {cluster.redis_password_file})"

@@ -1,7 +1,7 @@
 """A whole local cluster as child process groups (the code path of ``star up``).
 
-Redis at the given URL or, if none answers, a private ``redis-server``;
-prefill and decode workers; the scheduler; the proxy on a port bound here
+Redis at the given URL or, if none answers, a private ``redis-server`` (or
+the master that given Sentinels name, followed across failovers); prefill and decode workers; the scheduler; the proxy on a port bound here
 and handed over. Every process runs in its own session (:mod:`star.fleet.processes`),
 so stopping kills whole process groups. A process that dies is reported by
 its one-line cause; :meth:`LocalCluster.wait_ready` waits for the proxy to
@@ -23,13 +23,14 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from star.fleet.errors import ClusterError, FleetError
 from star.fleet.private_redis import (
     redis_answers,
+    sentinel_master_problem,
     start_private_redis,
     without_password,
     write_secret,
@@ -44,7 +45,8 @@ from star.fleet.processes import (
 )
 from star.ports import listen
 from star.redact import redact_url
-from star.settings import BusSettings, Settings, env_key
+from star.redis_sentinel import describe
+from star.settings import BusSettings, RedisSettings, Settings, env_key
 
 if TYPE_CHECKING:
     from star.bus import Bus
@@ -139,12 +141,19 @@ def refuse_a_second_cluster(settings: Settings) -> None:
         finally:
             await bus.close()
 
-    if not redis_answers(settings.redis.url):
+    if settings.redis.sentinels:
+        problem = sentinel_master_problem(settings.redis)
+        if problem is not None:
+            raise FleetError(
+                f"no Redis answers as {describe(settings.redis)}: {problem} (start the "
+                "Sentinels and their master, or unset redis.sentinels for a private Redis)"
+            )
+    elif not redis_answers(settings.redis.url):
         return
     who = asyncio.run(check())
     if who is not None:
         raise FleetError(
-            f"a cluster is already running on {redact_url(settings.redis.url)} with prefix "
+            f"a cluster is already running on {describe(settings.redis)} with prefix "
             f"{settings.bus.prefix!r} ({who}); pass --set bus.prefix=NAME to start another "
             "beside it, or stop that one first"
         )
@@ -177,7 +186,11 @@ class LocalCluster:
             ... cluster.url ...
 
     ``redis_url=None`` or one where nothing answers starts a private
-    ``redis-server``. ``port=0`` picks a free proxy port. ``env`` is the
+    ``redis-server``. With ``sentinels`` (``redis.sentinels`` entries) every
+    child reaches the master those Sentinels name for ``service_name`` and
+    follows it across a failover; ``redis_url`` then gives only the master's
+    scheme, database and credentials, and no private Redis is started.
+    ``port=0`` picks a free proxy port. ``env`` is the
     children's environment (``STAR_*`` settings included). Each worker's
     OpenMP threads are bound to its own core (round robin) unless the
     environment says otherwise: vLLM binds every engine on a host to the same
@@ -213,11 +226,15 @@ class LocalCluster:
         scheduler: bool = True,
         restart_proxy: bool = False,
         notify: Callable[[str], None] | None = None,
+        sentinels: Sequence[str] = (),
+        service_name: str = RedisSettings().service_name,
     ) -> None:
         if prefill < 1 or decode < 1:
             raise FleetError("--prefill and --decode must be at least 1")
         self.requested_redis = redis_url
         self.redis_url = redis_url or ""
+        self.sentinels = tuple(sentinels)
+        self.service_name = service_name
         # The proxy's port is bound here and the socket handed to the proxy
         # (``star proxy --fd``): a port merely picked now and bound by the
         # proxy seconds later was once taken in between (star.ports). It stays
@@ -276,6 +293,10 @@ class LocalCluster:
         (the private Redis's password is read from :attr:`redis_password_file`,
         a drawn cluster secret from :attr:`secret_file`)."""
         find = []
+        if self.sentinels:
+            find.append(f"{env_key('redis.sentinels')}={shlex.quote(','.join(self.sentinels))} ")
+            if self.service_name != RedisSettings().service_name:
+                find.append(f"{env_key('redis.service_name')}={shlex.quote(self.service_name)} ")
         if self.private_redis:
             find.append(f"STAR_REDIS_URL={self.plain_redis_url} ")
             path = shlex.quote(str(self.redis_password_file))
@@ -313,7 +334,12 @@ class LocalCluster:
 
     def start(self) -> None:
         """Start every process (returns at once; see :meth:`wait_ready`)."""
-        if not self.requested_redis or not redis_answers(self.requested_redis):
+        if self.sentinels:
+            self.env[env_key("redis.sentinels")] = ",".join(self.sentinels)
+            self.env[env_key("redis.service_name")] = self.service_name
+            if self.requested_redis:
+                self.env["STAR_REDIS_URL"] = self.redis_url
+        elif not self.requested_redis or not redis_answers(self.requested_redis):
             binary = shutil.which("redis-server")
             if binary is None:
                 raise FleetError(

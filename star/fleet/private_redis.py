@@ -1,7 +1,9 @@
-"""Redis for a local fleet: is one answering, or start a private ``redis-server``."""
+"""Redis for a local fleet: is one answering (at a URL or as the Sentinels' master), or
+start a private ``redis-server``."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import secrets
 import socket
@@ -12,6 +14,7 @@ from urllib.parse import quote, urlsplit, urlunsplit
 from star.fleet.errors import ClusterError, FleetError
 from star.fleet.processes import Child, Launcher
 from star.ports import free_port
+from star.settings import RedisSettings
 
 
 def redis_answers(url: str) -> bool:
@@ -27,6 +30,28 @@ def redis_answers(url: str) -> bool:
     except OSError:
         return False
     return reply.startswith(b"+PONG") or reply.startswith(b"-NOAUTH")
+
+
+def sentinel_master_problem(settings: RedisSettings, timeout_s: float = 5.0) -> str | None:
+    """Why the master that ``redis.sentinels`` name for ``redis.service_name`` does not
+    answer PING (no Sentinel answers, none names it, it refuses the credentials), or
+    None when it does. One try, at most ``timeout_s``: for a check before starting."""
+    from redis.exceptions import RedisError
+
+    from star.bus.connection import connect_redis
+
+    async def ping() -> None:
+        client = connect_redis(settings)
+        try:
+            await asyncio.wait_for(client.ping(), timeout_s)
+        finally:
+            await client.aclose()
+
+    try:
+        asyncio.run(ping())
+    except (RedisError, OSError, TimeoutError) as exc:
+        return str(exc) or type(exc).__name__
+    return None
 
 
 def start_private_redis(
