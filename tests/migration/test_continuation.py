@@ -6,9 +6,11 @@ k = 1 and 63 generated tokens by recompute (the target gets the prompt and
 the generated tokens, no KV: what the proxy sends after a failed release or a
 lost source) and after about 100 and 128 by a real release on the source and
 a NIXL pull of its KV on the target (each on a prompt the target has never
-seen, so its prefix cache cannot stand in for the pull), and for some cases
+seen, so its prefix cache cannot stand in for the pull), for some cases
 there and back (released again on the target, continued on the source, whose
-prefix cache then holds most of it). The tokens and the finish reason must
+prefix cache then holds most of it), and after a failed pull (a real release
+at about 100, but the target declines the read as expired, as when the
+source's hold ran out first, and recomputes: its log must say so). The tokens and the finish reason must
 equal the unmigrated run's, token for token, for greedy decoding, presence +
 frequency and repetition penalties, ``min_tokens`` just before a forced EOS,
 ``bad_words``, ``stop_token_ids``, seeded sampling (temperature, and top-p +
@@ -38,6 +40,7 @@ from star.bus import Bus
 from star.fleet import LocalCluster
 from star.wire import Generate, Handoff, LogprobTokens, Release, Tokens
 from tests.migration.conftest import DECODE, engine_paused
+from tests.migration.test_lost import Log
 
 pytestmark = [
     pytest.mark.engine,
@@ -295,6 +298,30 @@ async def matrix_row(
             assert back.num_tokens == PROMPT_LEN + len(moved)
             rest, finish, _ = await run(a, p, sampling, kv=back.kv_transfer_params, generated=moved)
             legs[f"pull@{n}+back@{len(moved)}"] = verdict(ref, ref_finish, moved + rest, finish)
+    # A failed pull: released for real, but the handoff's deadline for the
+    # source's blocks is already past, so the target declines the read (vLLM
+    # 0.32's pull_worker) and recomputes the prompt and the tokens so far.
+    p = prompt(10 * c + 4)
+    sampling = await sampling_for(a, name, p)
+    ref_lp = []
+    ref, ref_finish, _ = await run(a, p, sampling, logprobs=ref_lp)
+    k = PULL_AT[0]
+    if k + 5 >= len(ref):
+        legs["failed pull"] = f"not run: the request ends at {len(ref)}"
+        return legs
+    first, _, handoff = await run(
+        a, p, sampling, release_at=k, paused=lambda: engine_paused(fleet, DECODE[0])
+    )
+    assert handoff is not None, (name, k, len(first))
+    n = len(first)
+    expired = {**(handoff.kv_transfer_params or {}), "remote_blocks_expiry_time": 0.0}
+    log = Log(fleet, DECODE[1])
+    lp = []
+    rest, finish, _ = await run(b, p, sampling, kv=expired, generated=first, logprobs=lp)
+    if "Declining expired remote read" not in log.since():
+        legs[f"failed pull@{n}"] = "the target's read did not fail (nothing declined)"
+    else:
+        legs[f"failed pull@{n}"] = verdict(ref, ref_finish, first + rest, finish, ref_lp[n:], lp)
     return legs
 
 
