@@ -164,6 +164,7 @@ class _RelayBackend(_BenchBackend):
     """
 
     origin = "bench"
+    handing_off = False
 
     def __init__(self, ids: list[int], workers: dict[str, str], secret: str) -> None:
         from proxy.upstream import WorkerPool
@@ -203,6 +204,9 @@ class _RelayBackend(_BenchBackend):
 
     def emit_event(self, event: Any) -> None:
         pass
+
+    async def rejoin(self, instance: str, address: str, request_id: str) -> None:
+        return None  # the bench's requests are not resumable
 
     async def generate(self, req: Any) -> AsyncIterator[Any]:
         from proxy.decode_run import DecodeRun

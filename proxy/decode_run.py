@@ -17,7 +17,7 @@ import collections
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
 
@@ -65,6 +65,9 @@ from star.wire import (
     Tokens,
 )
 
+if TYPE_CHECKING:
+    from proxy.adopt import Found
+
 log = structlog.get_logger(__name__)
 
 
@@ -105,6 +108,15 @@ class Fleet(Protocol):
         ...
 
     def emit_event(self, event: Event) -> None: ...
+
+    @property
+    def handing_off(self) -> bool:
+        """The proxy is stopping: a resumable request's worker holds it for another proxy."""
+        ...
+
+    async def rejoin(self, instance: str, address: str, request_id: str) -> Found | None:
+        """``request_id`` attached again on ``address``, which still holds it, or None."""
+        ...
 
 
 class DecodeRun:
@@ -259,17 +271,15 @@ class DecodeRun:
         further). The tokens it generated meanwhile come as one frame
         (True: none yet; False: not held there, recover as usual).
         """
-        rejoin = getattr(self.fleet, "rejoin", None)
         m = self.machine
         if (
-            rejoin is None
-            or not self.req.context
+            not self.req.context
             or m.state is not RunState.DECODING
             or m.pending is not None
             or not m.address
         ):
             return False
-        found = await rejoin(m.instance, m.address, self.req.request_id)
+        found = await self.fleet.rejoin(m.instance, m.address, self.req.request_id)
         if found is None:
             return False
         frame = rejoined_frame(found.attached, m.generated, found.leg.id)
@@ -350,7 +360,7 @@ class DecodeRun:
         while not self.decisions.empty():
             self.decisions.get_nowait()
         leg.close()
-        if abort and not (self.req.context and getattr(self.fleet, "handing_off", False)):
+        if abort and not (self.req.context and self.fleet.handing_off):
             with contextlib.suppress(ConnectionLost):
                 await leg.send(Abort(leg.id))
         # else: the proxy is stopping; the worker holds the request for a resume elsewhere

@@ -235,3 +235,31 @@ def running(cluster: LocalCluster, ready_s: float = 600.0) -> Iterator[LocalClus
         cluster.stop(timeout_s=10)
         leftovers = group_members(groups)
         assert not leftovers, f"processes left behind (pid, pgid, name): {leftovers}"
+
+
+def start_star_up(run: Path, env: dict[str, str], *args: str) -> subprocess.Popen[str]:
+    """``star up --port 0 ARGS`` run as a user would, its logs in ``run/run`` and its
+    stderr in ``run/up.stderr``; read its stdout with :func:`star_up_ready`."""
+    with (run / "up.stderr").open("w") as err:
+        return subprocess.Popen(
+            ["star", "up", "--port", "0", "--run-dir", str(run / "run"), *args],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            env=env,
+            cwd=run,
+        )
+
+
+def star_up_ready(up: subprocess.Popen[str], run: Path) -> tuple[str, list[str]]:
+    """The proxy URL of ``star up: ready in ... proxy on URL`` and the lines before it."""
+    import re
+
+    assert up.stdout is not None
+    said: list[str] = []
+    for line in up.stdout:
+        said.append(line)
+        found = re.search(r"ready in .* proxy on (http://127\.0\.0\.1:\d+)", line)
+        if found:
+            return found.group(1), said
+    raise AssertionError(f"star up never got ready:\n{(run / 'up.stderr').read_text()[-3000:]}")

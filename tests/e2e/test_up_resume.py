@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import signal
 import subprocess
 import time
@@ -28,7 +27,7 @@ from proxy import sse
 from star.fleet import group_members
 from star.model.task import Prompt
 from tests.e2e.streams import SSE, events, text, usage
-from tests.procs import cluster_env, reaper, sigkill, wait_gone
+from tests.procs import cluster_env, reaper, sigkill, star_up_ready, start_star_up, wait_gone
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 
@@ -56,25 +55,10 @@ def test_a_stream_resumes_on_star_ups_proxy_after_it_was_killed(tmp_path: Path) 
             "STAR_BUS_PREFIX": f"t{uuid.uuid4().hex[:8]}",
         }
         stderr = tmp_path / "up.stderr"
-        with stderr.open("w") as err:
-            up = subprocess.Popen(
-                ["star", "up", "--decode", "1", "--port", "0", "--run-dir", str(tmp_path / "run")],
-                stdout=subprocess.PIPE,
-                stderr=err,
-                text=True,
-                env=env,
-                cwd=tmp_path,
-            )
+        up = start_star_up(tmp_path, env, "--decode", "1")
         groups: set[int] = set()
         try:
-            assert up.stdout is not None
-            url = None
-            for line in up.stdout:  # "star up: ready in 40s — proxy on http://127.0.0.1:PORT"
-                found = re.search(r"ready in .* proxy on (http://127\.0\.0\.1:\d+)", line)
-                if found:
-                    url = found.group(1)
-                    break
-            assert url is not None, f"star up never got ready:\n{stderr.read_text()[-3000:]}"
+            url, _ = star_up_ready(up, tmp_path)
             groups = {c.pid for c in psutil.Process(up.pid).children()}
             body = {
                 "model": "star-tiny",

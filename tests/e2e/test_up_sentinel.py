@@ -12,7 +12,6 @@ printed. (With no Sentinel answering it refuses to start:
 
 from __future__ import annotations
 
-import re
 import shlex
 import signal
 import subprocess
@@ -24,14 +23,15 @@ import httpx
 import psutil
 import pytest
 
+from proxy import sse
 from star.fleet import group_members
 from star.model.task import Prompt
 from tests.bus.sentinel_set import SERVICE, SentinelSet
 from tests.e2e.streams import SSE, events, text, usage
-from tests.procs import cluster_env, reaper, sigkill, wait_gone
+from tests.procs import cluster_env, reaper, sigkill, star_up_ready, start_star_up, wait_gone
 
 
-def _stream(url: str, body: dict[str, object]) -> list[object]:
+def _stream(url: str, body: dict[str, object]) -> list[sse.Event]:
     with httpx.Client(base_url=url, timeout=300, headers=SSE) as c:
         with c.stream("POST", "/v1/chat/completions", json=body) as resp:
             assert resp.status_code == 200, resp.read()
@@ -51,32 +51,14 @@ def test_star_up_on_sentinels_serves_across_a_failover(tmp_path: Path) -> None:
             "STAR_REDIS_SENTINELS": ",".join(redis.addresses),
             "STAR_REDIS_SERVICE_NAME": SERVICE,
         }
-        stderr = tmp_path / "up.stderr"
-        with stderr.open("w") as err:
-            up = subprocess.Popen(
-                ["star", "up", "--decode", "1", "--port", "0", "--run-dir", str(tmp_path / "run")],
-                stdout=subprocess.PIPE,
-                stderr=err,
-                text=True,
-                env=env,
-                cwd=tmp_path,
-            )
+        up = start_star_up(tmp_path, env, "--decode", "1")
         groups: set[int] = set()
         try:
-            assert up.stdout is not None
-            said: list[str] = []
-            url = None
-            for line in up.stdout:
-                said.append(line)
-                found = re.search(r"ready in .* proxy on (http://127\.0\.0\.1:\d+)", line)
-                if found:
-                    url = found.group(1)
-                    break
-            assert url is not None, f"star up never got ready:\n{stderr.read_text()[-3000:]}"
+            url, said = star_up_ready(up, tmp_path)
             assert f"star up: on the master '{SERVICE}' of Sentinels 127.0.0.1:" in "".join(said)
-            hint = next(
-                (line for line in up.stdout if " status " in line), ""
-            )  # "  STAR_REDIS_SENTINELS=... STAR_...=... star status   # ..."
+            assert up.stdout is not None
+            # "  STAR_REDIS_SENTINELS=... STAR_...=... star status   # instances, ..."
+            hint = next((line for line in up.stdout if " status " in line), "")
             groups = {c.pid for c in psutil.Process(up.pid).children()}
             body = {
                 "model": "star-tiny",

@@ -94,6 +94,7 @@ class FakeFleet:
     """The run's owner: fake workers by address, the events, what was marked down."""
 
     origin = "proxy:test"
+    handing_off = False
 
     def __init__(self, *instances: str) -> None:
         self.workers = {f"h:{i}": FakeWorker(name, f"h:{i}") for i, name in enumerate(instances)}
@@ -125,6 +126,9 @@ class FakeFleet:
 
     def emit_event(self, event: Event) -> None:
         self.events.append(event)
+
+    async def rejoin(self, instance: str, address: str, request_id: str) -> None:
+        return None  # no worker here holds a request for a proxy that lost it
 
     def kinds(self) -> list[tuple[str, str, str]]:
         return [(e.event.value, e.detail, e.instance) for e in self.events]
