@@ -7,6 +7,15 @@ gloo, ZMQ, NIXL and Redis opening connections meanwhile), can find it taken:
 ``star up`` failed with "address already in use" that way. :func:`free_port`
 picks below the ephemeral range instead, where no outgoing connection lands,
 and :func:`listen` binds at once, keeping the port from the start.
+
+A port another program binds later (vLLM's NIXL side channel, bound by ZMQ
+in the engine process while the engine starts) is held by :func:`reserve`
+meanwhile: a bound socket that does not listen, with ``SO_REUSEADDR``. Every
+other :func:`free_port` on the host skips it (its probe binds without
+``SO_REUSEADDR``), while the program's own bind succeeds (ZMQ sets
+``SO_REUSEADDR`` on its listeners; Linux lets such sockets share a port while
+none listens). Without it a worker's side channel once got the port another
+worker's token server had taken in between, and its engine hung at start.
 """
 
 from __future__ import annotations
@@ -52,3 +61,19 @@ def listen(host: str, port: int = 0) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def reserve(host: str = "127.0.0.1") -> socket.socket:
+    """A :func:`free_port` held for a server that binds it later (see the module
+    docstring); close it once that server listens. The port: ``getsockname()[1]``."""
+    for _ in range(50):
+        port = free_port(host)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:  # taken since free_port looked: draw again
+            sock.close()
+            continue
+        return sock
+    raise OSError(f"no free TCP port to reserve on {host}")

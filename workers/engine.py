@@ -26,7 +26,7 @@ from vllm.inputs.engine import tokens_input
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
-from star.ports import free_port
+from star.ports import reserve
 from star.sampling import continuation, migration_blocker
 from workers.engine_config import (
     EngineSpec,
@@ -184,11 +184,18 @@ class EngineHandle:
         """Build the engine (blocking; spawns the engine process). Prefer :meth:`start`."""
         cpu = is_cpu(spec)
         args = build_engine_args(spec, cpu)
-        nixl_port = spec.nixl_port or free_port(spec.nixl_host)
+        # Held until the engine's side channel listens on it (star.ports.reserve).
+        held = None if spec.nixl_port else reserve(spec.nixl_host)
+        nixl_port = int(held.getsockname()[1]) if held is not None else spec.nixl_port
         env = vllm_environment(spec, cpu, nixl_port, os.environ, len(os.sched_getaffinity(0)))
         collector = StatsCollector()
         t0 = time.monotonic()
-        with _BUILD_LOCK, core_failure() as failure, _environ({**env, **failure.environ}):
+        with (
+            held if held is not None else contextlib.nullcontext(),
+            _BUILD_LOCK,
+            core_failure() as failure,
+            _environ({**env, **failure.environ}),
+        ):
             try:
                 config = args.create_engine_config()
                 llm = AsyncLLM.from_vllm_config(
