@@ -30,12 +30,14 @@ decode instance mid-request: the decode engines stand still (SIGSTOP) from
 the request's dispatch, the source runs a burst (``--burst-ms``) to
 decode some tokens, a manual decision is published (what ``star migrate``
 publishes), and once the proxy has acted on it every engine runs again.
-(Holding them 0.5 s longer, for the Release to reach the source first,
-made it worse: nearly every accepted move then ended before its release.)
-The tiny model decodes a token in about a millisecond, so a burst can
-finish a short request before its release: the request is then sent again
-with the next, shorter burst (0: the decision lands before the source's
-first step). The row's ``migrated`` column is the outcome (resumed after
+The tiny model decodes a token in about a millisecond, and on a slow box
+the release often reached the engine only after a short request had ended
+(one move of 93 landed); so with ``--migrate`` the decode engines' steps
+are padded to ``--step-ms`` (20 ms: emulated step time, which changes no
+token), within which a release lands, and a burst decodes a known number
+of tokens. A burst that still finishes the request before its release has
+it sent again with the next, shorter burst (0: the decision lands before
+the source's first step). The row's ``migrated`` column is the outcome (resumed after
 how many generated tokens, or the reason the proxy refused the move);
 every try's response is compared with vLLM's. It needs the fleet this
 command starts (it pauses its engine processes).
@@ -976,9 +978,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--burst-ms",
-        default="8,2,0",
+        default="100,40,0",
         help="--migrate: how long the source decodes before the decision; the request is "
-        "sent again with the next while a move was overtaken by its end (default 8,2,0)",
+        "sent again with the next while a move was overtaken by its end (default 100,40,0: "
+        "about 5, 2 and 0 tokens at --step-ms 20)",
+    )
+    parser.add_argument(
+        "--step-ms",
+        type=float,
+        default=20.0,
+        help="--migrate: the decode engines' steps padded to this many ms (emulated step "
+        "time, worker.device_step_ms; timing only, never the tokens), so that a release "
+        "lands within a step on any box and a burst decodes a known number of tokens "
+        "(default 20; 0 = real timing, about a ms a token on the tiny model)",
     )
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     parser.add_argument(
@@ -1007,6 +1019,7 @@ def table_of(args: argparse.Namespace) -> list[tuple[Case, bool]]:
 
 def run(args: argparse.Namespace) -> int:
     from star.model import tiny_model_path
+    from star.settings import env_key
 
     if args.from_json:
         print(markdown(json.loads(Path(args.from_json).read_text())))
@@ -1038,6 +1051,8 @@ def run(args: argparse.Namespace) -> int:
         if args.tool_parser:
             env["STAR_PROXY_TOOL_CALL_PARSER"] = args.tool_parser
             env["STAR_PROXY_ENABLE_AUTO_TOOL_CHOICE"] = "true"
+        if args.migrate and args.step_ms > 0:
+            env[env_key("worker.device_step_ms")] = f"{args.step_ms:g}"
         with LocalCluster(
             None,
             port=0,
