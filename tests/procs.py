@@ -263,3 +263,13 @@ def star_up_ready(up: subprocess.Popen[str], run: Path) -> tuple[str, list[str]]
         if found:
             return found.group(1), said
     raise AssertionError(f"star up never got ready:\n{(run / 'up.stderr').read_text()[-3000:]}")
+
+
+def kill_star_up(up: subprocess.Popen[str], groups: set[int]) -> None:
+    """A test's cleanup of :func:`start_star_up`: SIGKILL it and every process group
+    it started (``groups``: its children's, collected while it ran)."""
+    up.kill()
+    up.wait(30)
+    if up.stdout is not None:
+        up.stdout.close()
+    sigkill(groups, group=True)

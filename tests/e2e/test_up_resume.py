@@ -27,7 +27,14 @@ from proxy import sse
 from star.fleet import group_members
 from star.model.task import Prompt
 from tests.e2e.streams import SSE, events, text, usage
-from tests.procs import cluster_env, reaper, sigkill, star_up_ready, start_star_up, wait_gone
+from tests.procs import (
+    cluster_env,
+    kill_star_up,
+    reaper,
+    star_up_ready,
+    start_star_up,
+    wait_gone,
+)
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 
@@ -103,8 +110,4 @@ def test_a_stream_resumes_on_star_ups_proxy_after_it_was_killed(tmp_path: Path) 
             left = wait_gone(lambda: group_members(groups), within_s=60)
             assert not left, f"left behind: {left}"
         finally:
-            up.kill()
-            up.wait(30)
-            if up.stdout is not None:
-                up.stdout.close()
-            sigkill(groups, group=True)
+            kill_star_up(up, groups)

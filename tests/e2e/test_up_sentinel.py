@@ -28,7 +28,14 @@ from star.fleet import group_members
 from star.model.task import Prompt
 from tests.bus.sentinel_set import SERVICE, SentinelSet
 from tests.e2e.streams import SSE, events, text, usage
-from tests.procs import cluster_env, reaper, sigkill, star_up_ready, start_star_up, wait_gone
+from tests.procs import (
+    cluster_env,
+    kill_star_up,
+    reaper,
+    star_up_ready,
+    start_star_up,
+    wait_gone,
+)
 
 
 def _stream(url: str, body: dict[str, object]) -> list[sse.Event]:
@@ -108,9 +115,5 @@ def test_star_up_on_sentinels_serves_across_a_failover(tmp_path: Path) -> None:
             left = wait_gone(lambda: group_members(groups), within_s=60)
             assert not left, f"left behind: {left}"
         finally:
-            up.kill()
-            up.wait(30)
-            if up.stdout is not None:
-                up.stdout.close()
-            sigkill(groups, group=True)
+            kill_star_up(up, groups)
             redis.stop()
