@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -253,8 +254,6 @@ def start_star_up(run: Path, env: dict[str, str], *args: str) -> subprocess.Pope
 
 def star_up_ready(up: subprocess.Popen[str], run: Path) -> tuple[str, list[str]]:
     """The proxy URL of ``star up: ready in ... proxy on URL`` and the lines before it."""
-    import re
-
     assert up.stdout is not None
     said: list[str] = []
     for line in up.stdout:

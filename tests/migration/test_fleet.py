@@ -292,14 +292,19 @@ async def test_sampled_and_penalised_requests_migrate_exactly(
     assert [e.instance for e in evs if e.event is EventKind.RESUMED] == path[1:]
 
 
-async def test_echo_with_prompt_logprobs_migrates_exactly(fleet: LocalCluster, bus: Bus) -> None:
-    """Prompt logprobs (here echo's, issue 28) come from the prefill instance with its one
-    token; the decode legs never compute them, so the request migrates: moved there and
-    back, the echoed prompt, its logprobs and every token's equal the unmigrated run's."""
-    extra = {"echo": True, "logprobs": 1}
-    p = prompt(8)
-    got, path = await migrate_at(bus, fleet, p, 2, **extra)
-    ref = await complete(fleet, p, MAX_TOKENS, **extra)  # after: no prefix cache helps
+def joined_logprobs(c: Completion) -> dict[str, list[Any]]:
+    """A streamed completion's logprobs, its chunks' lists joined."""
+    keys = ("text_offset", "token_logprobs", "tokens", "top_logprobs")
+    return {k: [x for part in c.logprobs for x in part[k]] for k in keys}
+
+
+async def same_echo_moved_there_and_back(
+    bus: Bus, p: str, got: Completion, ref: Completion, path: list[str]
+) -> tuple[dict[str, list[Any]], dict[str, list[Any]], int]:
+    """Echo with logprobs of ``p`` moved there and back (``got``) against its unmigrated
+    run (``ref``): the same text, finish, usage and tokens, both moves resumed, none
+    refused, the first prompt token's logprob null. Returns both runs' joined logprobs
+    and the prompt's length, for the caller's tolerance."""
     assert not got.error, got.error
     assert got.text == ref.text and got.text.startswith(p)
     assert got.finish_reason == ref.finish_reason == "length"
@@ -308,17 +313,24 @@ async def test_echo_with_prompt_logprobs_migrates_exactly(fleet: LocalCluster, b
     evs = await all_events(bus, got.id)
     assert not [e.detail for e in evs if e.event is EventKind.REFUSED]
     assert [e.instance for e in evs if e.event is EventKind.RESUMED] == path[1:]
-
-    def joined(c: Completion) -> dict[str, list[Any]]:
-        keys = ("text_offset", "token_logprobs", "tokens", "top_logprobs")
-        return {k: [x for part in c.logprobs for x in part[k]] for k in keys}
-
-    a, b = joined(got), joined(ref)
-    prompt_tokens = got.usage["prompt_tokens"]
+    a, b = joined_logprobs(got), joined_logprobs(ref)
+    prompt_tokens = int(got.usage["prompt_tokens"])
     assert len(a["tokens"]) == len(b["tokens"]) == prompt_tokens + MAX_TOKENS
     assert (a["tokens"], a["text_offset"]) == (b["tokens"], b["text_offset"])
-    # The prompt's: the first token's null, then each the prefill's (one engine, exact).
     assert a["token_logprobs"][0] is None and a["top_logprobs"][0] is None
+    return a, b, prompt_tokens
+
+
+async def test_echo_with_prompt_logprobs_migrates_exactly(fleet: LocalCluster, bus: Bus) -> None:
+    """Prompt logprobs (here echo's, issue 28) come from the prefill instance with its one
+    token; the decode legs never compute them, so the request migrates: moved there and
+    back, the echoed prompt, its logprobs and every token's equal the unmigrated run's."""
+    extra: dict[str, Any] = {"echo": True, "logprobs": 1}
+    p = prompt(8)
+    got, path = await migrate_at(bus, fleet, p, 2, **extra)
+    ref = await complete(fleet, p, MAX_TOKENS, **extra)  # after: no prefix cache helps
+    a, b, prompt_tokens = await same_echo_moved_there_and_back(bus, p, got, ref, path)
+    # The prompt's: each the prefill's (one engine, exact).
     assert a["token_logprobs"][:prompt_tokens] == b["token_logprobs"][:prompt_tokens]
     assert a["top_logprobs"][:prompt_tokens] == b["top_logprobs"][:prompt_tokens]
     # The generated ones: the targets' after each move, as the unmigrated run's.

@@ -24,9 +24,13 @@ import httpx
 
 from star.bus import Bus
 from star.fleet import LocalCluster, group_members
-from star.wire import EventKind
-from tests.migration.conftest import MODEL, Completion, complete, kill, restart
-from tests.migration.test_fleet import MAX_TOKENS, all_events, migrate_at, prompt
+from tests.migration.conftest import MODEL, complete, kill, restart
+from tests.migration.test_fleet import (
+    MAX_TOKENS,
+    migrate_at,
+    prompt,
+    same_echo_moved_there_and_back,
+)
 from tests.migration.test_fleet import pytestmark as fleet_marks
 from tests.procs import proxy_process
 
@@ -107,9 +111,7 @@ async def test_requests_while_the_only_prefill_worker_is_down_all_succeed(
 
         proxy_log = fleet.run_dir / "proxy.log"
         logged = proxy_log.stat().st_size
-        pid = fleet.pids()["prefill-0"]
-        kill(fleet, "prefill-0")
-        await wait_until(lambda: not group_members({pid}), "prefill-0 gone", 60)
+        await kill_prefill(fleet)
         killed_at = time.monotonic()
         # Its reports are still fresh (staleness 15 s): both proxies still list it.
         during = await all_of(fleet.url)
@@ -142,6 +144,13 @@ async def test_requests_while_the_only_prefill_worker_is_down_all_succeed(
     assert [e["requests_prefilled_on_decode"] for e in ended] == [2 * len(PROMPTS)]
 
 
+async def kill_prefill(fleet: LocalCluster) -> None:
+    """SIGKILL prefill-0's process group and wait until it is gone."""
+    pid = fleet.pids()["prefill-0"]
+    kill(fleet, "prefill-0")
+    await wait_until(lambda: not group_members({pid}), "prefill-0 gone", 60)
+
+
 async def restart_prefill(fleet: LocalCluster, bus: Bus, old_address: str) -> None:
     """Start prefill-0 again and wait until it reports from its new address."""
     restart(fleet, "prefill-0")
@@ -152,12 +161,6 @@ async def restart_prefill(fleet: LocalCluster, bus: Bus, old_address: str) -> No
         assert time.monotonic() < deadline, f"prefill-0 not back; logs in {fleet.run_dir}"
         await asyncio.sleep(0.5)
     await asyncio.to_thread(fleet.wait_ready, 300)
-
-
-def joined(c: Completion) -> dict[str, list[Any]]:
-    """A streamed completion's logprobs, its chunks' lists joined."""
-    keys = ("text_offset", "token_logprobs", "tokens", "top_logprobs")
-    return {k: [x for part in c.logprobs for x in part[k]] for k in keys}
 
 
 def close(a: list[Any], b: list[Any], tol: float = 1e-4) -> bool:
@@ -179,29 +182,15 @@ async def test_prompt_logprobs_a_decode_instance_computed_migrate_exactly(
     token; moved there and back, the text, the prompt's logprobs and every new
     token's equal the unmigrated run's through prefill-0 (within 1e-4: another
     engine computed them), none of them twice."""
-    extra = {"echo": True, "logprobs": 1}
+    extra: dict[str, Any] = {"echo": True, "logprobs": 1}
     p = prompt(9)
     ref = await complete(fleet, p, MAX_TOKENS, **extra)  # through prefill-0
     old = (await bus.latest_reports())["prefill-0"]
-    pid = fleet.pids()["prefill-0"]
-    kill(fleet, "prefill-0")
-    await wait_until(lambda: not group_members({pid}), "prefill-0 gone", 60)
+    await kill_prefill(fleet)
     try:
         got, path = await migrate_at(bus, fleet, p, 2, **extra)
     finally:
         await restart_prefill(fleet, bus, old.address)
-    assert not got.error, got.error
-    assert got.text == ref.text and got.text.startswith(p)
-    assert got.usage == ref.usage and got.usage["completion_tokens"] == MAX_TOKENS
-    assert got.finish_reason == ref.finish_reason == "length"
-    assert path[0] == path[2] != path[1]
-    evs = await all_events(bus, got.id)
-    assert not [e.detail for e in evs if e.event is EventKind.REFUSED]
-    assert [e.instance for e in evs if e.event is EventKind.RESUMED] == path[1:]
-    a, b = joined(got), joined(ref)
-    prompt_tokens = got.usage["prompt_tokens"]
-    assert len(a["tokens"]) == len(b["tokens"]) == prompt_tokens + MAX_TOKENS
-    assert (a["tokens"], a["text_offset"]) == (b["tokens"], b["text_offset"])
-    assert a["token_logprobs"][0] is None and a["top_logprobs"][0] is None
+    a, b, _ = await same_echo_moved_there_and_back(bus, p, got, ref, path)
     assert close(a["token_logprobs"], b["token_logprobs"])
     assert close(a["top_logprobs"], b["top_logprobs"])
