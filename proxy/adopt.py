@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import structlog
 
 from proxy.backend import BackendError, GenerationRequest, TokenBatch
-from proxy.decode_run import DecodeRun, Fleet
-from proxy.upstream import ConnectionLost, Stream
+from proxy.decode_run import DecodeRun, Fleet, Found
+from proxy.upstream import ConnectionLost
 from star.aio import deadline
 from star.sampling import migration_blocker
 from star.wire import Attach, Attached
@@ -33,16 +32,6 @@ log = structlog.get_logger(__name__)
 
 ATTACH_TIMEOUT_S = 5.0
 FINISHED = ("stop", "length", "abort")
-
-
-@dataclass(slots=True)
-class Found:
-    """A request a worker handed over: its answer and the stream it runs on now."""
-
-    attached: Attached
-    instance: str
-    address: str
-    leg: Stream
 
 
 class Pool(Protocol):

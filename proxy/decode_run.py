@@ -17,7 +17,8 @@ import collections
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import structlog
 
@@ -45,7 +46,7 @@ from proxy.migration import (
     Warn,
     refused,
 )
-from proxy.upstream import ConnectionLost
+from proxy.upstream import ConnectionLost, Stream
 from star.aio import deadline
 from star.bus import Bus, Subscriber
 from star.decisions import DecisionGate, report_drop
@@ -65,9 +66,6 @@ from star.wire import (
     Tokens,
 )
 
-if TYPE_CHECKING:
-    from proxy.adopt import Found
-
 log = structlog.get_logger(__name__)
 
 
@@ -86,6 +84,17 @@ class Leg(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+@dataclass(slots=True)
+class Found:
+    """A request a worker handed over (:func:`proxy.adopt.attach`): its answer
+    and the stream it runs on now."""
+
+    attached: Attached
+    instance: str
+    address: str
+    leg: Stream
 
 
 class Fleet(Protocol):
