@@ -42,8 +42,9 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 
-from proxy import adopt, chat_tools, resume
+from proxy import chat_tools, resume
 from proxy.backend import Backend, BackendError, GenerationRequest, TokenBatch
+from proxy.decode_run import Found
 from proxy.fanout import FanIn, children
 from proxy.http import (
     HttpError,
@@ -551,11 +552,9 @@ class ProxyApp:
 class Adopter(Protocol):
     """A backend that can take over a stream another proxy ran (:class:`proxy.cluster.ClusterBackend`)."""
 
-    async def attach_stream(self, request_id: str) -> adopt.Found | None: ...
+    async def attach_stream(self, request_id: str) -> Found | None: ...
 
-    def serve_attached(
-        self, req: GenerationRequest, found: adopt.Found
-    ) -> AsyncIterator[TokenBatch]: ...
+    def serve_attached(self, req: GenerationRequest, found: Found) -> AsyncIterator[TokenBatch]: ...
 
 
 async def _one(chunk: bytes) -> AsyncIterator[bytes]:

@@ -42,7 +42,7 @@ from proxy.backend import (
     TokenBatch,
     error_from,
 )
-from proxy.decode_run import DecodeRun, Migrator
+from proxy.decode_run import DecodeRun, Found, Migrator
 from proxy.upstream import ConnectionLost, Stream, WorkerClient, WorkerPool
 from star.bus import Bus, BusUnavailable, Outage, Subscriber
 from star.planner.dispatch import OutputMean, booking, choose_on_view
@@ -533,15 +533,13 @@ class ClusterBackend:
 
     # -- a stream another proxy ran (proxy.adopt) -------------------------------------
 
-    async def attach_stream(self, request_id: str) -> adopt.Found | None:
+    async def attach_stream(self, request_id: str) -> Found | None:
         """Take ``request_id`` over from the decode worker that holds it (None: none does)."""
         where = self.directory.running_on(request_id)  # from the reports; else every one
         members = sorted(self.directory.members("decode"), key=lambda m: m.instance != where)
         return await adopt.attach(self.pool, [(m.instance, m.address) for m in members], request_id)
 
-    def serve_attached(
-        self, req: GenerationRequest, found: adopt.Found
-    ) -> AsyncIterator[TokenBatch]:
+    def serve_attached(self, req: GenerationRequest, found: Found) -> AsyncIterator[TokenBatch]:
         """The taken-over request's new tokens, as :meth:`generate` would yield them."""
         return adopt.serve(self, req, found)
 
@@ -550,7 +548,7 @@ class ClusterBackend:
     def emit_event(self, event: Event) -> None:
         self._emit(event)
 
-    async def rejoin(self, instance: str, address: str, request_id: str) -> adopt.Found | None:
+    async def rejoin(self, instance: str, address: str, request_id: str) -> Found | None:
         """``request_id`` on ``instance`` again after this proxy's connection to it
         broke (:meth:`proxy.decode_run.DecodeRun._rejoin`); None: not held there."""
         return await adopt.attach(self.pool, [(instance, address)], request_id)
