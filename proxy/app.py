@@ -24,11 +24,12 @@ text) goes to the log line of that request id.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hmac
 import time
 from bisect import bisect_left
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 from urllib.parse import unquote
 
@@ -45,7 +46,7 @@ from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, M
 from proxy import chat_tools, resume
 from proxy.backend import Backend, BackendError, GenerationRequest, TokenBatch
 from proxy.decode_run import Found
-from proxy.fanout import FanIn, children
+from proxy.fanout import FanIn, children, drop_if_cut
 from proxy.http import (
     HttpError,
     HttpServer,
@@ -351,14 +352,13 @@ class ProxyApp:
         timing: _Timing,
         ids: bool = True,
     ) -> StreamingResponse:
-        """A single-choice stream: every event with its id, held for a resume (proxy.resume).
+        """A stream whose every event has its id, held for a resume (proxy.resume).
 
         ``ids``: the client asked for SSE (:func:`wants_event_ids`); without it
         the events carry no ``id:`` line, and the stream is resumable only from
         its start (``x-star-stream-id``).
 
-        Not yet: fan-out (n > 1, batched prompts), echo with logprobs (the
-        prompt's, computed once) and chat with tools or reasoning. With ``resume_grace_s`` the server
+        Not yet: chat with echo, tools or reasoning. With ``resume_grace_s`` the server
         detaches a client that goes away instead of cancelling its request.
         """
         held = self.streams.hold(parsed, relay.created)
@@ -368,19 +368,18 @@ class ProxyApp:
 
         reader = resume.Reader(relay, resume.Position(), self.streams.tagger, ids)
         body = resume.drive(held, reader, stream, first, timing.batch, self._error_event, on_end)
-        start = self.streams.tagger.format(held.request_id, resume.Position())
+        start = self.streams.tagger.format(held.request_id, [resume.Position()] * len(held.choices))
         detach = held.detach_driver if self.streams.grace_s > 0 else None
         return StreamingResponse(body, headers=[("x-star-stream-id", start)], detach=detach)
 
     @staticmethod
     def _resumable(parsed: ParsedRequest) -> bool:
-        """Streamed, one choice, no prompt logprobs (echo's): its events carry ids (proxy.resume)."""
+        """Streamed, not a chat with echo or parsers: its events carry ids (proxy.resume)."""
         gen = parsed.gen
         return (
             gen.stream
-            and parsed.num_choices == 1
-            # the first batch's, which neither this log nor a worker keeps
-            and parsed.text.prompt_logprobs is None
+            # its echo chunks go out with the role chunks: no position tells them apart
+            and parsed.chat_echo is None
             and parsed.chat is None  # another proxy would not rebuild its parser state
         )
 
@@ -397,14 +396,13 @@ class ProxyApp:
     async def _resume(self, request: Request, path_id: str) -> StreamingResponse:
         """``GET /v1/streams/{id}``: the stream after the id (or ``Last-Event-ID``)."""
         event = self.streams.parse(path_id, request.header("last-event-id"))
-        since = event.position
+        since = event.positions
         held = self.streams.live.get(event.request_id)
         if held is None:
             return await self._adopt(event)
-        if held.scores is not None:
-            resume.check_position(held.request_id, held.scores.known_from, since)
+        resume.check_positions(held, event.positions)
         relay = Relay(held.parsed, created=held.created)
-        reader = resume.Reader(relay, since, self.streams.tagger)
+        reader = resume.Reader(relay, event.positions, self.streams.tagger)
         rid = held.request_id
 
         def on_end(outcome: str, error: BaseException | None) -> None:
@@ -412,8 +410,8 @@ class ProxyApp:
                 "stream_resume_ended",
                 outcome=outcome,
                 request_id=rid,
-                since_tokens=since.tokens,
-                since_chars=since.chars,
+                since_tokens=sum(p.tokens for p in since),
+                since_chars=sum(p.chars for p in since),
                 completion_tokens=relay.completion_tokens,
                 error=None if error is None else repr(error),
             )
@@ -423,40 +421,46 @@ class ProxyApp:
         return StreamingResponse(body)
 
     async def _adopt(self, event: resume.EventId) -> StreamingResponse:
-        """A stream another proxy ran: taken over from its worker (proxy.adopt)."""
+        """A stream another proxy ran: taken over from the workers of its choices (proxy.adopt)."""
         backend = self.backend
         if not isinstance(backend, Adopter) or not self.streams.tagger.shared:
             raise resume.not_found(event.request_id, self.streams.grace_s)
-        found = await backend.attach_stream(event.request_id)
-        if found is None:
-            raise resume.not_found(event.request_id, self.streams.grace_s)
-        done = found.attached
+        rid, count = event.request_id, len(event.positions)
+        ids = [rid] if count == 1 else [f"{rid}-{k}" for k in range(count)]  # proxy.fanout's
+        answers = await asyncio.gather(
+            *(backend.attach_stream(i) for i in ids), return_exceptions=True
+        )
+        founds = [a for a in answers if isinstance(a, Found)]
         try:
-            parsed, created = resume.request_of(done.context, done.prompt_token_ids, self.models)
-        except HttpError:
-            found.leg.close()
+            for a in answers:
+                if isinstance(a, BaseException):
+                    raise a
+            if len(founds) != count:
+                raise resume.not_found(rid, self.streams.grace_s)
+            parsed, created, firsts = _adopted(rid, founds, event.positions, self.models)
+        except BaseException:
+            for found in founds:  # no client can have the rest: the requests are aborted
+                found.leg.close()
             raise
         relay = Relay(parsed, created=created)
         timing = _Timing(self.metrics, parsed.gen.arrival_s)
         self.active += 1
         self.metrics.active.inc()
-        first, known = resume.adopted_batch(done, parsed.text.logprobs)
-        try:
-            resume.check_position(event.request_id, known, event.position)
-        except HttpError:
-            found.leg.close()  # no client can have the rest: the request is aborted
-            raise
         held = self.streams.hold(parsed, created)
-        if held.scores is not None:
-            held.scores.known_from = known
+        for log_, (_, known) in zip(held.choices, firsts, strict=True):
+            if log_.scores is not None:
+                log_.scores.known_from = known
 
         def on_end(outcome: str, error: BaseException | None) -> None:
             self._done(relay, timing, outcome, error=None if error is None else repr(error))
 
-        reader = resume.Reader(relay, event.position, self.streams.tagger)
-        source = backend.serve_attached(parsed.gen, found)
+        reader = resume.Reader(relay, event.positions, self.streams.tagger)
+        reqs = children(parsed)
+        sources = [backend.serve_attached(r, f) for r, f in zip(reqs, founds, strict=True)]
+        batches = [batch for batch, _ in firsts]
+        source = sources[0] if count == 1 else FanIn(sources, ahead=batches[1:])
         body = resume.drive(
-            held, reader, source, first, timing.batch, self._error_event, on_end, count_first=False
+            held, reader, source, batches[0], timing.batch, self._error_event, on_end, count
         )
         await anext(body)
         detach = held.detach_driver if self.streams.grace_s > 0 else None
@@ -488,7 +492,7 @@ class ProxyApp:
             relay.feed(batch)
             if relay.cut:
                 break  # a stop string matched: closing the stream aborts upstream
-            await _drop_if_cut(relay, stream, batch)
+            await drop_if_cut(relay, stream, batch)
 
     async def _relay(
         self, relay: Relay, stream: AsyncIterator[TokenBatch], first: TokenBatch, timing: _Timing
@@ -505,7 +509,7 @@ class ProxyApp:
                     yield out
                 if relay.cut:
                     break  # a stop string matched: closing the stream aborts upstream
-                await _drop_if_cut(relay, stream, batch)
+                await drop_if_cut(relay, stream, batch)
                 batch = await anext(stream, None)
             outcome = "finished"
             yield relay.end()
@@ -546,6 +550,38 @@ class ProxyApp:
             log.warning("request_" + outcome, error=error, **fields)
         else:
             log.info("request_" + outcome, **fields)
+
+
+def _adopted(
+    request_id: str,
+    founds: list[Found],
+    since: resume.Positions,
+    models: Mapping[str, ModelCard],
+) -> tuple[ParsedRequest, int, list[tuple[TokenBatch, int]]]:
+    """The request whose choices' workers answered ``founds`` (in choice order), its
+    ``created``, and each choice's first batch with the index of its first token with
+    logprobs; HttpError if they do not make the stream a client at ``since`` resumes."""
+    context = founds[0].attached.context
+    prompts, n = resume.fan_of(context)
+    if prompts * n != len(founds):
+        raise HttpError(
+            400,
+            f"the stream id gives {len(founds)} choices' positions, stream {request_id} has "
+            f"{prompts * n} choices",
+            code="invalid_stream_id",
+        )
+    batch = [founds[p * n].attached.prompt_token_ids for p in range(prompts)]
+    parsed, created = resume.request_of(context, batch, models)
+    firsts = []
+    for k, (found, at) in enumerate(zip(founds, since, strict=True)):
+        first, known = resume.adopted_batch(found.attached, parsed.text.logprobs)
+        resume.check_position(request_id, known, at, k)
+        first.index = k
+        if parsed.text.prompt_logprobs is not None:  # echo with logprobs
+            prompt = found.attached.prompt_token_ids
+            first.prompt = resume.prompt_stand_in(request_id, prompt, at, k)
+        firsts.append((first, known))
+    return parsed, created, firsts
 
 
 @runtime_checkable
@@ -590,12 +626,6 @@ def _upstream_error(request_id: str) -> HttpError:
         f"the inference backend failed the request (request id {request_id})",
         code="upstream_error",
     )
-
-
-async def _drop_if_cut(relay: Relay, stream: AsyncIterator[TokenBatch], batch: TokenBatch) -> None:
-    """One choice of several cut by a stop string: abort its request, the others go on."""
-    if isinstance(stream, FanIn) and relay.choices[batch.index].cut:
-        await stream.drop(batch.index)
 
 
 async def _aclose(stream: AsyncIterator[Any]) -> None:

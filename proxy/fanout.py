@@ -19,12 +19,13 @@ the merged stream, and the others are aborted when it is closed.
 from __future__ import annotations
 
 import asyncio
+import collections
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from proxy.backend import GenerationRequest, TokenBatch, is_migratable
-from proxy.openai import ParsedRequest
+from proxy.openai import ParsedRequest, Relay
 
 
 def children(parsed: ParsedRequest) -> list[GenerationRequest]:
@@ -64,11 +65,15 @@ class FanIn:
 
     Each child runs in a pump task that forwards its batches through a queue
     bounded at one slot per child, so a slow client holds every child back as
-    it would hold one stream.
+    it would hold one stream. ``ahead``: batches to yield before any child's
+    (a stream taken over from the workers: what they already generated).
     """
 
-    def __init__(self, streams: Sequence[AsyncIterator[TokenBatch]]) -> None:
+    def __init__(
+        self, streams: Sequence[AsyncIterator[TokenBatch]], ahead: Sequence[TokenBatch] = ()
+    ) -> None:
         self._streams = list(streams)
+        self._ahead = collections.deque(ahead)
         self._queue: asyncio.Queue[TokenBatch | _End] = asyncio.Queue(len(self._streams))
         self._pumps: list[asyncio.Task[None]] = []
         self._live = set(range(len(self._streams)))
@@ -82,6 +87,10 @@ class FanIn:
                 asyncio.create_task(self._pump(k, s), name=f"fan-in-{k}")
                 for k, s in enumerate(self._streams)
             ]
+        while self._ahead:
+            batch = self._ahead.popleft()
+            if batch.index in self._live:
+                return batch
         while self._live:
             item = await self._queue.get()
             if isinstance(item, TokenBatch):
@@ -126,6 +135,12 @@ class FanIn:
             await self._queue.put(_End(index))
         finally:
             await _aclose(stream)  # cancelled while queueing: the generator still aborts
+
+
+async def drop_if_cut(relay: Relay, stream: AsyncIterator[TokenBatch], batch: TokenBatch) -> None:
+    """One choice of several cut by a stop string: abort its request, the others go on."""
+    if isinstance(stream, FanIn) and relay.choices[batch.index].cut:
+        await stream.drop(batch.index)
 
 
 async def _cancel(tasks: Sequence[asyncio.Task[None]]) -> None:

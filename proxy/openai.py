@@ -737,10 +737,11 @@ class Relay:
         # Characters of text each choice has released; a resumed stream starts
         # at the client's count and skips that much (proxy.resume).
         self.released = [0] * count
-        self._skip = 0
-        self._skip_scores = 0  # and the logprobs of that many tokens
+        self._skip = [0] * count
+        self._skip_scores = [0] * count  # and the logprobs of that many tokens
         self._open = count  # choices not yet finished
         self._started = False
+        self._opened: set[int] = set()  # choices whose role chunk is out (a resumed chat)
         self._stream = gen.stream
         chat = gen.kind == "chat"
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -819,15 +820,15 @@ class Relay:
                 choice.num_tokens - before,
             )
             scores = part if scores is None else {k: v + part[k] for k, v in scores.items()}
-        if self._skip_scores and scores is not None:
-            scores, self._skip_scores = drop_first(scores, self._skip_scores)
+        if self._skip_scores[index] and scores is not None:
+            scores, self._skip_scores[index] = drop_first(scores, self._skip_scores[index])
         if self._prompt_only:
             text = ""  # counted in usage, as vLLM counts it, but not shown
         if echo is not None:  # the choice's first chunk: the prompt, then its first text
             self._echo[index] = None
             text = echo + text
-        if self._skip:
-            text, self._skip = text[self._skip :], max(0, self._skip - len(text))
+        if skip := self._skip[index]:
+            text, self._skip[index] = text[skip:], max(0, skip - len(text))
         self.released[index] += len(text)
         finish = choice.finish_reason
         if finish is not None:
@@ -872,20 +873,33 @@ class Relay:
         chunk += self._end_of(finish) + b"\n\n"
         return chunk if self._started else self._start() + chunk
 
-    def resume_at(self, chars: int, tokens: int = 0) -> None:
-        """Continue a stream whose client has its first ``chars`` characters (one choice),
-        and the logprobs of its first ``tokens`` tokens.
+    def resume_at(
+        self, chars: Sequence[int], tokens: Sequence[int], opened: Sequence[bool]
+    ) -> None:
+        """Continue a stream whose client has, of each choice, its first ``chars``
+        characters, the logprobs of its first ``tokens`` tokens and, where
+        ``opened``, its role chunk (chat).
 
-        The role chunk is not sent again, the text is released from character
-        ``chars`` on and logprobs from token ``tokens`` on: fed the same tokens
-        from the first, this relay sends what an unbroken stream would have
-        sent after them (its text and logprobs; its chunks may split them
-        differently).
+        The role chunks the client has are not sent again, each choice's text
+        is released from its character ``chars`` on and its logprobs from
+        token ``tokens`` on: fed the same tokens from the first, this relay
+        sends what an unbroken stream would have sent after them (its text
+        and logprobs; its chunks may split them differently). A client that
+        has a choice's first chunk has its echoed prompt's logprobs too.
         """
-        self._started = True
-        self._skip = chars
-        self._skip_scores = tokens
-        self.released[0] = chars
+        for i, (c, t, o) in enumerate(zip(chars, tokens, opened, strict=True)):
+            self._skip[i], self._skip_scores[i], self.released[i] = c, t, c
+            if o:
+                self._opened.add(i)
+                if self._echo_scores:
+                    self._skip_scores[i] += len(self._prompts[i])
+        self._started = len(self._opened) == len(self.choices)
+
+    def unopened(self) -> list[int]:
+        """The choices whose role chunks the next output starts with (chat, in order)."""
+        if self._started or self.req.kind != "chat":
+            return []
+        return [i for i in range(len(self.choices)) if i not in self._opened]
 
     def end(self) -> bytes:
         """After the backend's stream ended: finish leftovers, usage chunk, ``[DONE]``."""
@@ -983,6 +997,7 @@ class Relay:
         out = b"".join(
             sse.event(self._head + str(i).encode() + role + self._tail + b"null" + prompt)
             for i in range(len(self.choices))
+            if i not in self._opened
         )
         if self._chat_echo:  # vLLM's echo: the last message's content, one chunk a choice
             echo = b',"delta":{"content":' + _j(self._chat_echo) + b"}"

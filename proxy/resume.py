@@ -1,13 +1,16 @@
 """Resumable streams: event ids, resume tokens, and streams held across a client's reconnect.
 
-Every event of a single-choice stream carries an SSE ``id``::
+Every event of a stream carries an SSE ``id``::
 
     <request id>.<tokens>.<chars>.<stage>.<tag>
 
 ``tokens`` is the completion tokens consumed, ``chars`` the characters of
 text the client holds after this event, ``stage`` 0 (nothing sent yet), 1
 (the role chunk and text chunks), 2 (the finish chunk) or 3 (the usage
-chunk). ``tag`` binds the id to its request: 128 bits of HMAC-SHA256 under a
+chunk). A stream of several choices (``n > 1``, batched prompts: one
+upstream request each, :mod:`proxy.fanout`) gives each of the three fields
+per choice, joined by ``-`` (``cmpl-x.4-7.17-30.1-2.<tag>``: choice 1 has
+finished). ``tag`` binds the id to its request: 128 bits of HMAC-SHA256 under a
 key derived from ``cluster.secret`` (a random key per proxy without one), so
 a client cannot name another's stream and any proxy of the cluster can check
 it. The position itself is not secret: a client may only move within its own
@@ -41,7 +44,7 @@ import hmac
 import re
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,10 +54,11 @@ import structlog
 from proxy import sse
 from proxy.adopt import FINISHED
 from proxy.backend import FinishReason, GenerationRequest, TokenBatch
+from proxy.fanout import drop_if_cut
 from proxy.http import HttpError
-from proxy.openai import ParsedRequest, Relay, TextOptions
+from proxy.openai import MAX_CHOICES, ParsedRequest, Relay, TextOptions
 from proxy.tokenizer import ModelCard
-from star.wire import Attached
+from star.wire import Attached, PromptLogprobs
 
 log = structlog.get_logger(__name__)
 
@@ -62,7 +66,12 @@ START, TEXT, FINISH, USAGE = 0, 1, 2, 3
 _LABEL = b"star-resume/1"
 _TAG_BYTES = 16
 _DONE = sse.DONE[:-2]  # "data: [DONE]"
-_ID = re.compile(r"([A-Za-z0-9_-]{1,128})\.(\d{1,9})\.(\d{1,10})\.([0-3])\.([A-Za-z0-9_-]{22})")
+_MAX = MAX_CHOICES - 1
+_ID = re.compile(
+    rf"([A-Za-z0-9_-]{{1,128}})\.(\d{{1,9}}(?:-\d{{1,9}}){{0,{_MAX}}})"
+    rf"\.(\d{{1,10}}(?:-\d{{1,10}}){{0,{_MAX}}})\.([0-3](?:-[0-3]){{0,{_MAX}}})"
+    r"\.([A-Za-z0-9_-]{22})"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,12 +83,20 @@ class Position:
     stage: int = START
 
 
+Positions = tuple[Position, ...]  # one per choice
+
+
 @dataclass(frozen=True, slots=True)
 class EventId:
     """A parsed event id; :meth:`Tagger.parse` checked its tag."""
 
     request_id: str
-    position: Position
+    positions: Positions
+
+    @property
+    def position(self) -> Position:
+        """The first choice's (a single-choice stream's only one)."""
+        return self.positions[0]
 
 
 class Tagger:
@@ -96,9 +113,15 @@ class Tagger:
         mac = hmac.new(self._key, request_id.encode(), hashlib.sha256).digest()[:_TAG_BYTES]
         return base64.urlsafe_b64encode(mac).rstrip(b"=").decode()
 
-    def format(self, request_id: str, at: Position, tag: str | None = None) -> str:
+    def format(
+        self, request_id: str, at: Position | Sequence[Position], tag: str | None = None
+    ) -> str:
         tag = tag or self.tag(request_id)
-        return f"{request_id}.{at.tokens}.{at.chars}.{at.stage}.{tag}"
+        ats = (at,) if isinstance(at, Position) else at
+        tokens = "-".join(str(p.tokens) for p in ats)
+        chars = "-".join(str(p.chars) for p in ats)
+        stages = "-".join(str(p.stage) for p in ats)
+        return f"{request_id}.{tokens}.{chars}.{stages}.{tag}"
 
     def parse(self, text: str) -> EventId:
         """The id in ``text``; HttpError 400 if malformed, 403 if its tag is not this cluster's."""
@@ -109,7 +132,15 @@ class Tagger:
                 f"'{text[:200]}' is not a stream event id (<request id>.<tokens>.<chars>.<stage>.<tag>)",
                 code="invalid_stream_id",
             )
-        request_id, tokens, chars, stage, tag = m.groups()
+        request_id, tokens, chars, stages, tag = m.groups()
+        fields = [f.split("-") for f in (tokens, chars, stages)]
+        if len({len(f) for f in fields}) != 1:
+            raise HttpError(
+                400,
+                f"'{text[:200]}' gives the choices' tokens, characters and stages in different "
+                "numbers",
+                code="invalid_stream_id",
+            )
         if not hmac.compare_digest(tag, self.tag(request_id)):
             raise HttpError(
                 403,
@@ -118,7 +149,8 @@ class Tagger:
                 type="permission_error",
                 code="invalid_stream_tag",
             )
-        return EventId(request_id, Position(int(tokens), int(chars), int(stage)))
+        positions = tuple(Position(int(t), int(c), int(s)) for t, c, s in zip(*fields, strict=True))
+        return EventId(request_id, positions)
 
 
 def context_of(parsed: ParsedRequest, created: int) -> bytes:
@@ -137,14 +169,28 @@ def context_of(parsed: ParsedRequest, created: int) -> bytes:
             "migratable": gen.migratable,
             "text": {f.name: getattr(parsed.text, f.name) for f in dataclasses.fields(parsed.text)},
             "echo": list(parsed.echo),
+            "prompts": len(parsed.batch),
         }
     )
 
 
+def fan_of(context: bytes) -> tuple[int, int]:
+    """The prompts and ``n`` of the request :func:`context_of` described (its choices:
+    their product, one upstream request each); HttpError if unusable."""
+    try:
+        ctx = msgspec.msgpack.decode(context)
+        return int(ctx.get("prompts", 1)), int(ctx["sampling"].get("n", 1))
+    except (msgspec.DecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise HttpError(
+            500, f"the stream's context cannot be read: {exc}", code="stream_unreadable"
+        ) from None
+
+
 def request_of(
-    context: bytes, prompt: list[int], models: Mapping[str, ModelCard]
+    context: bytes, prompts: Sequence[list[int]], models: Mapping[str, ModelCard]
 ) -> tuple[ParsedRequest, int]:
-    """The request :func:`context_of` described, and its ``created``; HttpError if unusable."""
+    """The request :func:`context_of` described (``prompts``: its prompts, from the
+    workers that hold its choices), and its ``created``; HttpError if unusable."""
     try:
         ctx = msgspec.msgpack.decode(context)
         card = models.get(ctx["model"])
@@ -153,7 +199,7 @@ def request_of(
         gen = GenerationRequest(
             request_id=ctx["id"],
             model=ctx["model"],
-            prompt_token_ids=prompt,
+            prompt_token_ids=prompts[0],
             sampling=ctx["sampling"],
             kind=ctx["kind"],
             stop=tuple(ctx["stop"]),
@@ -173,7 +219,8 @@ def request_of(
         raise HttpError(
             404, f"the stream's model {ctx['model']!r} is not served here", code="stream_not_found"
         )
-    return ParsedRequest(gen, text, card, (), echo), created
+    batch = tuple(prompts) if len(prompts) > 1 else ()
+    return ParsedRequest(gen, text, card, batch, echo), created
 
 
 class ScoreLog:
@@ -239,21 +286,80 @@ def adopted_batch(done: Attached, top: int | None) -> tuple[TokenBatch, int]:
     return batch, known
 
 
-def check_position(request_id: str, known_from: int, since: Position) -> None:
+def check_position(request_id: str, known_from: int, since: Position, choice: int = 0) -> None:
     """HttpError 409 when a stream whose logprobs are held from token ``known_from`` on
-    cannot give a client at ``since`` the logprobs it lacks."""
+    (of its ``choice``) cannot give a client at ``since`` the logprobs it lacks."""
     if since.tokens < known_from:
+        of = f" (choice {choice})" if choice else ""
         raise HttpError(
             409,
-            f"stream {request_id} moved between instances after token {since.tokens} and "
+            f"stream {request_id}{of} moved between instances after token {since.tokens} and "
             "the logprobs of the tokens before the move are no longer held: resume from an "
             f"event at or after token {known_from}",
             code="stream_logprobs_gone",
         )
 
 
+def prompt_stand_in(
+    request_id: str, prompt: list[int], since: Position, choice: int
+) -> PromptLogprobs:
+    """Prompt logprobs standing in for an echoed prompt's in a stream taken over from a
+    worker, which keeps none (they were computed with the prompt, once): a client that
+    has the choice's first chunk has the real ones, which a resumed relay skips (of the
+    prompt only its tokens count there, for the text offsets). HttpError 409 for a
+    client that lacks them."""
+    if since.stage < TEXT:
+        of = f" (choice {choice})" if choice else ""
+        raise HttpError(
+            409,
+            f"stream {request_id}{of} echoes its prompt with logprobs, which only the proxy "
+            "that ran it held: resume from an event after the first chunk",
+            code="stream_logprobs_gone",
+        )
+    n = max(len(prompt) - 1, 0)
+    return PromptLogprobs(stream=0, logprobs=[0.0] * n, ranks=[1] * n)
+
+
+def check_positions(stream: HeldStream, since: Positions) -> None:
+    """HttpError 400 when ``since`` does not give each of ``stream``'s choices a position,
+    409 when the logprobs a choice's client lacks are gone (:func:`check_position`)."""
+    if len(since) != len(stream.choices):
+        raise HttpError(
+            400,
+            f"the stream id gives {len(since)} choices' positions, stream "
+            f"{stream.request_id} has {len(stream.choices)} choices",
+            code="invalid_stream_id",
+        )
+    for i, (log, at) in enumerate(zip(stream.choices, since, strict=True)):
+        if log.scores is not None:
+            check_position(stream.request_id, log.scores.known_from, at, i)
+
+
+class ChoiceLog:
+    """One choice's tokens as the driver recorded them, and their logprobs when asked for."""
+
+    __slots__ = ("finish_reason", "prompt", "scores", "stop_reason", "tokens")
+
+    def __init__(self, scored: bool) -> None:
+        self.tokens: list[int] = []
+        self.scores = ScoreLog() if scored else None
+        self.prompt: PromptLogprobs | None = None  # its first batch's (echo with logprobs)
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: str | int | None = None
+
+    def since(self, cursor: int) -> TokenBatch:
+        """A batch of the tokens from ``cursor`` on (and the finish, once known)."""
+        batch = TokenBatch(self.tokens[cursor:], self.finish_reason, self.stop_reason)
+        if cursor == 0:
+            batch.prompt = self.prompt
+        if self.scores is not None:
+            batch = dataclasses.replace(batch, **self.scores.fields(cursor, len(self.tokens)))
+        return batch
+
+
 class HeldStream:
-    """One request's token log, written by the task that drives its backend stream.
+    """One request's token log (a :class:`ChoiceLog` per choice), written by the task
+    that drives its backend stream.
 
     The driver is the first client's response body (:func:`drive`): the
     per-token path stays one task, as without resume. When that client goes
@@ -266,11 +372,8 @@ class HeldStream:
         self.parsed = parsed
         self.request_id = parsed.gen.request_id
         self.created = created  # every reader's chunks say the same
-        self.tokens: list[int] = []
-        # their logprobs, when the request asked for them
-        self.scores = None if parsed.text.logprobs is None else ScoreLog()
-        self.finish_reason: FinishReason | None = None
-        self.stop_reason: str | int | None = None
+        scored = parsed.text.logprobs is not None
+        self.choices = [ChoiceLog(scored) for _ in range(parsed.num_choices)]
         self.error: BaseException | None = None
         self.ended = False  # no token will come any more
         self.stopping = False  # aborted upstream (or being)
@@ -283,11 +386,16 @@ class HeldStream:
 
     def record(self, batch: TokenBatch) -> None:
         """The driver's batch: tokens and finish together (a reader never sees one alone)."""
-        if self.scores is not None:
-            self.scores.add(batch)
-        self.tokens.extend(batch.token_ids)
+        if not 0 <= batch.index < len(self.choices):
+            raise ValueError(f"backend sent choice index {batch.index} for n={len(self.choices)}")
+        log = self.choices[batch.index]
+        if batch.prompt is not None:
+            log.prompt = batch.prompt
+        if log.scores is not None:
+            log.scores.add(batch)
+        log.tokens.extend(batch.token_ids)
         if batch.finish_reason is not None:
-            self.finish_reason, self.stop_reason = batch.finish_reason, batch.stop_reason
+            log.finish_reason, log.stop_reason = batch.finish_reason, batch.stop_reason
         self._notify()
 
     def end(self, error: BaseException | None = None) -> None:
@@ -415,53 +523,73 @@ class Reader:
     """One client's view of a stream, sans-IO: its events after ``since``, each with its id.
 
     ``relay`` is fresh: it is fed the stream's tokens from the first, and
-    sends from ``since`` on (the role chunk and ``since.chars`` of text
-    skipped, and the closing events the client has).
+    sends from ``since`` on (each choice's role chunk and ``chars`` of text
+    skipped, and the closing events the client has). ``since``: one
+    position per choice (one position: every choice's).
     """
 
-    def __init__(self, relay: Relay, since: Position, tagger: Tagger, ids: bool = True) -> None:
+    def __init__(
+        self, relay: Relay, since: Position | Sequence[Position], tagger: Tagger, ids: bool = True
+    ) -> None:
         self.relay = relay
-        self.since = since
+        count = len(relay.choices)
+        self.since = (since,) * count if isinstance(since, Position) else tuple(since)
+        if len(self.since) != count:
+            raise ValueError(f"{len(self.since)} positions for {count} choices")
         # Without ``ids`` the events go out as plain ``data:`` lines (a client
         # that did not ask for SSE: vLLM's bench client reads nothing else).
         self.ids = ids
-        if since.stage >= TEXT:
-            relay.resume_at(since.chars, since.tokens)
-        self._id = tagger.format(relay.req.request_id, Position(), "").rsplit(".", 4)[0]
-        self._tag = tagger.tag(relay.req.request_id)
-        self._chat = relay.req.kind == "chat"
+        if any(p.stage >= TEXT for p in self.since):
+            relay.resume_at(
+                [p.chars for p in self.since],
+                [p.tokens for p in self.since],
+                [p.stage >= TEXT for p in self.since],
+            )
+        self._at = list(self.since)  # each choice's position after the last event out
+        self._rid = relay.req.request_id
+        self._tag = tagger.tag(self._rid)
+        self._tagger = tagger
 
     def feed(self, batch: TokenBatch) -> bytes:
-        """The events of ``batch`` (its tokens follow those fed before)."""
-        started = self.relay.started
-        return self._with_ids(self.relay.feed(batch), started)
+        """The events of ``batch`` (its tokens follow those of its choice fed before)."""
+        opening = self.relay.unopened()
+        return self._with_ids(self.relay.feed(batch), opening, batch.index)
 
     def end(self) -> bytes:
-        """The closing events (usage, ``[DONE]``) once the choice has finished."""
-        started = self.relay.started
-        return self._with_ids(self.relay.end(), started, closing=True)
+        """The closing events (usage, ``[DONE]``) once every choice has finished."""
+        opening = self.relay.unopened()
+        return self._with_ids(self.relay.end(), opening, None)
 
-    def event_id(self, at: Position) -> bytes:
-        return f"{self._id}.{at.tokens}.{at.chars}.{at.stage}.{self._tag}".encode()
+    def event_id(self, at: Position | Sequence[Position]) -> bytes:
+        return self._tagger.format(self._rid, at, self._tag).encode()
 
-    def _with_ids(self, out: bytes, started: bool, closing: bool = False) -> bytes:
+    def _with_ids(self, out: bytes, opening: list[int], index: int | None) -> bytes:
+        """``out``'s events with ids. A relay's output is the role chunks of the choices
+        in ``opening`` (a chat's first output), then one chunk of choice ``index``, or
+        the usage chunk (``index`` None: the end), then ``[DONE]``."""
         if not out or not self.ids:
             return out
-        relay, choice = self.relay, self.relay.choices[0]
+        relay, at, since = self.relay, self._at, self.since
         kept = []
         for k, part in enumerate(out.split(b"\n\n")[:-1]):
             if part == _DONE:
                 kept.append(part)
                 continue
-            if self._chat and not started and k == 0:
-                at = Position(0, 0, TEXT)  # the role chunk
-            elif closing:
-                at = Position(choice.num_tokens, relay.released[0], USAGE)
+            if k < len(opening):  # a role chunk
+                at[opening[k]] = Position(0, 0, TEXT)
+            elif index is None:  # the usage chunk
+                if all(p.stage >= USAGE for p in since):
+                    continue  # the client has it
+                at[:] = [
+                    Position(c.num_tokens, relay.released[i], USAGE)
+                    for i, c in enumerate(relay.choices)
+                ]
             else:
+                choice = relay.choices[index]
                 stage = FINISH if choice.finish_reason is not None else TEXT
-                at = Position(choice.num_tokens, relay.released[0], stage)
-            if self.since.stage >= FINISH and at.stage <= self.since.stage:
-                continue  # the client has it
+                if since[index].stage >= FINISH and stage <= since[index].stage:
+                    continue  # the client has it
+                at[index] = Position(choice.num_tokens, relay.released[index], stage)
             kept.append(b"id: " + self.event_id(at) + b"\n" + part)
         return b"".join(p + b"\n\n" for p in kept)
 
@@ -474,12 +602,14 @@ async def drive(
     on_batch: Callable[[TokenBatch], None],
     error_event: ErrorEvent,
     on_end: OnEnd,
-    count_first: bool = True,
+    uncounted: int = 0,
 ) -> AsyncIterator[bytes]:
     """The first client's SSE body: drives ``source`` (its ``first`` batch read), logging it.
 
-    ``on_batch`` sees every batch (the metrics), the first unless ``count_first``
-    is false (a stream taken over: its first batch is what another proxy relayed).
+    ``on_batch`` sees every batch (the metrics) but the first ``uncounted``
+    (a stream taken over: its first batches are what another proxy relayed).
+    A choice of several cut by a stop string has its request aborted, the
+    others go on (:func:`proxy.fanout.drop_if_cut`).
 
     Closing or cancelling the body closes ``source`` (the request is aborted
     upstream unless it finished); a client that goes away detaches it
@@ -492,7 +622,9 @@ async def drive(
         yield b""
         batch: TokenBatch | None = first
         while batch is not None:
-            if batch is not first or count_first:
+            if uncounted > 0:
+                uncounted -= 1
+            else:
                 on_batch(batch)
             stream.record(batch)
             out = reader.feed(batch)
@@ -500,6 +632,7 @@ async def drive(
                 yield out
             if relay.cut:
                 break  # a stop string matched: closing the stream aborts upstream
+            await drop_if_cut(relay, source, batch)
             batch = await anext(source, None)
         outcome = "finished"
         yield reader.end()
@@ -530,20 +663,25 @@ async def follow(
     outcome, error = "cancelled", None
     try:
         yield b""
-        cursor = 0
+        cursors = [0] * len(stream.choices)
         while not relay.done:
             changed = stream.changed()
-            tokens = stream.tokens
-            if cursor < len(tokens) or stream.finish_reason is not None:
-                batch = TokenBatch(tokens[cursor:], stream.finish_reason, stream.stop_reason)
-                if stream.scores is not None:
-                    batch = dataclasses.replace(batch, **stream.scores.fields(cursor, len(tokens)))
-                cursor = len(tokens)
+            new = [
+                i
+                for i, log in enumerate(stream.choices)
+                if not relay.choices[i].finish_reason
+                and (cursors[i] < len(log.tokens) or log.finish_reason is not None)
+            ]
+            for i in new:
+                log = stream.choices[i]
+                batch = dataclasses.replace(log.since(cursors[i]), index=i)
+                cursors[i] = len(batch.token_ids) + cursors[i]
                 out = reader.feed(batch)
                 if out:
                     yield out
-                if relay.cut:
-                    break  # the driver cuts at the same token
+            if relay.cut:
+                break  # the driver cuts at the same tokens
+            if new:
                 continue
             if stream.ended:
                 if stream.error is not None:

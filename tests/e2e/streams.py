@@ -33,6 +33,17 @@ def text(got: list[sse.Event]) -> str:
     return "".join(out)
 
 
+def texts(got: list[sse.Event]) -> dict[int, str]:
+    """Each choice's text, joined (a stream of several choices interleaves them)."""
+    out: dict[int, str] = {}
+    for ev in got:
+        if ev.data != sse.DONE_DATA:
+            for choice in json.loads(ev.data)["choices"]:
+                piece = choice.get("text") or choice.get("delta", {}).get("content") or ""
+                out[choice["index"]] = out.get(choice["index"], "") + piece
+    return out
+
+
 def usage(got: list[sse.Event]) -> dict[str, int]:
     """The usage of the one event that carries it."""
     (found,) = [json.loads(e.data)["usage"] for e in got if '"usage":{' in e.data]

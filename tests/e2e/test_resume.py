@@ -3,8 +3,9 @@
 A proxy of its own (an API key, a short ``proxy.resume_grace_s``) in front of
 the package's workers. A client cut mid-stream resumes twice, by the plain
 resume path (curl's way) and by ``Last-Event-ID`` (EventSource's): the text,
-the token count and the logprobs equal an unbroken greedy run's. A forged tag and a wrong
-key are refused; a stream nobody resumes is aborted after the grace and its
+the token count and the logprobs equal an unbroken greedy run's (each choice's
+for a batched, seeded request with n = 2; an echo's prompt logprobs too). A
+forged tag and a wrong key are refused; a stream nobody resumes is aborted after the grace and its
 KV freed on the worker.
 """
 
@@ -26,7 +27,7 @@ from proxy import sse
 from star.fleet import LocalCluster
 from star.model.task import Prompt
 from tests.e2e.conftest import latest_reports
-from tests.e2e.streams import SSE, events, logprobs, text, usage
+from tests.e2e.streams import SSE, events, logprobs, texts, usage
 from tests.procs import proxy_process
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
@@ -35,11 +36,18 @@ MODEL = "star-tiny"
 KEY = "sekrit"
 GRACE_S = 4.0
 ORPHAN_GRACE_S = 30.0  # worker.orphan_grace_s, the default the package's workers run with
+SEEDED = {"temperature": 1.0, "seed": 11}  # n > 1 is not greedy (vLLM); child k: seed + k
 
 
 def _decode_requests(cluster: LocalCluster) -> tuple[int, int]:
     reports = [r for r in latest_reports(cluster).values() if r.role == "decode"]
     return sum(len(r.requests) for r in reports), sum(r.used_tokens for r in reports)
+
+
+def _choices(body: dict[str, Any]) -> int:
+    """The choices a request asks for: ``n`` for each of its prompts."""
+    prompt = body.get("prompt")
+    return int(body.get("n", 1)) * (len(prompt) if isinstance(prompt, list) else 1)
 
 
 def _wait(predicate: Any, timeout_s: float, what: str) -> None:
@@ -80,11 +88,18 @@ def test_a_cut_stream_resumes_exactly_and_an_abandoned_one_is_freed(
             ("/v1/completions", colors),
             ("/v1/chat/completions", {**common, "messages": prompt.messages()}),
             ("/v1/completions", {**colors, "logprobs": 2}),  # each token's logprobs once
+            ("/v1/completions", {**colors, "logprobs": 2, "echo": True}),  # the prompt's too
+            # two prompts, n = 2 (seeded): four upstream requests, each resumed at its position
+            (
+                "/v1/completions",
+                {**colors, "prompt": [colors["prompt"], "count to five"], "n": 2, **SEEDED},
+            ),
         ):
             with c.stream("POST", path, json=body) as resp:
                 whole = events(resp)
             with c.stream("POST", path, json=body) as resp:
                 first = events(resp, 6)  # then the client is cut
+            assert first, (body, resp.status_code, whole[:2])
             time.sleep(0.5)  # the request decodes on meanwhile
             with c.stream("GET", f"/v1/streams/{first[-1].id}") as resp:
                 assert resp.status_code == 200, resp.read()
@@ -93,7 +108,9 @@ def test_a_cut_stream_resumes_exactly_and_an_abandoned_one_is_freed(
             last = {"last-event-id": second[-1].id or ""}
             with c.stream("GET", f"/v1/streams/{request_id}", headers=last) as resp:
                 third = events(resp)
-            assert text(first + second + third) == text(whole) != ""
+            assert texts(first + second + third) == texts(whole)
+            assert "" not in texts(whole).values()
+            assert len(texts(whole)) == _choices(body)
             assert usage(first + second + third) == usage(whole)
             assert (first + second + third)[-1].data == sse.DONE_DATA
             scored = logprobs(first + second + third)
@@ -142,11 +159,19 @@ def test_a_stream_resumes_on_another_proxy_after_its_proxy_is_killed(
     }
     prompt = Prompt(topic="animals", size="medium", start="owl")
     chat = {**common, "messages": prompt.messages()}
+    fruits = {**common, "prompt": "name three fruits, plum first."}
     cases = [
         ("/v1/chat/completions", chat),
-        ("/v1/completions", {**common, "prompt": "name three fruits, plum first."}),
+        ("/v1/completions", fruits),
         # the worker keeps the logprobs of what it generated, for the proxy that takes over
         ("/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 2}),
+        # an echoed prompt's logprobs came with the first chunk: the rest's taken over
+        ("/v1/completions", {**fruits, "echo": True, "logprobs": 2}),
+        # two prompts, n = 2: each of the four choices taken over from its worker
+        (
+            "/v1/completions",
+            {**common, "prompt": ["name three fruits, plum first.", "count"], "n": 2, **SEEDED},
+        ),
     ]
     with contextlib.ExitStack() as stack:
         b = stack.enter_context(proxy_process(env, tmp_path / "b.log"))
@@ -168,14 +193,16 @@ def test_a_stream_resumes_on_another_proxy_after_its_proxy_is_killed(
             with cb.stream("GET", f"/v1/streams/{first[-1].id}") as resp:
                 assert resp.status_code == 200, resp.read()
                 rest = events(resp)
-            assert text(first + rest) == text(whole) != ""
+            assert texts(first + rest) == texts(whole)
+            assert "" not in texts(whole).values() and len(texts(whole)) == _choices(body)
             assert usage(rest) == usage(whole)
             assert rest[-1].data == sse.DONE_DATA
             scored = logprobs(first + rest)
             diffs = differences(scored, logprobs(whole), 1e-4)  # tokens exact, values within 1e-4
             assert not diffs, diffs
             assert bool(scored) == ("logprobs" in body)
-        assert (tmp_path / "b.log").read_text().count('"stream_adopted"') == len(cases)
+        adopted = (tmp_path / "b.log").read_text().count('"stream_adopted"')
+        assert adopted == sum(_choices(body) for _, body in cases)  # a request each choice
 
         # Nobody comes back: the worker holds the orphan, decoding on, then frees it (after
         # worker.orphan_grace_s, or when it finishes first: the tiny model is fast).

@@ -26,12 +26,12 @@ from proxy.backend import TokenBatch
 from proxy.cluster import ClusterBackend, Directory
 from proxy.http import HttpServer
 from proxy.openai import ParsedRequest, Relay, parse_chat, parse_completion
-from proxy.resume import Position, Reader, Tagger, context_of, request_of
+from proxy.resume import Position, Reader, Tagger, context_of, fan_of, request_of
 from proxy.tokenizer import ModelCard
 from proxy.upstream import WorkerPool
 from star.settings import ProxySettings
 from star.wire import Hello, ResumableGenerate, Tokens
-from tests.e2e.streams import SSE
+from tests.e2e.streams import SSE, texts
 from tests.proxy.rawhttp import until
 from tests.reports import report
 from tests.workers.fakes import Client, FakeEngine
@@ -75,12 +75,19 @@ def test_the_context_round_trips(card: ModelCard) -> None:
     for chat in (False, True):
         parsed = _parsed(card, chat)
         again, created = request_of(
-            context_of(parsed, 123), parsed.gen.prompt_token_ids, {"tiny": card}
+            context_of(parsed, 123), [parsed.gen.prompt_token_ids], {"tiny": card}
         )
         assert created == 123 and again.text == parsed.text and again.echo == parsed.echo
         for field in ("request_id", "model", "kind", "stop", "include_usage", "migratable"):
             assert getattr(again.gen, field) == getattr(parsed.gen, field), field
         assert dict(again.gen.sampling) == dict(parsed.gen.sampling)
+        assert fan_of(context_of(parsed, 1)) == (1, 1)
+    body = {"model": "tiny", "stream": True, "prompt": ["héllo", "wörld"], "n": 2}
+    fanned = parse_completion(json.dumps(body).encode(), {"tiny": card})
+    context = context_of(fanned, 1)
+    assert fan_of(context) == (2, 2)
+    again, _ = request_of(context, list(fanned.batch), {"tiny": card})
+    assert again.batch == fanned.batch and again.num_choices == 4
 
 
 @pytest.fixture
@@ -218,16 +225,11 @@ async def test_an_adopted_stream_is_held_too_and_aborted_after_the_grace(
     assert app.streams.live == {}
 
 
-async def test_a_stopping_proxy_hands_its_streams_to_the_workers(
-    worker: tuple[TokenServer, FakeEngine],
-    second_proxy: tuple[ProxyApp, HttpServer],
-    card: ModelCard,
-) -> None:
-    """SIGTERM's drain runs out (issue 26 item 2): the streams still open are cut without
-    an Abort, the worker holds them, and the clients resume on another proxy exactly."""
-    srv, engine = worker
-    _, http_b = second_proxy
-    engine.step_s = 0.02
+async def _cut_by_a_stopping_proxy(
+    srv: TokenServer, card: ModelCard, body: dict[str, Any]
+) -> list[sse.Event]:
+    """The events a client of proxy A got of ``body`` before SIGTERM's drain ran out
+    (the streams still open are cut without an Abort: the worker holds them)."""
     bus = SimpleNamespace(keys=SimpleNamespace(reports="t:reports"))
     directory = Directory(bus, staleness_s=60)  # type: ignore[arg-type]
     directory._reports["decode-0"] = (time.monotonic(), report("decode-0", address=srv.address))
@@ -237,13 +239,6 @@ async def test_a_stopping_proxy_hands_its_streams_to_the_workers(
     app = ProxyApp(backend, [card], settings, secret=SECRET)
     http_a = create_server(app, settings)
     await http_a.start()
-    body = {
-        "model": "tiny",
-        "prompt": "héllo",
-        "max_tokens": TOKENS,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
     first: list[sse.Event] = []
     try:
         async with httpx.AsyncClient(
@@ -264,18 +259,73 @@ async def test_a_stopping_proxy_hands_its_streams_to_the_workers(
         pass  # the cut
     app.close()
     await pool.close()
-    assert first and engine.live == {first_request(engine)}  # held by the worker, not aborted
+    return first
+
+
+async def _resumed(http: HttpServer, last: sse.Event) -> list[sse.Event]:
+    """The events of a resume from ``last`` on the proxy ``http``."""
     async with httpx.AsyncClient(
-        base_url=f"http://127.0.0.1:{http_b.port}", timeout=30, headers=SSE
+        base_url=f"http://127.0.0.1:{http.port}", timeout=30, headers=SSE
     ) as c:
-        async with c.stream("GET", f"/v1/streams/{first[-1].id}") as resp:
+        async with c.stream("GET", f"/v1/streams/{last.id}") as resp:
             assert resp.status_code == 200, await resp.aread()
             decoder, rest = sse.SSEDecoder(), []
             async for chunk in resp.aiter_raw():
                 rest += decoder.feed(chunk)
+    return rest
+
+
+async def test_a_stopping_proxy_hands_its_streams_to_the_workers(
+    worker: tuple[TokenServer, FakeEngine],
+    second_proxy: tuple[ProxyApp, HttpServer],
+    card: ModelCard,
+) -> None:
+    """SIGTERM's drain runs out (issue 26 item 2): the streams still open are cut without
+    an Abort, the worker holds them, and the clients resume on another proxy exactly."""
+    srv, engine = worker
+    _, http_b = second_proxy
+    engine.step_s = 0.02
+    body = {
+        "model": "tiny",
+        "prompt": "héllo",
+        "max_tokens": TOKENS,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    first = await _cut_by_a_stopping_proxy(srv, card, body)
+    assert first and engine.live == {first_request(engine)}  # held by the worker, not aborted
+    rest = await _resumed(http_b, first[-1])
     letters = "".join(card.tokenizer.decode([FIRST + i]) for i in range(TOKENS))
     assert _text(first + rest) == letters
     assert _usage(rest) == TOKENS and engine.aborted == []
+
+
+async def test_a_fanned_out_stream_of_a_stopping_proxy_resumes_on_another(
+    worker: tuple[TokenServer, FakeEngine],
+    second_proxy: tuple[ProxyApp, HttpServer],
+    card: ModelCard,
+) -> None:
+    """Two prompts, n = 2 (issue 26): four upstream requests, each held by the worker when
+    proxy A stops; proxy B takes each over, and every choice's text and the usage joined
+    at the client's last event are an unbroken stream's."""
+    srv, engine = worker
+    _, http_b = second_proxy
+    engine.step_s = 0.02
+    body = {
+        "model": "tiny",
+        "prompt": ["héllo", "wörld"],
+        "n": 2,
+        "max_tokens": TOKENS,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    first = await _cut_by_a_stopping_proxy(srv, card, body)
+    assert len(engine.live) == 4  # held by the worker, not aborted
+    rest = await _resumed(http_b, first[-1])
+    letters = "".join(card.tokenizer.decode([FIRST + i]) for i in range(TOKENS))
+    assert texts(first + rest) == dict.fromkeys(range(4), letters)
+    assert _usage(rest) == 4 * TOKENS and engine.aborted == []
+    assert sorted(engine.finished) == sorted(engine.started) and len(engine.started) == 4
 
 
 def first_request(engine: FakeEngine) -> str:

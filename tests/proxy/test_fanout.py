@@ -429,7 +429,9 @@ async def test_a_failing_child_ends_the_response_and_aborts_the_others(
 
 
 async def test_a_client_that_goes_away_aborts_every_child(make_proxy: ProxyFactory) -> None:
-    proxy = await make_proxy(Script(text="The answer is 42.", hang_after=2))
+    """Once the stream's resume grace has run out (it is held for a resume meanwhile, as
+    a single choice's is: tests/proxy/test_resume.py)."""
+    proxy = await make_proxy(Script(text="The answer is 42.", hang_after=2), resume_grace_s=0.3)
     async with client(proxy) as c:
         stream = await c.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "x"}], n=3, stream=True

@@ -29,11 +29,12 @@ from proxy.resume import (
     Tagger,
     adopted_batch,
     check_position,
+    prompt_stand_in,
 )
 from proxy.tokenizer import ModelCard
 from star.settings import ProxySettings
-from star.wire import Attached
-from tests.e2e.streams import SSE, logprobs
+from star.wire import Attached, PromptLogprobs
+from tests.e2e.streams import SSE, logprobs, texts
 from tests.proxy.conftest import Proxy, ProxyFactory
 from tests.proxy.fakes import CORPUS, Script
 from tests.proxy.rawhttp import request_bytes, until
@@ -41,6 +42,20 @@ from tests.proxy.rawhttp import request_bytes, until
 ANSWER = "Héllo wörld, 你好 😀! The answer is 42. STOP here. Done!"
 
 # -- the id codec -------------------------------------------------------------------
+
+
+def test_an_id_names_each_choice_s_position() -> None:
+    tagger = Tagger("k")
+    at = (Position(4, 17, TEXT), Position(7, 30, FINISH), Position())
+    text = tagger.format("cmpl-abc", at)
+    assert text.split(".")[1:4] == ["4-7-0", "17-30-0", "1-2-0"]
+    event = tagger.parse(text)
+    assert (event.request_id, event.positions) == ("cmpl-abc", at)
+    assert tagger.parse(tagger.format("cmpl-abc", at[0])).positions == (at[0],)
+    uneven = text.replace("4-7-0", "4-7")
+    with pytest.raises(HttpError) as err:
+        tagger.parse(uneven)
+    assert (err.value.status, err.value.code) == (400, "invalid_stream_id")
 
 
 def test_an_id_names_its_request_and_position_and_any_proxy_of_the_cluster_checks_it() -> None:
@@ -196,6 +211,98 @@ def test_a_resume_from_any_event_joins_exactly_whatever_the_batching(
     assert all(r["created"] == 1 and r["id"] == parsed.gen.request_id for r in rest)
 
 
+def _fanned_events(
+    reader: Reader, batches: list[TokenBatch], finish: str = "length"
+) -> list[sse.Event]:
+    """A reader's events for ``batches`` (several choices interleaved); each choice's
+    finish follows its tokens."""
+    out = b""
+    ends = [TokenBatch([], finish, index=i) for i in range(len(reader.relay.choices))]  # type: ignore[arg-type]
+    for batch in [*batches, *ends]:
+        out += reader.feed(batch)
+        if reader.relay.done:
+            break
+    return sse.SSEDecoder().feed(out + reader.end())
+
+
+def _interleaved(data: Any, per_choice: list[list[int]]) -> list[TokenBatch]:
+    """Each choice's tokens in batches, the choices' batches interleaved at random (in
+    order within a choice), as a FanIn merges its children's streams."""
+    queues = [
+        [
+            TokenBatch(c, index=i)
+            for c in _chunks(tokens, data.draw(st.lists(st.integers(0, 50), max_size=6)))
+        ]
+        for i, tokens in enumerate(per_choice)
+    ]
+    order = data.draw(st.permutations([i for i, q in enumerate(queues) for _ in q]))
+    return [queues[i].pop(0) for i in order]
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    data=st.data(),
+    chat=st.booleans(),
+    usage=st.booleans(),
+    n=st.integers(1, 3),
+    prompts=st.integers(1, 2),
+    stop=st.sampled_from([[], ["STOP"], ["e", "ö"]]),
+)
+def test_a_fanned_out_stream_resumes_from_any_event_exactly(
+    card: ModelCard, tokenizer: Tokenizer, data: Any, chat: bool, usage: bool, n: int,
+    prompts: int, stop: list[str],
+) -> None:  # fmt: skip
+    """n > 1 and batched prompts (issue 26): every event's id names each choice's position;
+    resumed from any event, each choice's text, its one finish, its role chunk and the usage
+    equal an unbroken stream's, however the choices' batches interleave on either side."""
+    if chat:
+        prompts = 1  # chat has one prompt
+    body: dict[str, Any] = {"model": "tiny", "stream": True, "max_tokens": 400, "stop": stop}
+    body |= {"n": n} | ({"stream_options": {"include_usage": True}} if usage else {})
+    if chat:
+        parsed = parse_chat(
+            json.dumps(body | {"messages": [{"role": "user", "content": "hi"}]}).encode(),
+            {"tiny": card},
+        )
+    else:
+        prompt = ["héllo", "x y"][:prompts] if prompts > 1 else "héllo"
+        parsed = parse_completion(json.dumps(body | {"prompt": prompt}).encode(), {"tiny": card})
+    count = parsed.num_choices
+    alphabet = st.sampled_from(sorted(set("".join(CORPUS))))
+    per_choice = [
+        tokenizer.encode(data.draw(st.text(alphabet, min_size=1, max_size=30)), add_special_tokens=False).ids or [5]
+        for _ in range(count)
+    ]  # fmt: skip
+    tagger = Tagger("k")
+    whole = _fanned_events(
+        Reader(Relay(parsed, created=1), Position(), tagger),
+        [TokenBatch(t, index=i) for i, t in enumerate(per_choice)],
+    )
+    a = _fanned_events(
+        Reader(Relay(parsed, created=1), Position(), tagger), _interleaved(data, per_choice)
+    )
+    assert texts(a) == texts(whole)
+    assert _completion_tokens(a) == _completion_tokens(whole)
+    ids = [e.id for e in a[:-1]]
+    assert all(ids) and len(set(ids)) == len(ids)  # every event its own id
+    cut = data.draw(st.integers(0, len(a) - 2))  # the last event the client got
+    since = tagger.parse(a[cut].id or "").positions
+    assert len(since) == count
+    b = _fanned_events(
+        Reader(Relay(parsed, created=1), since, tagger), _interleaved(data, per_choice)
+    )
+    assert b[-1].data == sse.DONE_DATA
+    joined, got = texts(a[: cut + 1]), texts(b)
+    for i, text in texts(whole).items():
+        assert joined.get(i, "") + got.get(i, "") == text, i
+    assert (_completion_tokens(a[: cut + 1]) or _completion_tokens(b)) == _completion_tokens(whole)
+    rest = [json.loads(e.data) for e in a[: cut + 1] + b if e.data != sse.DONE_DATA]
+    finishes = [c["index"] for r in rest for c in r["choices"] if c["finish_reason"]]
+    roles = [c["index"] for r in rest for c in r["choices"] if "role" in c.get("delta", {})]
+    assert sorted(finishes) == list(range(count))  # one finish a choice
+    assert sorted(roles) == (list(range(count)) if chat else [])  # one role chunk a choice
+
+
 def _scored(tokens: list[int], start: int = 0) -> dict[str, Any]:
     """Logprobs fields for ``tokens`` (at positions from ``start``), two top entries each: made
     up, but a function of the token and its position, as an engine's are of the sequence."""
@@ -207,9 +314,14 @@ def _scored(tokens: list[int], start: int = 0) -> dict[str, Any]:
 
 
 def _scored_events(
-    reader: Reader, tokens: list[int], cuts: list[int], known: int = 0
+    reader: Reader,
+    tokens: list[int],
+    cuts: list[int],
+    known: int = 0,
+    prompt: PromptLogprobs | None = None,
 ) -> list[sse.Event]:
-    """As :func:`_events`, the batches with logprobs (placeholders before ``known``)."""
+    """As :func:`_events`, the batches with logprobs (placeholders before ``known``), the
+    first with the ``prompt``'s (an echo)."""
     out, at = b"", 0
     for chunk in [*_chunks(tokens, cuts), []]:
         fields = _scored(chunk, at)
@@ -218,6 +330,8 @@ def _scored_events(
             fields["logprobs"][:pad] = [0.0] * pad
             fields["top_ids"][: 2 * pad] = [0] * (2 * pad)
         batch = TokenBatch(chunk, None if chunk else "length", **fields)
+        if at == 0:
+            batch.prompt = prompt
         at += len(chunk)
         out += reader.feed(batch)
         if reader.relay.done:
@@ -225,14 +339,33 @@ def _scored_events(
     return sse.SSEDecoder().feed(out + reader.end())
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(data=st.data(), chat=st.booleans(), stop=st.sampled_from([[], ["e"], ["ö", "42"]]))
+def _prompt_scores(prompt: list[int]) -> PromptLogprobs:
+    """Made-up prompt logprobs of ``prompt``, two top entries a position."""
+    n = len(prompt) - 1
+    return PromptLogprobs(
+        stream=0,
+        logprobs=[-0.5 - 0.01 * i for i in range(n)],
+        ranks=[2] * n,
+        top_ids=[t for i in range(n) for t in (3 + i, 4 + i)],
+        top_logprobs=[-0.1, -0.7] * n,
+    )
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    data=st.data(),
+    chat=st.booleans(),
+    echo=st.booleans(),
+    stop=st.sampled_from([[], ["e"], ["ö", "42"]]),
+)
 def test_a_resumed_stream_with_logprobs_gives_each_tokens_logprobs_once(
-    card: ModelCard, tokenizer: Tokenizer, data: Any, chat: bool, stop: list[str]
+    card: ModelCard, tokenizer: Tokenizer, data: Any, chat: bool, echo: bool, stop: list[str]
 ) -> None:
     """Text and logprobs before the cut plus the resumed events' equal an unbroken stream's,
     whatever the batching, also when the resuming proxy holds placeholders for the tokens
-    before the client's position (a stream taken over after a migration)."""
+    before the client's position (a stream taken over after a migration) and, with echo,
+    for the prompt's (taken over after the first chunk: prompt_stand_in)."""
+    echo = echo and not chat
     text = data.draw(
         st.text(alphabet=st.sampled_from(sorted(set("".join(CORPUS)))), min_size=1, max_size=60)
     )
@@ -242,25 +375,32 @@ def test_a_resumed_stream_with_logprobs_gives_each_tokens_logprobs_once(
         body |= {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}
         parsed = parse_chat(json.dumps(body | {"top_logprobs": 2}).encode(), {"tiny": card})
     else:
-        parsed = parse_completion(
-            json.dumps(body | {"prompt": "x", "logprobs": 2}).encode(), {"tiny": card}
-        )
+        body |= {"prompt": "héllo wörld" if echo else "x", "logprobs": 2, "echo": echo}
+        parsed = parse_completion(json.dumps(body).encode(), {"tiny": card})
+    real = _prompt_scores(parsed.gen.prompt_token_ids) if echo else None
     tagger = Tagger("k")
-    whole = _scored_events(Reader(Relay(parsed, created=1), Position(), tagger), tokens, [])
+    whole = _scored_events(
+        Reader(Relay(parsed, created=1), Position(), tagger), tokens, [], prompt=real
+    )
     a = _scored_events(
         Reader(Relay(parsed, created=1), Position(), tagger),
         tokens,
         data.draw(st.lists(st.integers(0, 50), max_size=12)),
+        prompt=real,
     )
     assert _text(a) == _text(whole) and logprobs(a) == logprobs(whole)
     cut = data.draw(st.integers(0, len(a) - 2))
     since = tagger.parse(a[cut].id or "").position
     known = data.draw(st.integers(0, since.tokens))
+    prompt = real
+    if echo and since.stage >= TEXT and data.draw(st.booleans()):  # taken over: a stand-in
+        prompt = prompt_stand_in("r", parsed.gen.prompt_token_ids, since, 0)
     b = _scored_events(
         Reader(Relay(parsed, created=1), since, tagger),
         tokens,
         data.draw(st.lists(st.integers(0, 50), max_size=12)),
         known,
+        prompt,
     )
     assert _text(a[: cut + 1]) + _text(b) == _text(whole)
     joined = logprobs(a[: cut + 1] + b)
@@ -272,6 +412,11 @@ def test_a_resume_from_before_the_held_logprobs_is_refused() -> None:
     check_position("r1", 5, Position(5, 3, TEXT))  # from token 5: held
     with pytest.raises(HttpError) as err:
         check_position("r1", 5, Position(4, 3, TEXT))
+    assert err.value.status == 409 and err.value.code == "stream_logprobs_gone"
+    # An echoed prompt's logprobs: only a client that has the first chunk resumes elsewhere.
+    assert prompt_stand_in("r1", [7, 8, 9], Position(0, 5, TEXT), 0).consistent(3)
+    with pytest.raises(HttpError) as err:
+        prompt_stand_in("r1", [7, 8, 9], Position(), 0)
     assert err.value.status == 409 and err.value.code == "stream_logprobs_gone"
 
 
@@ -389,6 +534,40 @@ async def test_a_cut_client_resumes_by_path_and_by_last_event_id_exactly(
     assert _completion_tokens(third) == _completion_tokens(whole) > 0
     # One generation per stream: a resume reads what the held stream decoded.
     assert [call.outcome for call in proxy.backend.calls] == ["finished", "finished"]
+
+
+CHOICES = [ANSWER, "Zwei Wörter, then more: 123 456 789.", "third ☃ choice!"]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+async def test_a_cut_fanned_out_stream_resumes_exactly(
+    make_proxy: ProxyFactory, chat: bool
+) -> None:
+    """n = 3 (issue 26): each choice its own upstream request; a client cut mid-stream
+    resumes with Last-Event-ID: every choice's text and the usage are an unbroken
+    stream's, and each upstream request ran once."""
+
+    def script(req: Any) -> Script:
+        return Script(text=CHOICES[int(req.request_id.rsplit("-", 1)[1])], delay_s=0.003)
+
+    proxy = await make_proxy(script)
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    body = _body(chat) | {"n": 3}
+    async with _client(proxy) as c:
+        async with c.stream("POST", path, json=body) as resp:
+            whole = await _read(resp)
+        async with c.stream("POST", path, json=body) as resp:
+            first = await _read(resp, 9)  # then the client is cut
+        last = first[-1].id or ""
+        headers = {"last-event-id": last}
+        async with c.stream("GET", f"/v1/streams/{last.split('.')[0]}", headers=headers) as resp:
+            assert resp.status_code == 200
+            rest = await _read(resp)
+    assert texts(whole) == dict(enumerate(CHOICES))
+    joined = {i: texts(first).get(i, "") + t for i, t in texts(rest).items()}
+    assert joined == dict(enumerate(CHOICES))
+    assert _completion_tokens(rest) == _completion_tokens(whole) > 0
+    assert [call.outcome for call in proxy.backend.calls] == ["finished"] * 6
 
 
 async def test_a_stream_cut_before_its_first_event_resumes_from_its_start_id(
