@@ -316,6 +316,21 @@ def _predict(args: argparse.Namespace) -> int:
     return 0
 
 
+def cell_line(cell: Cell, row: dict[str, Any]) -> str:
+    """The line a finished cell prints: its outcome, failures and, on emulated timing,
+    its padding (the share of each step the CPU idled: a cell's validity, docs/e2e.md)."""
+    line = (
+        f"{cell.regime} {cell.mode} rate {cell.rate:g} seed {cell.seed}: "
+        f"P99 TPOT {row['p99_tpot_ms']:.1f} ms, goodput {row['goodput']:.2f} req/s, "
+        f"preemptions {row['preemptions']}, migrations {row['migrations']}"
+    )
+    if row.get("failed"):
+        line += f", {row['failed']} of {row['requests']} failed"
+    if row.get("pad_share"):
+        line += f", padding {row['pad_share']:.0%}"
+    return line
+
+
 def _emulation_notes(docs: list[dict[str, Any]]) -> list[str]:
     """One line per emulated regime: its card, factors and the padding measured."""
     notes: dict[str, tuple[dict[str, Any], list[float]]] = {}
@@ -450,12 +465,7 @@ def _run_cells(args: argparse.Namespace, cells: list[Cell], out: Path) -> int:
         doc["sim"] = simulate_cell(doc, rows)
         write_cell(out, cell, doc, rows)
         shutil.rmtree(logs, ignore_errors=True)
-        bar.write(
-            f"{cell.regime} {cell.mode} rate {cell.rate:g} seed {cell.seed}: "
-            f"P99 TPOT {doc['row']['p99_tpot_ms']:.1f} ms, goodput {doc['row']['goodput']:.2f} req/s, "
-            f"preemptions {doc['row']['preemptions']}, migrations {doc['row']['migrations']}",
-            file=sys.stderr,
-        )
+        bar.write(cell_line(cell, doc["row"]), file=sys.stderr)
     if failed:
         print(
             f"bench e2e: {failed} of {len(todo)} cells failed; run again to retry them",

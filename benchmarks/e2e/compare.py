@@ -435,8 +435,11 @@ def _ratio(r: Mapping[str, Any], key: str) -> str:
     if r.get(key) is None:
         return "-"
     low, high = r.get(key + "_low"), r.get(key + "_high")
-    spread = "" if low is None or high is None else f" [{low:.2f}, {high:.2f}]"
-    return f"{r[key]:.2f}{spread}"
+    if low is None or high is None:
+        return f"{r[key]:.2f}"
+    # Rounded, an interval that holds 1.0 may read [1.00, 1.02]: say so.
+    verdict = " n.s." if low <= 1.0 <= high else ""
+    return f"{r[key]:.2f} [{low:.2f}, {high:.2f}]{verdict}"
 
 
 def _capacity(r: Mapping[str, Any]) -> str:

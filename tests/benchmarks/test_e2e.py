@@ -8,13 +8,15 @@ import json
 import math
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
 
-from benchmarks.e2e import metrics, report
+from benchmarks.e2e import cell_line, metrics, report
 from benchmarks.e2e.metrics import RequestRecord, instance_series
 from benchmarks.e2e.regimes import VLLM_RESERVE_TOKENS, kv_capacity, regime
+from benchmarks.e2e.report import Cell
 from benchmarks.e2e.workload import Workload, replay_lengths, schedule, size_for_length
 from benchmarks.serve import Slo
 from star.wire import Decision, Event, EventKind, Report, RequestLoad
@@ -561,3 +563,18 @@ def test_sim_to_real_prices_a_migration_at_the_measured_stall() -> None:
     assert simulate_cell(still, _sim_records(), 0.2)["migration_latency_s"] == 0.2
     assert simulate_cell(still, _sim_records(), blocks=False)["kv_block_tokens"] == 1
     assert simulate_cell(still, []) == {}
+
+
+@pytest.mark.parametrize(
+    ("extra", "tail"),
+    [
+        ({"failed": 0, "requests": 1250, "pad_share": 0.8712}, ", padding 87%"),
+        ({"failed": 3, "requests": 1250, "pad_share": 0.65}, ", 3 of 1250 failed, padding 65%"),
+        ({"failed": 0, "requests": 10, "pad_share": 0.0}, ", migrations 4"),  # real timing
+    ],
+)
+def test_a_finished_cell_says_its_failures_and_padding(extra: dict[str, Any], tail: str) -> None:
+    row = {"p99_tpot_ms": 97.29, "goodput": 2.331, "preemptions": 32, "migrations": 4, **extra}
+    line = cell_line(Cell("device", "current", 11.0, 4), row)
+    assert line.startswith("device current rate 11 seed 4: P99 TPOT 97.3 ms, goodput 2.33 req/s")
+    assert line.endswith(tail)

@@ -14,6 +14,7 @@ from benchmarks.e2e.compare import (
     ATTAINMENT,
     LENGTH_MATCH_MIN,
     Arm,
+    _ratio,
     capacity,
     compare,
     comparison_rows,
@@ -267,3 +268,19 @@ def test_a_mode_without_its_baseline_says_so() -> None:
     assert rows[0]["note"] == "no baseline" and rows[0].get("p99_tpot_ratio") is None
     assert rows[0]["slo_attainment"] == 1.0
     assert math.isnan(rows[0]["p99_ttft_ms"])
+
+
+@pytest.mark.parametrize(
+    ("low", "high", "shown"),
+    [
+        (0.9997, 1.017, "1.01 [1.00, 1.02] n.s."),  # rounded it reads as if it excluded 1.0
+        (1.002, 1.017, "1.01 [1.00, 1.02]"),
+        (0.62, 0.89, "1.01 [0.62, 0.89]"),
+        (None, None, "1.01"),
+    ],
+)
+def test_a_ratio_whose_interval_holds_one_says_not_significant(
+    low: float | None, high: float | None, shown: str
+) -> None:
+    row = {"mode": "current", "r": 1.009, "r_low": low, "r_high": high}
+    assert _ratio(row, "r") == shown
