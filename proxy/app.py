@@ -46,7 +46,7 @@ from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, M
 from proxy import chat_tools, resume
 from proxy.backend import Backend, BackendError, GenerationRequest, TokenBatch
 from proxy.decode_run import Found
-from proxy.fanout import FanIn, children, drop_if_cut
+from proxy.fanout import FanIn, child_ids, children, drop_if_cut
 from proxy.http import (
     HttpError,
     HttpServer,
@@ -426,9 +426,8 @@ class ProxyApp:
         if not isinstance(backend, Adopter) or not self.streams.tagger.shared:
             raise resume.not_found(event.request_id, self.streams.grace_s)
         rid, count = event.request_id, len(event.positions)
-        ids = [rid] if count == 1 else [f"{rid}-{k}" for k in range(count)]  # proxy.fanout's
         answers = await asyncio.gather(
-            *(backend.attach_stream(i) for i in ids), return_exceptions=True
+            *(backend.attach_stream(i) for i in child_ids(rid, count)), return_exceptions=True
         )
         founds = [a for a in answers if isinstance(a, Found)]
         try:
@@ -563,13 +562,7 @@ def _adopted(
     logprobs; HttpError if they do not make the stream a client at ``since`` resumes."""
     context = founds[0].attached.context
     prompts, n = resume.fan_of(context)
-    if prompts * n != len(founds):
-        raise HttpError(
-            400,
-            f"the stream id gives {len(founds)} choices' positions, stream {request_id} has "
-            f"{prompts * n} choices",
-            code="invalid_stream_id",
-        )
+    resume.check_choices(request_id, len(since), prompts * n)
     batch = [founds[p * n].attached.prompt_token_ids for p in range(prompts)]
     parsed, created = resume.request_of(context, batch, models)
     firsts = []

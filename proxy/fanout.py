@@ -28,6 +28,11 @@ from proxy.backend import GenerationRequest, TokenBatch, is_migratable
 from proxy.openai import ParsedRequest, Relay
 
 
+def child_ids(request_id: str, count: int) -> list[str]:
+    """The upstream request ids of a request of ``count`` choices (its own, for one)."""
+    return [request_id] if count == 1 else [f"{request_id}-{k}" for k in range(count)]
+
+
 def children(parsed: ParsedRequest) -> list[GenerationRequest]:
     """The upstream requests of ``parsed``, one per choice, in choice order.
 
@@ -40,12 +45,12 @@ def children(parsed: ParsedRequest) -> list[GenerationRequest]:
     base = {k: v for k, v in gen.sampling.items() if k != "n"}
     seed = base.get("seed")
     out = []
-    for k in range(parsed.num_choices):
+    for k, request_id in enumerate(child_ids(gen.request_id, parsed.num_choices)):
         sampling = base if seed is None else {**base, "seed": seed + k % n}
         out.append(
             replace(
                 gen,
-                request_id=f"{gen.request_id}-{k}",
+                request_id=request_id,
                 prompt_token_ids=parsed.batch[k // n],
                 sampling=sampling,
                 migratable=is_migratable(sampling),

@@ -988,6 +988,7 @@ class Relay:
 
     def _start(self) -> bytes:
         # Chat streams open with one role delta per choice, as OpenAI's do.
+        opening = self.unopened()  # what a Reader expects (proxy.resume)
         self._started = True
         if self.req.kind != "chat":
             return b""
@@ -996,8 +997,7 @@ class Relay:
         prompt = b'}],"prompt_token_ids":null,"prompt_text":null}'
         out = b"".join(
             sse.event(self._head + str(i).encode() + role + self._tail + b"null" + prompt)
-            for i in range(len(self.choices))
-            if i not in self._opened
+            for i in opening
         )
         if self._chat_echo:  # vLLM's echo: the last message's content, one chunk a choice
             echo = b',"delta":{"content":' + _j(self._chat_echo) + b"}"

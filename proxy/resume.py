@@ -290,10 +290,9 @@ def check_position(request_id: str, known_from: int, since: Position, choice: in
     """HttpError 409 when a stream whose logprobs are held from token ``known_from`` on
     (of its ``choice``) cannot give a client at ``since`` the logprobs it lacks."""
     if since.tokens < known_from:
-        of = f" (choice {choice})" if choice else ""
         raise HttpError(
             409,
-            f"stream {request_id}{of} moved between instances after token {since.tokens} and "
+            f"{_stream(request_id, choice)} moved between instances after token {since.tokens} and "
             "the logprobs of the tokens before the move are no longer held: resume from an "
             f"event at or after token {known_from}",
             code="stream_logprobs_gone",
@@ -309,10 +308,9 @@ def prompt_stand_in(
     prompt only its tokens count there, for the text offsets). HttpError 409 for a
     client that lacks them."""
     if since.stage < TEXT:
-        of = f" (choice {choice})" if choice else ""
         raise HttpError(
             409,
-            f"stream {request_id}{of} echoes its prompt with logprobs, which only the proxy "
+            f"{_stream(request_id, choice)} echoes its prompt with logprobs, which only the proxy "
             "that ran it held: resume from an event after the first chunk",
             code="stream_logprobs_gone",
         )
@@ -320,16 +318,26 @@ def prompt_stand_in(
     return PromptLogprobs(stream=0, logprobs=[0.0] * n, ranks=[1] * n)
 
 
+def check_choices(request_id: str, given: int, has: int) -> None:
+    """HttpError 400 when a stream id gives ``given`` choices' positions for a stream of ``has``."""
+    if given != has:
+        raise HttpError(
+            400,
+            f"the stream id gives {given} choices' positions, stream {request_id} has "
+            f"{has} choices",
+            code="invalid_stream_id",
+        )
+
+
+def _stream(request_id: str, choice: int) -> str:
+    """How an error names a stream (and the choice, past the first)."""
+    return f"stream {request_id}" + (f" (choice {choice})" if choice else "")
+
+
 def check_positions(stream: HeldStream, since: Positions) -> None:
     """HttpError 400 when ``since`` does not give each of ``stream``'s choices a position,
     409 when the logprobs a choice's client lacks are gone (:func:`check_position`)."""
-    if len(since) != len(stream.choices):
-        raise HttpError(
-            400,
-            f"the stream id gives {len(since)} choices' positions, stream "
-            f"{stream.request_id} has {len(stream.choices)} choices",
-            code="invalid_stream_id",
-        )
+    check_choices(stream.request_id, len(since), len(stream.choices))
     for i, (log, at) in enumerate(zip(stream.choices, since, strict=True)):
         if log.scores is not None:
             check_position(stream.request_id, log.scores.known_from, at, i)
@@ -675,7 +683,7 @@ async def follow(
             for i in new:
                 log = stream.choices[i]
                 batch = dataclasses.replace(log.since(cursors[i]), index=i)
-                cursors[i] = len(batch.token_ids) + cursors[i]
+                cursors[i] = len(log.tokens)
                 out = reader.feed(batch)
                 if out:
                     yield out
