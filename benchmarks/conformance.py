@@ -22,7 +22,10 @@ CPU workers use (fp32, eager, the ``uni`` executor, 1 GiB of KV cache, one
 OpenMP thread), then a ``star up``-style local fleet (private redis-server,
 1 prefill + 2 decode workers, the proxy; no scheduler, so nothing but
 ``--migrate`` moves a request). Both get vLLM's hermes tool parser with
-auto tool choice (``--tool-parser ''``: neither).
+auto tool choice (``--tool-parser ''``: neither), and with
+``--reasoning-parser`` (e.g. ``deepseek_r1``) that reasoning parser and the
+rows where it decides (:func:`reasoning_cases`), on the tiny model with the
+reasoning markup added unless ``--model``.
 
 ``--migrate`` sends every STAR request a second time and moves each of its
 sequences (each choice of ``n`` / batched prompts is one) to the other
@@ -68,6 +71,7 @@ from typing import Any
 import httpx
 
 from benchmarks.common import bench_main, text_table
+from star.model.markup import THINK_END
 
 MODEL = "star-tiny"
 MAX_TOKENS = 24
@@ -137,7 +141,37 @@ def h(name: str, body: dict[str, Any], **kw: Any) -> Case:
     return Case(name, "chat", body, **kw)
 
 
-def cases(tools: bool = True) -> list[Case]:
+def reasoning_cases() -> list[Case]:
+    """Rows where the reasoning decides (``--reasoning-parser``, on the marked-up tiny model).
+
+    A structured-output grammar applies from where the reasoning ends
+    (vLLM's ``reasoning_ended``): at once when ``include_reasoning`` is false
+    or the prompt already ended it, else after ``</think>``, which the tiny
+    model writes only when a logit bias makes it.
+    """
+    choice = {"structured_outputs": {"choice": ["owl", "cat", "fox"]}}
+    regex = {"structured_outputs": {"regex": "(owl|cat)( [a-z]{2,6}){2}"}}
+    ended = [*CHAT, {"role": "assistant", "content": "<think>owls first</think>"}]
+    return [
+        h("reasoning: include_reasoning false", {"include_reasoning": False}),
+        h("reasoning: choice, include_reasoning false", {**choice, "include_reasoning": False}),
+        h(
+            "reasoning: choice, the prompt ends the reasoning",
+            {
+                **choice,
+                "messages": ended,
+                "add_generation_prompt": False,
+                "continue_final_message": True,
+            },
+        ),
+        h(
+            "reasoning: regex after a forced </think>",
+            {**regex, "logit_bias": {str(THINK_END): 100.0}},
+        ),
+    ]
+
+
+def cases(tools: bool = True, reasoning: bool = False) -> list[Case]:
     """The table: every parameter vLLM's server serves that STAR claims, and error shapes."""
     tool_rows = (
         [
@@ -270,6 +304,7 @@ def cases(tools: bool = True) -> list[Case]:
         h("error: no messages", {"messages": None}, error=True),
         h("error: n=0", {"n": 0}, error=True),
         h("error: unknown model", {"model": "no-such-model"}, error=True),
+        *(reasoning_cases() if reasoning else []),
     ]
 
 
@@ -759,7 +794,12 @@ def _free_port() -> int:
 
 @contextlib.contextmanager
 def vllm_server(
-    model: str, name: str, tool_parser: str, log: Path, timeout_s: float
+    model: str,
+    name: str,
+    tool_parser: str,
+    log: Path,
+    timeout_s: float,
+    reasoning_parser: str = "",
 ) -> Iterator[str]:
     """A plain vLLM OpenAI server on ``model`` with STAR's CPU engine arguments; yields its URL."""
     port = _free_port()
@@ -788,6 +828,8 @@ def vllm_server(
     ]
     if tool_parser:
         argv += ["--tool-call-parser", tool_parser, "--enable-auto-tool-choice"]
+    if reasoning_parser:
+        argv += ["--reasoning-parser", reasoning_parser]
     env = {
         **os.environ,
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
@@ -963,6 +1005,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tool-parser", default="hermes", help="vLLM's --tool-call-parser for both ('' = none)"
     )
+    parser.add_argument(
+        "--reasoning-parser",
+        default="",
+        help="vLLM's --reasoning-parser for both (e.g. deepseek_r1; default none): adds the "
+        "reasoning rows, and without --model serves the tiny model with the reasoning and "
+        "tool-call markup added (star.model.markup)",
+    )
     parser.add_argument("--tol", type=float, default=1e-4, help="logprob tolerance (default 1e-4)")
     parser.add_argument(
         "--only",
@@ -1006,7 +1055,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def table_of(args: argparse.Namespace) -> list[tuple[Case, bool]]:
     rows = []
-    for case in cases(tools=bool(args.tool_parser)):
+    for case in cases(tools=bool(args.tool_parser), reasoning=bool(args.reasoning_parser)):
         label = f"{case.route}: {case.name}"
         if args.only and not any(o in label for o in args.only):
             continue
@@ -1019,15 +1068,18 @@ def table_of(args: argparse.Namespace) -> list[tuple[Case, bool]]:
 
 def run(args: argparse.Namespace) -> int:
     from star.model import tiny_model_path
+    from star.model.markup import markup_model
     from star.settings import env_key
 
     if args.from_json:
         print(markdown(json.loads(Path(args.from_json).read_text())))
         return 0
-    model_path = args.model or str(tiny_model_path())
     name = args.served_model_name
     table = table_of(args)
     run_dir = Path(tempfile.mkdtemp(prefix="star-conformance-"))
+    model_path = args.model or str(tiny_model_path())
+    if args.reasoning_parser and not args.model:
+        model_path = str(markup_model(run_dir / "model", weights=True))
     if args.migrate and args.star_url:
         print("--migrate needs the fleet this command starts (not --star-url)", file=sys.stderr)
         return 2
@@ -1035,7 +1087,14 @@ def run(args: argparse.Namespace) -> int:
     if args.vllm_url:
         vllm = asyncio.run(collect(args.vllm_url, table, name))
     else:
-        with vllm_server(model_path, name, args.tool_parser, run_dir / "vllm.log", 900) as url:
+        with vllm_server(
+            model_path,
+            name,
+            args.tool_parser,
+            run_dir / "vllm.log",
+            900,
+            reasoning_parser=args.reasoning_parser,
+        ) as url:
             print(f"vLLM's server up at {url} (log: {run_dir / 'vllm.log'})", file=sys.stderr)
             vllm = asyncio.run(collect(url, table, name))
 
@@ -1051,6 +1110,8 @@ def run(args: argparse.Namespace) -> int:
         if args.tool_parser:
             env["STAR_PROXY_TOOL_CALL_PARSER"] = args.tool_parser
             env["STAR_PROXY_ENABLE_AUTO_TOOL_CHOICE"] = "true"
+        if args.reasoning_parser:
+            env[env_key("proxy.reasoning_parser")] = args.reasoning_parser
         if args.migrate and args.step_ms > 0:
             env[env_key("worker.device_step_ms")] = f"{args.step_ms:g}"
         with LocalCluster(
@@ -1058,7 +1119,7 @@ def run(args: argparse.Namespace) -> int:
             port=0,
             prefill=1,
             decode=2,
-            model=args.model or None,
+            model=model_path if args.model or args.reasoning_parser else None,
             run_dir=run_dir / "fleet",
             env=env,
             scheduler=False,

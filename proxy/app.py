@@ -358,8 +358,8 @@ class ProxyApp:
         the events carry no ``id:`` line, and the stream is resumable only from
         its start (``x-star-stream-id``).
 
-        Not yet: chat with echo, tools or reasoning. With ``resume_grace_s`` the server
-        detaches a client that goes away instead of cancelling its request.
+        With ``resume_grace_s`` the server detaches a client that goes away
+        instead of cancelling its request.
         """
         held = self.streams.hold(parsed, relay.created)
 
@@ -374,14 +374,8 @@ class ProxyApp:
 
     @staticmethod
     def _resumable(parsed: ParsedRequest) -> bool:
-        """Streamed, not a chat with echo or parsers: its events carry ids (proxy.resume)."""
-        gen = parsed.gen
-        return (
-            gen.stream
-            # its echo chunks go out with the role chunks: no position tells them apart
-            and parsed.chat_echo is None
-            and parsed.chat is None  # another proxy would not rebuild its parser state
-        )
+        """Streamed: its events carry ids (proxy.resume)."""
+        return parsed.gen.stream
 
     def _error_event(self, relay: Relay, exc: BaseException) -> bytes:
         """The in-band error of a stream whose headers are out (logged here, once)."""

@@ -31,7 +31,7 @@ import dataclasses
 import threading
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -70,6 +70,10 @@ class ChatCall:
     # The fields of the body vLLM's request model is rebuilt from (tools etc.).
     request: Mapping[str, Any]
     prompt_token_ids: tuple[int, ...] = ()
+    # The chat template's kwargs as vLLM's server gives them to its parser
+    # (ChatCompletionRequest.build_chat_params): the request's own and
+    # add_generation_prompt / continue_final_message.
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
 
 def configured(card: ModelCard) -> bool:
@@ -249,6 +253,78 @@ def prepare(body: Mapping[str, Any], card: ModelCard) -> Prepared | None:
     return Prepared(call, tools, structured or None)
 
 
+def _parser(cls: Any, card: ModelCard, call: ChatCall, request: Any) -> Any:
+    """A parser for one choice of ``call`` (vLLM's ``OpenAIServingChat._make_parser``)."""
+    return cls(vllm_tokenizer(card), request.tools, chat_template_kwargs=dict(call.template_kwargs))
+
+
+def engine_hints(card: ModelCard, call: ChatCall) -> dict[str, Any]:
+    """The engine's ``reasoning_ended`` / ``reasoning_parser_kwargs`` for ``call``, as sampling keys.
+
+    vLLM's server passes them to ``generate()`` (``_engine_reasoning_kwargs``)
+    when its parser has a reasoning part; with them the engine's structured
+    outputs begin where the reasoning ends (at once when the prompt already
+    ended it, or ``include_reasoning`` is false). The worker hands them on
+    (``workers.engine_config.reasoning_hints``). Empty without a reasoning parser.
+    """
+    cls = parser_class(card)
+    if cls is None or cls.reasoning_parser_cls is None:
+        return {}
+    request = _vllm_request(card, call.request)
+    parser = _parser(cls, card, call, request)
+    request = parser.adjust_request(request)
+    hints: dict[str, Any] = {
+        "reasoning_parser_kwargs": {"chat_template_kwargs": dict(call.template_kwargs)}
+    }
+    ended = request.resolve_reasoning_ended(parser, list(call.prompt_token_ids))
+    if ended is not None:
+        hints["reasoning_ended"] = bool(ended)
+    return hints
+
+
+def merge_delta(first: dict[str, Any] | None, then: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Two streamed deltas of a choice as one (a chunk carrying several tokens' deltas).
+
+    Text fields are joined; a tool call continues the one with its ``index``
+    (its ``id``, ``type`` and name kept from the first that has them, its
+    arguments joined), a new index is appended; None is no delta.
+    """
+    if first is None or then is None:
+        return then if first is None else first
+    out = dict(first)
+    for key, value in then.items():
+        held = out.get(key)
+        if key == "tool_calls":
+            out[key] = _merge_calls(held or [], value or [])
+        elif isinstance(held, str) and isinstance(value, str):
+            out[key] = held + value
+        elif held is None:
+            out[key] = value
+    return out
+
+
+def _merge_calls(first: list[dict[str, Any]], then: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    calls = [dict(c) for c in first]
+    for call in then:
+        same = next((c for c in calls if c.get("index") == call.get("index")), None)
+        if same is None:
+            calls.append(dict(call))
+            continue
+        for key, value in call.items():
+            if key == "function":
+                fn = dict(same.get("function") or {})
+                for name, part in (value or {}).items():
+                    held = fn.get(name)
+                    if name == "arguments" and isinstance(held, str) and isinstance(part, str):
+                        fn[name] = held + part
+                    elif held is None:
+                        fn[name] = part
+                same["function"] = fn
+            elif same.get(key) is None:
+                same[key] = value
+    return calls
+
+
 class ChoiceParser:
     """One choice's output through vLLM's parser (parsers are stateful: one per choice)."""
 
@@ -259,7 +335,7 @@ class ChoiceParser:
         self.has_tool_parser = cls is not None and cls.tool_parser_cls is not None
         self.parser = None
         if cls is not None:
-            self.parser = cls(vllm_tokenizer(card), self.request.tools)
+            self.parser = _parser(cls, card, call, self.request)
             self.parser.set_prompt_token_ids(list(prompt_token_ids))
             if self.parser.reasoning_parser is not None or self.request.tool_choice != "none":
                 self.request = self.parser.adjust_request(self.request)

@@ -203,6 +203,12 @@ def parse_chat(body: bytes, models: Mapping[str, ModelCard]) -> ParsedRequest:
     )
     if reserved:
         f.fail("chat_template_kwargs", f"'{{param}}' may not set {', '.join(reserved)}")
+    # What vLLM's server gives its parsers (build_chat_params): no tools among them.
+    parser_kwargs = {
+        **template_kwargs,
+        "add_generation_prompt": add_generation_prompt,
+        "continue_final_message": continue_final,
+    }
     if tooling is not None and tooling.tools is not None:
         # vLLM gives the tools to the template (a request's own kwargs win)
         template_kwargs = {"tools": tooling.tools, **template_kwargs}
@@ -231,16 +237,21 @@ def parse_chat(body: bytes, models: Mapping[str, ModelCard]) -> ParsedRequest:
     parsed = dataclasses.replace(parsed, role=role, chat_echo=chat_echo)
     if tooling is None:
         return parsed
+    call = dataclasses.replace(
+        tooling.call, prompt_token_ids=tuple(prompt), template_kwargs=parser_kwargs
+    )
     gen = parsed.gen
+    # Where the engine's reasoning ends (proxy.chat_tools.engine_hints).
+    sampling = {**gen.sampling, **chat_tools.engine_hints(card, call)}
     if tooling.structured_outputs is not None:
         # A forced tool choice decodes under the tools' schema (vLLM drops response_format).
-        sampling = {**gen.sampling, "structured_outputs": tooling.structured_outputs}
+        sampling["structured_outputs"] = tooling.structured_outputs
+    if sampling != gen.sampling:
         gen = dataclasses.replace(
             gen,
             sampling=sampling,
             migratable=is_migratable({k: v for k, v in sampling.items() if k != "n"}),
         )
-    call = dataclasses.replace(tooling.call, prompt_token_ids=tuple(prompt))
     return dataclasses.replace(parsed, gen=gen, chat=call)
 
 
@@ -671,6 +682,31 @@ def error_stream(error: HttpError) -> bytes:
     return sse.event(_j(error.payload())) + sse.DONE
 
 
+def _per_token(choice: TextStream, batch: TokenBatch) -> list[tuple[str, list[int]]]:
+    """``batch`` fed to ``choice`` one token at a time: each token's text and id.
+
+    A token a stop string cut after has no id; the backend's finish adds the
+    last text to the last piece (a piece of its own when the batch has no
+    token). The text is the batch's as one feed would give it.
+    """
+    out: list[tuple[str, list[int]]] = []
+    ids = batch.token_ids
+    stop_terminated = batch.finish_reason == "stop"
+    for k in range(len(ids)):
+        before = choice.num_tokens
+        text = choice.feed(ids[k : k + 1], stop_terminated=stop_terminated and k == len(ids) - 1)
+        out.append((text, ids[k : k + 1] if choice.num_tokens > before else []))
+        if choice.finish_reason is not None:
+            break  # a stop string matched
+    if choice.finish_reason is None and batch.finish_reason is not None:
+        tail = choice.finish(batch.finish_reason, batch.stop_reason)
+        if out:
+            out[-1] = (out[-1][0] + tail, out[-1][1])
+        else:
+            out.append((tail, []))
+    return out
+
+
 class Relay:
     """Turns one request's token batches into OpenAI output (sans-IO).
 
@@ -739,9 +775,15 @@ class Relay:
         self.released = [0] * count
         self._skip = [0] * count
         self._skip_scores = [0] * count  # and the logprobs of that many tokens
+        # A parser stream resumes by tokens: its parser reads every token from the
+        # first, one at a time, and the deltas of the first ``_skip_parsed`` of
+        # them are the client's already (``_parsed_n``: tokens it has read).
+        self._skip_parsed = [0] * count
+        self._parsed_n = [0] * count
         self._open = count  # choices not yet finished
         self._started = False
         self._opened: set[int] = set()  # choices whose role chunk is out (a resumed chat)
+        self._echoed: set[int] = set()  # and whose chat echo chunk is
         self._stream = gen.stream
         chat = gen.kind == "chat"
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -798,9 +840,14 @@ class Relay:
                 raise ValueError("backend sent no prompt logprobs with the first tokens")
             self._prompt_lp[index] = prompt_entries(self._names, self._prompts[index], batch.prompt)
         before = choice.num_tokens
-        text = choice.feed(batch.token_ids, stop_terminated=batch.finish_reason == "stop")
-        if choice.finish_reason is None and batch.finish_reason is not None:
-            text += choice.finish(batch.finish_reason, batch.stop_reason)
+        pieces = None
+        if self._parsers is not None:
+            pieces = _per_token(choice, batch)
+            text = "".join(t for t, _ in pieces)
+        else:
+            text = choice.feed(batch.token_ids, stop_terminated=batch.finish_reason == "stop")
+            if choice.finish_reason is None and batch.finish_reason is not None:
+                text += choice.finish(batch.finish_reason, batch.stop_reason)
         scores = None
         echo = self._echo[index]
         if echo is not None and self._echo_scores:
@@ -833,8 +880,8 @@ class Relay:
         finish = choice.finish_reason
         if finish is not None:
             self._open -= 1
-        if self._parsers is not None:
-            return self._parsed(index, text, batch.token_ids[: choice.num_tokens - before], scores)
+        if pieces is not None:
+            return self._parsed(index, pieces, scores)
         if not self._stream:
             if text:
                 self._texts[index].append(text)
@@ -845,23 +892,41 @@ class Relay:
         return chunk if self._started else self._start() + chunk
 
     def _parsed(
-        self, index: int, text: str, token_ids: list[int], scores: dict[str, Any] | None
+        self, index: int, pieces: list[tuple[str, list[int]]], scores: dict[str, Any] | None
     ) -> bytes:
-        """A choice's new text through vLLM's parser (reasoning, content, tool call deltas)."""
+        """A choice's new tokens through vLLM's parser (reasoning, content, tool call deltas).
+
+        ``pieces``: each token's text and id (:func:`_per_token`). The parser
+        reads them one at a time, as vLLM's server reads an engine's steps, and
+        the chunk carries their deltas merged: what it has read is then a
+        function of the tokens, not of how they were batched, so a resumed
+        stream's parser, fed the same tokens, is where the client left it.
+        """
         finish = self.choices[index].finish_reason
         parser = self._parsers[index]  # type: ignore[index]
         if parser.hides_metadata:
             scores = None
         if not self._stream or self._reasoning:
-            self._ids[index].extend(token_ids)  # the parser reads them, and the usage
+            # the parser reads them, and the usage
+            self._ids[index].extend(t for _, ids in pieces for t in ids)
         if not self._stream:
-            self._texts[index].append(text)
+            self._texts[index].append("".join(t for t, _ in pieces))
             return b""
-        delta = (
-            parser.delta(text, token_ids, finish is not None)
-            if text or token_ids or finish is not None
-            else None
-        )
+        delta: dict[str, Any] | None = None
+        last = len(pieces) - 1
+        for k, (text, token_ids) in enumerate(pieces):
+            finished = finish is not None and k == last
+            if not (text or token_ids or finished):
+                continue
+            self._parsed_n[index] += len(token_ids)
+            if token_ids and self._parsed_n[index] <= self._skip_parsed[index]:
+                # The client has this token's delta (a resumed stream); the finish, a
+                # chunk of its own unless it came with the client's last token, not.
+                parser.delta(text, token_ids, False)
+                if finished:
+                    delta = chat_tools.merge_delta(delta, parser.delta("", [], True))
+                continue
+            delta = chat_tools.merge_delta(delta, parser.delta(text, token_ids, finished))
         if delta is None and finish is None and scores is None:
             return b"" if self._started else self._start()
         if finish is not None:
@@ -885,21 +950,46 @@ class Relay:
         token ``tokens`` on: fed the same tokens from the first, this relay
         sends what an unbroken stream would have sent after them (its text
         and logprobs; its chunks may split them differently). A client that
-        has a choice's first chunk has its echoed prompt's logprobs too.
+        has a choice's first chunk has its echoed prompt's logprobs too. A
+        chat echo's chunk counts as the choice's first ``len(echo)``
+        characters. A stream with a parser resumes at ``tokens``: its fresh
+        parser reads every token again, and sends the deltas of those after
+        them (:meth:`_parsed`).
         """
+        echo = self.echo_chars
         for i, (c, t, o) in enumerate(zip(chars, tokens, opened, strict=True)):
-            self._skip[i], self._skip_scores[i], self.released[i] = c, t, c
+            echoed = o and echo > 0 and c >= echo
+            if echoed:
+                self._echoed.add(i)
+            if self._parsers is not None:  # by tokens: the parser reads every one
+                self._skip_parsed[i], self._skip_scores[i] = t, t
+                self.released[i] = echo if echoed else 0
+            else:
+                self._skip[i] = c - echo if echoed else c
+                self._skip_scores[i], self.released[i] = t, c
             if o:
                 self._opened.add(i)
                 if self._echo_scores:
                     self._skip_scores[i] += len(self._prompts[i])
-        self._started = len(self._opened) == len(self.choices)
+        count = len(self.choices)
+        self._started = len(self._opened) == count and (not echo or len(self._echoed) == count)
+
+    @property
+    def echo_chars(self) -> int:
+        """The characters of a chat echo's chunk (0: none)."""
+        return len(self._chat_echo or "")
 
     def unopened(self) -> list[int]:
         """The choices whose role chunks the next output starts with (chat, in order)."""
         if self._started or self.req.kind != "chat":
             return []
         return [i for i in range(len(self.choices)) if i not in self._opened]
+
+    def unechoed(self) -> list[int]:
+        """The choices whose chat echo chunks follow those role chunks (in order)."""
+        if self._started or not self.echo_chars:
+            return []
+        return [i for i in range(len(self.choices)) if i not in self._echoed]
 
     def end(self) -> bytes:
         """After the backend's stream ended: finish leftovers, usage chunk, ``[DONE]``."""
@@ -989,6 +1079,7 @@ class Relay:
     def _start(self) -> bytes:
         # Chat streams open with one role delta per choice, as OpenAI's do.
         opening = self.unopened()  # what a Reader expects (proxy.resume)
+        echoing = self.unechoed()
         self._started = True
         if self.req.kind != "chat":
             return b""
@@ -999,12 +1090,14 @@ class Relay:
             sse.event(self._head + str(i).encode() + role + self._tail + b"null" + prompt)
             for i in opening
         )
-        if self._chat_echo:  # vLLM's echo: the last message's content, one chunk a choice
+        if echoing:  # vLLM's echo: the last message's content, one chunk a choice
             echo = b',"delta":{"content":' + _j(self._chat_echo) + b"}"
             out += b"".join(
                 sse.event(self._head + str(i).encode() + echo + self._tail + b"null" + self._end)
-                for i in range(len(self.choices))
+                for i in echoing
             )
+            for i in echoing:  # the choice's first characters (proxy.resume's positions)
+                self.released[i] += self.echo_chars
         return out
 
     def _chunk(

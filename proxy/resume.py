@@ -21,7 +21,11 @@ detokenisation and stop strings do not depend on how the tokens were
 batched: tests/proxy/test_resume.py), so a resumed stream is a fresh
 :class:`~proxy.openai.Relay` fed the same tokens from the first, skipping
 the ``chars`` the client has (:meth:`~proxy.openai.Relay.resume_at`) and the
-closing events it has seen.
+closing events it has seen. A chat with vLLM's reasoning or tool-call parser
+resumes at ``tokens`` instead: its parser reads one token at a time (so what
+it has read and sent is a function of the tokens, not of their batching), and
+a fresh one reads them all again, sending the deltas of those after the
+client's. A chat echo's chunk counts as its choice's first characters.
 
 :class:`HeldStream` is one request's token log; :class:`Streams` keeps
 them by request id. The first client's body drives the backend stream
@@ -54,6 +58,7 @@ import structlog
 from proxy import sse
 from proxy.adopt import FINISHED
 from proxy.backend import FinishReason, GenerationRequest, TokenBatch
+from proxy.chat_tools import ChatCall
 from proxy.fanout import drop_if_cut
 from proxy.http import HttpError
 from proxy.openai import MAX_CHOICES, ParsedRequest, Relay, TextOptions
@@ -170,6 +175,16 @@ def context_of(parsed: ParsedRequest, created: int) -> bytes:
             "text": {f.name: getattr(parsed.text, f.name) for f in dataclasses.fields(parsed.text)},
             "echo": list(parsed.echo),
             "prompts": len(parsed.batch),
+            "role": parsed.role,
+            "chat_echo": parsed.chat_echo,
+            # A chat's parser input (its prompt is the worker's): another proxy's
+            # parsers read the tokens from the first (Relay.resume_at).
+            "chat": None
+            if parsed.chat is None
+            else {
+                "request": dict(parsed.chat.request),
+                "template_kwargs": dict(parsed.chat.template_kwargs),
+            },
         }
     )
 
@@ -211,6 +226,15 @@ def request_of(
         )
         created = int(ctx["created"])
         echo = tuple(ctx["echo"])
+        role = str(ctx.get("role", "assistant"))
+        chat_echo = ctx.get("chat_echo")
+        chat = None
+        if ctx.get("chat") is not None:
+            chat = ChatCall(
+                request=ctx["chat"]["request"],
+                prompt_token_ids=tuple(prompts[0]),
+                template_kwargs=ctx["chat"]["template_kwargs"],
+            )
     except (msgspec.DecodeError, KeyError, TypeError, ValueError) as exc:
         raise HttpError(
             500, f"the stream's context cannot be read: {exc}", code="stream_unreadable"
@@ -220,7 +244,8 @@ def request_of(
             404, f"the stream's model {ctx['model']!r} is not served here", code="stream_not_found"
         )
     batch = tuple(prompts) if len(prompts) > 1 else ()
-    return ParsedRequest(gen, text, card, batch, echo), created
+    parsed = ParsedRequest(gen, text, card, batch, echo, chat=chat, role=role, chat_echo=chat_echo)
+    return parsed, created
 
 
 class ScoreLog:
@@ -560,21 +585,24 @@ class Reader:
 
     def feed(self, batch: TokenBatch) -> bytes:
         """The events of ``batch`` (its tokens follow those of its choice fed before)."""
-        opening = self.relay.unopened()
-        return self._with_ids(self.relay.feed(batch), opening, batch.index)
+        opening, echoing = self.relay.unopened(), self.relay.unechoed()
+        return self._with_ids(self.relay.feed(batch), opening + echoing, batch.index, opening)
 
     def end(self) -> bytes:
         """The closing events (usage, ``[DONE]``) once every choice has finished."""
-        opening = self.relay.unopened()
-        return self._with_ids(self.relay.end(), opening, None)
+        opening, echoing = self.relay.unopened(), self.relay.unechoed()
+        return self._with_ids(self.relay.end(), opening + echoing, None, opening)
 
     def event_id(self, at: Position | Sequence[Position]) -> bytes:
         return self._tagger.format(self._rid, at, self._tag).encode()
 
-    def _with_ids(self, out: bytes, opening: list[int], index: int | None) -> bytes:
-        """``out``'s events with ids. A relay's output is the role chunks of the choices
-        in ``opening`` (a chat's first output), then one chunk of choice ``index``, or
-        the usage chunk (``index`` None: the end), then ``[DONE]``."""
+    def _with_ids(
+        self, out: bytes, opening: list[int], index: int | None, roles: list[int]
+    ) -> bytes:
+        """``out``'s events with ids. A relay's output is the opening chunks of the
+        choices in ``opening`` (a chat's first output: the role chunks of those in
+        ``roles``, then the echo chunks of the rest), then one chunk of choice
+        ``index``, or the usage chunk (``index`` None: the end), then ``[DONE]``."""
         if not out or not self.ids:
             return out
         relay, at, since = self.relay, self._at, self.since
@@ -583,8 +611,10 @@ class Reader:
             if part == _DONE:
                 kept.append(part)
                 continue
-            if k < len(opening):  # a role chunk
+            if k < len(roles):  # a role chunk
                 at[opening[k]] = Position(0, 0, TEXT)
+            elif k < len(opening):  # a chat echo's chunk: the choice's first characters
+                at[opening[k]] = Position(0, relay.echo_chars, TEXT)
             elif index is None:  # the usage chunk
                 if all(p.stage >= USAGE for p in since):
                     continue  # the client has it

@@ -62,6 +62,12 @@ _CARRIED = frozenset(
         "detokenize",
         "n",
         "prompt_logprobs",
+        # Where the reasoning ends in the *original* prompt, and the engine's
+        # reasoning parser's arguments (workers.engine_config.reasoning_hints):
+        # a true continuation keeps that prompt, and its grammar replay finds
+        # the end among the generated tokens as the source's engine did.
+        "reasoning_ended",
+        "reasoning_parser_kwargs",
         *_NEUTRAL,
         *_STATEFUL,
     }

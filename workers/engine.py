@@ -33,6 +33,7 @@ from workers.engine_config import (
     build_engine_args,
     bytes_per_token,
     is_cpu,
+    reasoning_hints,
     sampling_params,
     vllm_environment,
 )
@@ -288,11 +289,12 @@ class EngineHandle:
             if self.role == "decode"
             else None
         )
+        hints = reasoning_hints(request)
         live = _Live(len(prompt), blocker, budget)
         self._live[rid] = live
         try:
             async with contextlib.aclosing(
-                self.llm.generate(tokens_input(engine_prompt), params, rid)
+                self.llm.generate(tokens_input(engine_prompt), params, rid, **hints)
             ) as outputs:
                 async for out in outputs:
                     completion = out.outputs[0]

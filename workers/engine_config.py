@@ -42,6 +42,10 @@ RELEASE_TTL_S = 30
 # Keys of ``Generate.sampling`` the worker owns: the output is streamed as deltas
 # of token ids (the proxy detokenises), and the KV handoff is set by role.
 _RESERVED_SAMPLING = ("output_kind", "extra_args")
+# Keys of ``Generate.sampling`` that are not ``SamplingParams`` fields but
+# arguments of the engine's ``generate()`` (vLLM's OpenAI server passes them
+# there): see :func:`reasoning_hints`.
+REASONING_KEYS = ("reasoning_ended", "reasoning_parser_kwargs")
 
 
 class EngineConfigError(ValueError):
@@ -58,6 +62,9 @@ class EngineSpec:
     ``nixl_host`` the address other instances reach it at; ``nixl_secret``
     (``cluster.secret``) keys that side channel's CURVE. ``device`` is
     ``"auto"`` (vLLM's platform), ``"cpu"`` or ``"cuda"``.
+    ``reasoning_parser`` is the served model's (``proxy.reasoning_parser``):
+    vLLM's ``--reasoning-parser`` also tells the engine where a request's
+    reasoning ends, the point from which a structured-output grammar applies.
     """
 
     model: str
@@ -73,6 +80,7 @@ class EngineSpec:
     nixl_secret: str = field(default="", repr=False)
     transfer_us_per_token: float = 0.0
     true_continuation: bool = True
+    reasoning_parser: str = ""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -186,6 +194,9 @@ def build_engine_args(spec: EngineSpec, cpu: bool) -> AsyncEngineArgs:
         # The hidden-state tap (workers/tap.py); idle until install_tap().
         "worker_extension_cls": WORKER_EXTENSION,
     }
+    if spec.reasoning_parser:
+        # As vLLM's --reasoning-parser: structured outputs start after the reasoning.
+        values["reasoning_parser"] = spec.reasoning_parser
     if cpu:
         values["kv_cache_memory_bytes"] = int(spec.kv_cache_space_gib * GiB)
         # torch.compile warm-up takes minutes on a small CPU machine (several
@@ -266,6 +277,30 @@ def vllm_environment(
     return out
 
 
+def reasoning_hints(request: GenerateRequest) -> dict[str, Any]:
+    """The ``generate()`` arguments of ``request``'s reasoning (raises :class:`BadRequest`).
+
+    vLLM's OpenAI server resolves them from the chat request and its parser
+    (``ChatCompletionRequest.resolve_reasoning_ended``; the template's kwargs
+    for the engine's own reasoning parser), and so does STAR's proxy, which
+    sends them as sampling keys: ``reasoning_ended`` (True: a structured-output
+    grammar applies from the first token; None: the engine reads the prompt)
+    and ``reasoning_parser_kwargs``. Only set keys are returned.
+    """
+    out: dict[str, Any] = {}
+    ended = request.sampling.get("reasoning_ended")
+    if ended is not None:
+        if not isinstance(ended, bool):
+            raise BadRequest(f"reasoning_ended must be a boolean, got {ended!r}")
+        out["reasoning_ended"] = ended
+    kwargs = request.sampling.get("reasoning_parser_kwargs")
+    if kwargs is not None:
+        if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
+            raise BadRequest(f"reasoning_parser_kwargs must be an object, got {kwargs!r}")
+        out["reasoning_parser_kwargs"] = dict(kwargs)
+    return out
+
+
 def bytes_per_token(config: VllmConfig) -> int:
     """KV bytes one token occupies across the whole engine (all layers, all ranks).
 
@@ -290,7 +325,7 @@ def sampling_params(request: GenerateRequest, role: str) -> SamplingParams:
     (``do_remote_decode``); ``kv_transfer_params`` reach the connector through
     ``extra_args`` (as vLLM's OpenAI server passes them).
     """
-    kwargs = dict(request.sampling)
+    kwargs = {k: v for k, v in request.sampling.items() if k not in REASONING_KEYS}
     # vLLM's own bookkeeping fields (``_all_stop_token_ids``) are fields too; set
     # from outside they break its constructor.
     reserved = [k for k in _RESERVED_SAMPLING if k in kwargs] + sorted(

@@ -51,7 +51,12 @@ class WorkerService(Service):
         self.sock = listen(cfg.host, cfg.port)
         self.port = int(self.sock.getsockname()[1])
         self.instance = cfg.instance or f"{cfg.role}-{cfg.host}-{self.port}"
-        self.spec = EngineSpec.from_settings(cfg, nixl_secret=settings.cluster.secret)
+        self.spec = EngineSpec.from_settings(
+            cfg,
+            nixl_secret=settings.cluster.secret,
+            # The served model's: the engine's structured outputs start after its reasoning.
+            reasoning_parser=settings.proxy.reasoning_parser,
+        )
         self.engine: EngineHandle | None = None
         self.server: TokenServer | None = None
         self.bus: Bus | None = None

@@ -131,6 +131,8 @@ def test_the_table_names_each_row_once_and_counts_its_sequences() -> None:
     table = cases()
     labels = [f"{c.route}: {c.name}" for c in table]
     assert len(labels) == len(set(labels))
+    more = [f"{c.route}: {c.name}" for c in cases(reasoning=True)]
+    assert len(more) == len(set(more)) and set(more) > set(labels)
     fan = next(c for c in table if c.name == "batched prompts, n=2")
     assert fan.sequences() == 4
     assert Case("x", "completions", {"prompt": [1, 2, 3]}).sequences() == 1

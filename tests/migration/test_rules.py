@@ -43,6 +43,8 @@ from tests.reports import report
         # Prompt logprobs come with the first token, before a release can start,
         # and no continuation computes them again (workers.engine_config).
         ({"prompt_logprobs": 1}, None, None),
+        # Where the original prompt ends the reasoning: a true continuation keeps it.
+        ({"reasoning_ended": False, "reasoning_parser_kwargs": {}}, None, None),
         # ... not (yet) these.
         ({"n": 2}, "n > 1", "n > 1"),
         ({"presence_penalty": "lots"}, None, "unreadable sampling parameters"),

@@ -14,21 +14,25 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import json
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from benchmarks.conformance import field_paths
+from benchmarks.conformance import assembled, field_paths
 from proxy import chat_tools, sse
 from proxy.backend import TokenBatch
 from proxy.http import HttpError
 from proxy.openai import ParsedRequest, Relay, parse_chat
+from proxy.resume import Position, Reader, Tagger, context_of, request_of
 from proxy.tokenizer import ModelCard
 from star.model import tiny_model_path
+from star.model.markup import markup_model
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
@@ -37,7 +41,6 @@ pytestmark = [
 ]
 
 MODEL = "tiny"
-MARKUP = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
 WEATHER = {
     "type": "function",
     "function": {
@@ -59,27 +62,7 @@ TIME = {
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model's tokenizer with <think> and <tool_call> markup as added tokens."""
-    from tokenizers import Tokenizer
-
-    root = tmp_path_factory.mktemp("markup")
-    src = tiny_model_path()
-    for name in ("tokenizer_config.json", "special_tokens_map.json", "config.json"):
-        shutil.copy(src / name, root / name)
-    tok = Tokenizer.from_file(str(src / "tokenizer.json"))
-    tok.add_tokens(MARKUP)
-    tok.save(str(root / "tokenizer.json"))
-    config = json.loads((src / "tokenizer_config.json").read_text())
-    for token in MARKUP:  # transformers reads its added tokens from here
-        config["added_tokens_decoder"][str(tok.token_to_id(token))] = {
-            "content": token,
-            "lstrip": False,
-            "normalized": False,
-            "rstrip": False,
-            "single_word": False,
-            "special": False,
-        }
-    (root / "tokenizer_config.json").write_text(json.dumps(config))
-    return root
+    return markup_model(tmp_path_factory.mktemp("markup"))
 
 
 def card_for(model_dir: Path, **parsers: Any) -> ModelCard:
@@ -390,12 +373,15 @@ def test_responses_equal_vllm_servers(
     parsed = parse(card, **body)
     # A chat without tools under a tool parser alone is plain text (no parser run).
     assert (parsed.chat is None) == (not fields and not card.reasoning_parser)
-    steps = steps_of(card, text, per)
-    got = star_run(parsed, steps, finish)
-    want = vllm_run(card, body, parsed.gen.prompt_token_ids, steps, finish)
+    # STAR's batches of ``per`` tokens; vLLM's engine steps, one token each (its server
+    # parses a step at a time: so does STAR's relay, whatever its batches).
+    got = star_run(parsed, steps_of(card, text, per), finish)
+    want = vllm_run(card, body, parsed.gen.prompt_token_ids, steps_of(card, text), finish)
     if stream:
         assert isinstance(got, list) and isinstance(want, list)
-        assert deltas_of(got) == deltas_of(want)
+        assert assembled("chat", got) == assembled("chat", want)
+        if per == 1:  # the same batches: the same chunks
+            assert deltas_of(got) == deltas_of(want)
         got_usage, want_usage = got[-1]["usage"], want[-1]["usage"]
     else:
         assert message_of(got) == message_of(want)
@@ -411,7 +397,10 @@ def test_responses_equal_vllm_servers(
             return [shape(d) for d in doc]
         return {p for p in field_paths(doc) if p != "system_fingerprint"}
 
-    assert shape(got) == shape(want)
+    if stream and per > 1:  # other chunks: the same fields over them
+        assert set().union(*shape(got)) == set().union(*shape(want))
+    else:
+        assert shape(got) == shape(want)
     if card.reasoning_parser:
         assert "completion_tokens_details" in got_usage
 
@@ -453,6 +442,181 @@ def test_forced_tool_choices_decode_under_structured_outputs(model_dir: Path) ->
         assert "get_weather" in got["structural_tag"]
     auto = parse(card, tools=[WEATHER])
     assert "structured_outputs" not in auto.gen.sampling
+
+
+ENDED = [
+    {"role": "user", "content": "hi"},
+    {"role": "assistant", "content": "<think>a plan</think>"},
+]
+
+
+@pytest.mark.parametrize(
+    ("parsers", "body", "ended"),
+    [
+        pytest.param(R1, {}, False, id="r1"),
+        pytest.param(R1, {"include_reasoning": False}, True, id="r1-reasoning-not-included"),
+        pytest.param(
+            R1,
+            {"messages": ENDED, "continue_final_message": True, "add_generation_prompt": False},
+            True,
+            id="r1-the-prompt-ends-the-reasoning",
+        ),
+        pytest.param(R1, {"chat_template_kwargs": {"enable_thinking": True}}, False, id="r1-kw"),
+        pytest.param(
+            {**R1, **HERMES}, {"tools": [WEATHER], "tool_choice": "required"}, False, id="r1-tools"
+        ),
+        pytest.param(HERMES, {"tools": [WEATHER], "tool_choice": "required"}, None, id="hermes"),
+        pytest.param({}, {}, None, id="no-parsers"),
+    ],
+)
+def test_the_engine_learns_where_the_reasoning_ends_as_from_vllms_server(
+    model_dir: Path, parsers: dict[str, Any], body: dict[str, Any], ended: bool | None
+) -> None:
+    card = card_for(model_dir, **parsers)
+    parsed = parse(card, **body)
+    keys = ("reasoning_ended", "reasoning_parser_kwargs")
+    got = {k: parsed.gen.sampling[k] for k in keys if k in parsed.gen.sampling}
+    # vLLM's server: the kwargs its generate() gets (OpenAIServingChat._engine_reasoning_kwargs).
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    server = vllm_server(card)
+    request = ChatCompletionRequest.model_validate(
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **body}
+    )
+    kwargs = server._effective_chat_template_kwargs(request)
+    parser = None
+    if server.parser_cls is not None:
+        parser = server._make_parser(request, chat_tools.vllm_tokenizer(card), kwargs)
+        request = parser.adjust_request(request)
+    want = server._engine_reasoning_kwargs(
+        request, parser, kwargs, list(parsed.gen.prompt_token_ids)
+    )
+    if not card.reasoning_parser:
+        # Without a reasoning parser the engine has no reasoner: STAR sends nothing.
+        assert want["reasoning_parser_kwargs"] is None and want["reasoning_ended"] is ended
+        assert got == {}
+        return
+    assert got == want
+    assert got["reasoning_ended"] is ended
+    # They do not keep a request from migrating (a true continuation keeps the prompt).
+    assert parsed.gen.migratable
+
+
+# -- resuming a parser stream (proxy.resume) ---------------------------------------------
+
+PARSER_TEXTS = [
+    "<think>a plan, then</think>The answer is 4.",
+    '<think>need weather</think><tool_call>\n{"name": "get_weather", "arguments": '
+    '{"city": "Lima"}}\n</tool_call>',
+    'Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", '
+    '"days": 2}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n'
+    "</tool_call>",
+    "no markup at all here",
+    "<think>cut off in the middle",
+    "thinking without a start</think>then text",
+]
+PARSERS = {"r1": R1, "hermes": HERMES, "both": {**R1, **HERMES}}
+
+
+def _parser_events(
+    reader: Reader, tokens: list[int], cuts: list[int], finish: str, with_last: bool
+) -> list[dict[str, Any]]:
+    """A reader's chunks for ``tokens`` batched at ``cuts``; the finish comes with the
+    last tokens (``with_last``) or in a batch of its own."""
+    bounds = sorted({c % (len(tokens) + 1) for c in cuts} | {0, len(tokens)})
+    batches = [TokenBatch(tokens[a:b]) for a, b in itertools.pairwise(bounds)]
+    if with_last:
+        batches[-1].finish_reason = finish  # type: ignore[assignment]
+    else:
+        batches.append(TokenBatch([], finish))  # type: ignore[arg-type]
+    out = b""
+    for batch in batches:
+        out += reader.feed(batch)
+        if reader.relay.done:
+            break
+    events = sse.SSEDecoder().feed(out + reader.end())
+    assert events[-1].data == sse.DONE_DATA
+    return [{**json.loads(e.data), "event_id": e.id} for e in events[:-1]]
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    data=st.data(),
+    text=st.sampled_from(PARSER_TEXTS),
+    parsers=st.sampled_from(sorted(PARSERS)),
+    include_reasoning=st.booleans(),
+    finish=st.sampled_from(["stop", "length"]),
+    stop=st.sampled_from([[], ["Oslo"], ["e"]]),
+)
+def test_a_parser_stream_resumes_from_any_event_exactly(
+    model_dir: Path, data: Any, text: str, parsers: str, include_reasoning: bool, finish: str,
+    stop: list[str],
+) -> None:  # fmt: skip
+    """A chat through vLLM's reasoning / tool-call parsers, cut after any event and resumed
+    on a fresh relay (another proxy's), however either side was batched: the chunks before
+    the cut plus the resumed ones put together (reasoning, content, tool calls, finish,
+    usage) equal the unbroken stream's, with one role chunk and one finish."""
+    card = card_for(model_dir, **PARSERS[parsers])
+    body: dict[str, Any] = {
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "include_reasoning": include_reasoning,
+    }
+    if card.tool_call_parser:  # tools without one: vLLM's 400 for tool_choice auto
+        body["tools"] = [WEATHER, TIME]
+    if stop:
+        body["stop"] = stop
+    parsed = parse(card, **body)
+    tokens = encode(card, text)
+    if finish == "stop":  # the engine's stop: on EOS, counted, no text
+        tokens = with_eos(card, [tokens], "stop")[0]
+    tagger = Tagger("k")
+
+    # Another proxy rebuilds the request from the context its worker holds (proxy.adopt).
+    elsewhere, created = request_of(
+        context_of(parsed, 1), [list(parsed.gen.prompt_token_ids)], {MODEL: card}
+    )
+    assert created == 1 and elsewhere.chat == parsed.chat and elsewhere.role == parsed.role
+
+    def run(since: Position, with_last: bool, on: ParsedRequest = parsed) -> list[dict[str, Any]]:
+        cuts = data.draw(st.lists(st.integers(0, 60), max_size=10))
+        return _parser_events(
+            Reader(Relay(on, created=1), since, tagger), tokens, cuts, finish, with_last
+        )
+
+    whole = _parser_events(
+        Reader(Relay(parsed, created=1), Position(), tagger), tokens, [], finish, False
+    )
+    a = run(Position(), data.draw(st.booleans()))
+    # The parser reads one token at a time: the batching does not change what it sends.
+    assert assembled("chat", a) == assembled("chat", whole)
+    cut = data.draw(st.integers(0, len(a) - 1))  # the last event the client got
+    since = tagger.parse(a[cut]["event_id"]).position
+    b = run(since, data.draw(st.booleans()), data.draw(st.sampled_from([parsed, elsewhere])))
+    joined = a[: cut + 1] + b
+    assert assembled("chat", joined) == assembled("chat", whole)
+    choices = [c for chunk in joined for c in chunk["choices"]]
+    assert sum(1 for c in choices if c.get("finish_reason")) == 1
+    assert sum(1 for c in choices if "role" in c.get("delta", {})) == 1
+    assert sum(1 for chunk in joined if chunk.get("usage")) == 1
+
+
+def test_merged_deltas_add_up_as_a_client_adds_them() -> None:
+    call = {"index": 0, "id": "x", "type": "function", "function": {"name": "f", "arguments": ""}}
+    more = {"index": 0, "function": {"arguments": '{"a"'}}
+    second = {"index": 1, "id": "y", "type": "function", "function": {"name": "g"}}
+    merged = chat_tools.merge_delta(
+        {"reasoning": "a", "tool_calls": [call]},
+        {"reasoning": "b", "content": "c", "tool_calls": [more, second]},
+    )
+    assert merged == {
+        "reasoning": "ab",
+        "content": "c",
+        "tool_calls": [{**call, "function": {"name": "f", "arguments": '{"a"'}}, second],
+    }
+    assert chat_tools.merge_delta(None, {"content": ""}) == {"content": ""}
+    assert chat_tools.merge_delta({"content": "x"}, None) == {"content": "x"}
+    assert call["function"] == {"name": "f", "arguments": ""}  # the inputs are left alone
 
 
 def test_tools_reach_the_chat_template(model_dir: Path) -> None:
@@ -542,3 +706,64 @@ def test_the_proxy_refuses_a_parser_it_cannot_load_at_start(model_dir: Path) -> 
     good = ModelCard.load(model_dir, MODEL)
     app = ProxyApp(backend, [good], ProxySettings(reasoning_parser="deepseek_r1"))
     assert app.models[MODEL].reasoning_parser == "deepseek_r1"
+
+
+async def test_a_cut_tool_call_stream_resumes_on_its_proxy_exactly(model_dir: Path) -> None:
+    """Over HTTP: a chat with reasoning and a tool call, cut after a few events and resumed
+    by ``GET /v1/streams/{last id}``, puts together as the unbroken stream does."""
+    import httpx
+
+    from proxy.app import ProxyApp, create_server
+    from star.settings import ProxySettings
+    from tests.proxy.fakes import FakeBackend, Script
+
+    card = ModelCard.load(model_dir, MODEL)
+    settings_ = ProxySettings(host="127.0.0.1", port=0, drain_timeout_s=2.0, **R1, **HERMES)
+    backend = FakeBackend(card.tokenizer, Script(text=PARSER_TEXTS[1], delay_s=0.005))
+    app = ProxyApp(backend, [card], settings_)
+    server = create_server(app, settings_)
+    await server.start()
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "weather?"}],
+        "tools": [WEATHER],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+    async def events(resp: httpx.Response, limit: int | None = None) -> list[sse.Event]:
+        decoder, got = sse.SSEDecoder(), []
+        async for chunk in resp.aiter_raw():
+            got += decoder.feed(chunk)
+            if limit is not None and len(got) >= limit:
+                return got[:limit]
+        return got
+
+    def chunks(got: list[sse.Event]) -> list[dict[str, Any]]:
+        return [json.loads(e.data) for e in got if e.data != sse.DONE_DATA]
+
+    try:
+        async with httpx.AsyncClient(
+            base_url=f"http://127.0.0.1:{server.port}",
+            headers={"accept": "text/event-stream"},
+            timeout=30,
+        ) as c:
+            async with c.stream("POST", "/v1/chat/completions", json=body) as resp:
+                whole = await events(resp)
+            async with c.stream("POST", "/v1/chat/completions", json=body) as resp:
+                first = await events(resp, 6)  # then the client is cut
+            async with c.stream("GET", f"/v1/streams/{first[-1].id}") as resp:
+                assert resp.status_code == 200
+                rest = await events(resp)
+    finally:
+        await server.shutdown(timeout_s=1.0)
+        app.close()
+    assert rest[-1].data == sse.DONE_DATA
+    joined = assembled("chat", chunks(first + rest))
+    assert joined == assembled("chat", chunks(whole))
+    choice = joined["choices"]["0"]
+    assert choice["reasoning"] == "need weather" and choice["finish_reason"] == "tool_calls"
+    (call,) = choice["tool_calls"]
+    assert call["name"] == "get_weather" and json.loads(call["arguments"]) == {"city": "Lima"}
+    # One generation: the resume read what the held stream decoded.
+    assert [call.outcome for call in backend.calls] == ["finished", "finished"]

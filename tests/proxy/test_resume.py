@@ -123,6 +123,9 @@ def _parsed(card: ModelCard, chat: bool, stop: list[str], usage: bool, echo: boo
         body["stream_options"] = {"include_usage": True}
     if chat:
         body["messages"] = [{"role": "user", "content": "hi"}]
+        if echo:  # vLLM's chat echo: the last message's content starts the answer
+            body["messages"].append({"role": "assistant", "content": "Sûre: "})
+            body |= {"echo": True, "add_generation_prompt": False, "continue_final_message": True}
         return parse_chat(json.dumps(body).encode(), {"tiny": card})
     body |= {"prompt": "héllo", "echo": echo}
     return parse_completion(json.dumps(body).encode(), {"tiny": card})
@@ -137,6 +140,9 @@ def _events(reader: Reader, chunks: list[list[int]], finish: str = "length") -> 
     """A reader's events for the tokens in ``chunks`` (the last batch carries the finish)."""
     out = b""
     batches = [TokenBatch(c) for c in chunks] + [TokenBatch([], finish)]  # type: ignore[arg-type]
+    if reader.relay.req.kind == "chat" and reader.relay.echo_chars:
+        # A chat echo scores the prompt (vLLM's rule); only a whole response shows it.
+        batches[0].prompt = _prompt_scores(reader.relay.req.prompt_token_ids)
     for batch in batches:
         out += reader.feed(batch)
         if reader.relay.done:
@@ -183,7 +189,7 @@ def test_a_resume_from_any_event_joins_exactly_whatever_the_batching(
             st.text(alphabet=st.sampled_from(sorted(set("".join(CORPUS)))), min_size=1, max_size=60)
         )
         tokens = tokenizer.encode(text, add_special_tokens=False).ids or [5]
-    parsed = _parsed(card, chat, stop, usage, echo and not chat)
+    parsed = _parsed(card, chat, stop, usage, echo)
     tagger = Tagger("k")
     whole = _events(Reader(Relay(parsed, created=1), Position(), tagger), [tokens])
     a = _events(

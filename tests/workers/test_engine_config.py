@@ -314,6 +314,43 @@ def test_bad_sampling_is_a_bad_request(
         eng.sampling_params(req(sampling), "decode")
 
 
+def test_the_served_models_reasoning_parser_reaches_the_engine(eng: ModuleType) -> None:
+    # vLLM's --reasoning-parser: the engine's structured outputs start after the reasoning.
+    spec = eng.EngineSpec.from_settings(WorkerSettings(), reasoning_parser="deepseek_r1")
+    assert eng.build_engine_args(spec, cpu=True).reasoning_parser == "deepseek_r1"
+    assert eng.build_engine_args(eng.EngineSpec(model="m"), cpu=True).reasoning_parser == ""
+    user = eng.EngineSpec(model="m", reasoning_parser="a", engine_args={"reasoning_parser": "b"})
+    assert eng.build_engine_args(user, cpu=True).reasoning_parser == "b"
+
+
+def test_reasoning_hints_go_to_generate_not_to_sampling_params(eng: ModuleType) -> None:
+    hints = {"reasoning_ended": False, "reasoning_parser_kwargs": {"chat_template_kwargs": {}}}
+    request = req({"max_tokens": 5, "structured_outputs": {"regex": "a+"}, **hints})
+    assert eng.reasoning_hints(request) == hints
+    assert eng.sampling_params(request, "decode").structured_outputs.regex == "a+"
+    assert eng.sampling_params(request, "prefill").max_tokens == 1
+    assert eng.reasoning_hints(req({"max_tokens": 5})) == {}
+    assert eng.reasoning_hints(req({"max_tokens": 5, "reasoning_ended": True})) == {
+        "reasoning_ended": True
+    }
+
+
+@pytest.mark.parametrize(
+    ("sampling", "match"),
+    [
+        ({"reasoning_ended": 1}, "reasoning_ended must be a boolean"),
+        ({"reasoning_ended": "yes"}, "reasoning_ended must be a boolean"),
+        ({"reasoning_parser_kwargs": [1]}, "reasoning_parser_kwargs must be an object"),
+        ({"reasoning_parser_kwargs": {1: 2}}, "reasoning_parser_kwargs must be an object"),
+    ],
+)
+def test_bad_reasoning_hints_are_a_bad_request(
+    eng: ModuleType, sampling: dict[object, object], match: str
+) -> None:
+    with pytest.raises(BadRequest, match=match):
+        eng.reasoning_hints(req({"max_tokens": 5, **sampling}))
+
+
 def test_nixl_progress_thread_is_paced_and_can_be_unpaced() -> None:
     from nixl import _api
 
