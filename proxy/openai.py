@@ -126,10 +126,62 @@ def find_model(models: Mapping[str, ModelCard], name: Any) -> ModelCard:
     return card
 
 
+# Parameters vLLM 0.32's server serves and STAR does not (yet): each, set to
+# anything but its default, is refused with a 400 naming it, rather than
+# ignored (an answer that silently differs from vLLM's). What each does in vLLM.
+_UNSERVED = {
+    "use_beam_search": "beam search",
+    "watermarking": "watermarked sampling",
+    "spaces_between_special_tokens": "detokenisation without spaces between special tokens",
+    "truncate_prompt_tokens": "prompt truncation",
+    "logprob_token_ids": "logprobs of chosen token ids",
+    "return_tokens_as_token_ids": "logprob tokens as 'token_id:N'",
+    "return_token_ids": "token ids in the response",
+    "return_token_offsets": "token offsets in the response",
+    "kv_transfer_params": "a client's own KV transfer (STAR moves the KV itself)",
+    "ec_transfer_params": "encoder cache transfer",
+    "vllm_xargs": "extra arguments for custom logits processors",
+    "repetition_detection": "stopping on repetition",
+    "thinking_token_budget": "a budget of reasoning tokens",
+}
+_UNSERVED_BY_ROUTE = {
+    "completions": {"prompt_embeds": "prompt embeddings", "add_special_tokens": "tokenisation"},
+    "chat": {
+        "add_special_tokens": "tokenisation",
+        "return_prompt_text": "the prompt's text in the response",
+        "media_io_kwargs": "multimodal inputs",
+        "mm_processor_kwargs": "multimodal inputs",
+    },
+}
+# Their defaults where not unset: a request that sends the default is served.
+_UNSERVED_DEFAULTS: dict[tuple[str, str], Any] = {
+    ("completions", "add_special_tokens"): True,
+    ("chat", "add_special_tokens"): False,
+    ("completions", "spaces_between_special_tokens"): True,
+    ("chat", "spaces_between_special_tokens"): True,
+}
+
+
+def _refuse_unserved(f: Fields, route: str) -> None:
+    """A 400 for a parameter of :data:`_UNSERVED` set to anything but its default."""
+    for name, what in {**_UNSERVED, **_UNSERVED_BY_ROUTE[route]}.items():
+        value = f.raw(name)
+        default = _UNSERVED_DEFAULTS.get((route, name))
+        if value is None or value == default or (value in (False, {}, []) and default is None):
+            continue
+        f.fail(
+            name,
+            f"'{{param}}' is not supported by STAR yet (vLLM serves it: {what}); leave it "
+            "out" + ("" if default is None else f" or send {json.dumps(default)}"),
+            "unsupported_parameter",
+        )
+
+
 def parse_completion(body: bytes, models: Mapping[str, ModelCard]) -> ParsedRequest:
     """Validate a ``/v1/completions`` body (one prompt or a batch of them)."""
     f = Fields(parse_object(body))
     card = find_model(models, f.raw("model"))
+    _refuse_unserved(f, "completions")
     prompts = _completion_prompts(f, card)
     f.reject_truthy("suffix", "'suffix' is not supported")
     logprobs = _logprobs_count(f, "logprobs")
@@ -168,6 +220,7 @@ def parse_chat(body: bytes, models: Mapping[str, ModelCard]) -> ParsedRequest:
     """Validate a ``/v1/chat/completions`` body and render its messages."""
     f = Fields(parse_object(body))
     card = find_model(models, f.raw("model"))
+    _refuse_unserved(f, "chat")
     messages = _messages(f)
     tooling = chat_tools.prepare(f.data, card)
     logprobs = _chat_logprobs(f)
@@ -203,6 +256,14 @@ def parse_chat(body: bytes, models: Mapping[str, ModelCard]) -> ParsedRequest:
     )
     if reserved:
         f.fail("chat_template_kwargs", f"'{{param}}' may not set {', '.join(reserved)}")
+    if f.raw("chat_template") is not None or template_kwargs.get("chat_template") is not None:
+        # vLLM's answer without --trust-request-chat-template (STAR has no such trust)
+        f.fail(
+            "chat_template",
+            "Chat template is passed with request, but --trust-request-chat-template is not "
+            "set. Refused request with untrusted chat template.",
+        )
+    template_kwargs = {**template_kwargs, **_template_extras(f, template_kwargs)}
     # What vLLM's server gives its parsers (build_chat_params): no tools among them.
     parser_kwargs = {
         **template_kwargs,
@@ -253,6 +314,34 @@ def parse_chat(body: bytes, models: Mapping[str, ModelCard]) -> ParsedRequest:
             migratable=is_migratable({k: v for k, v in sampling.items() if k != "n"}),
         )
     return dataclasses.replace(parsed, gen=gen, chat=call)
+
+
+_REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+
+
+def _template_extras(f: Fields, given: Mapping[str, Any]) -> dict[str, Any]:
+    """``documents`` and ``reasoning_effort`` for the chat template, as vLLM's
+    ``build_chat_params`` adds them (over the request's ``chat_template_kwargs``),
+    with ``enable_thinking`` from the effort unless the kwargs set it."""
+    out: dict[str, Any] = {}
+    documents = f.raw("documents")
+    if documents is not None:
+        if not isinstance(documents, list) or not all(
+            isinstance(d, dict) and all(isinstance(v, str) for v in d.values()) for d in documents
+        ):
+            f.fail("documents", "'{param}' must be a list of objects of strings")
+        out["documents"] = documents
+    effort = f.raw("reasoning_effort")
+    if effort is not None:
+        if effort not in _REASONING_EFFORTS:
+            f.fail(
+                "reasoning_effort",
+                f"'{{param}}' must be one of {', '.join(_REASONING_EFFORTS)}; got {effort!r}",
+            )
+        out["reasoning_effort"] = effort
+        if "enable_thinking" not in given:
+            out["enable_thinking"] = effort != "none"
+    return out
 
 
 def _raise_in_stream(f: Fields) -> None:

@@ -579,3 +579,77 @@ def test_a_stop_token_is_counted_and_its_text_left_out_as_vllm_does(
     assert text.endswith(" gold") == include
     assert (last["finish_reason"], last["stop_reason"]) == ("stop", stop)
     assert relay.completion_tokens == len(ids(card, "The")) + len(gold)  # counted either way
+
+
+UNSERVED = [
+    ("use_beam_search", True),
+    ("watermarking", True),
+    ("spaces_between_special_tokens", False),
+    ("truncate_prompt_tokens", 5),
+    ("logprob_token_ids", [3]),
+    ("return_tokens_as_token_ids", True),
+    ("return_token_ids", True),
+    ("return_token_offsets", True),
+    ("kv_transfer_params", {"do_remote_prefill": True}),
+    ("vllm_xargs", {"a": 1}),
+    ("repetition_detection", {"max_pattern_size": 4}),
+    ("thinking_token_budget", 10),
+]
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+@pytest.mark.parametrize(("name", "value"), UNSERVED)
+def test_a_parameter_vllm_serves_and_star_does_not_is_refused_not_ignored(
+    card: ModelCard, route: str, name: str, value: Any
+) -> None:
+    parse = completion if route == "completions" else chat
+    with pytest.raises(HttpError) as info:
+        parse(card, **{name: value})
+    err = info.value
+    assert (err.status, err.param, err.code) == (400, name, "unsupported_parameter")
+    assert "not supported by STAR" in err.message
+    # Unset, null or the default: served.
+    parse(card, **{name: None})
+    default = {"spaces_between_special_tokens": True}.get(name, False)
+    if not isinstance(value, (dict, list)) or name == "logprob_token_ids":
+        parse(card, **{name: default if not isinstance(value, list) else []})
+
+
+def test_add_special_tokens_is_served_at_each_routes_default(card: ModelCard) -> None:
+    completion(card, add_special_tokens=True)
+    chat(card, add_special_tokens=False)
+    for parse, value in ((completion, False), (chat, True)):
+        with pytest.raises(HttpError) as info:
+            parse(card, add_special_tokens=value)
+        assert info.value.param == "add_special_tokens"
+
+
+def test_a_request_chat_template_is_refused_as_vllm_does(card: ModelCard) -> None:
+    for fields in ({"chat_template": "x"}, {"chat_template_kwargs": {"chat_template": "x"}}):
+        with pytest.raises(HttpError) as info:
+            chat(card, **fields)
+        assert info.value.status == 400
+        assert "--trust-request-chat-template is not set" in info.value.message
+
+
+def test_documents_and_reasoning_effort_reach_the_template_as_vllms(card: ModelCard) -> None:
+    template = (
+        "{{ reasoning_effort }}|{{ enable_thinking }}|"
+        "{% for d in documents or [] %}{{ d.title }};{% endfor %}|{{ messages[0].content }}"
+    )
+    card = ModelCard(name=MODEL, tokenizer=card.tokenizer, chat_template=template)
+
+    def prompt(**kw: Any) -> str:
+        ids = chat(card, **kw).gen.prompt_token_ids
+        return str(card.tokenizer.decode(ids, skip_special_tokens=False))
+
+    assert prompt(reasoning_effort="low") == "low|True||hi"
+    assert prompt(reasoning_effort="none") == "none|False||hi"
+    # The request's own enable_thinking wins; documents go in as given.
+    kw = {"chat_template_kwargs": {"enable_thinking": False}, "documents": [{"title": "a"}]}
+    assert prompt(reasoning_effort="high", **kw) == "high|False|a;|hi"
+    with pytest.raises(HttpError) as info:
+        chat(card, reasoning_effort="extreme")
+    assert info.value.param == "reasoning_effort"
+    with pytest.raises(HttpError):
+        chat(card, documents=[{"title": 1}])
