@@ -716,6 +716,7 @@ async def test_a_cut_tool_call_stream_resumes_on_its_proxy_exactly(model_dir: Pa
     from proxy.app import ProxyApp, create_server
     from star.settings import ProxySettings
     from tests.proxy.fakes import FakeBackend, Script
+    from tests.proxy.test_resume import _read as events
 
     card = ModelCard.load(model_dir, MODEL)
     settings_ = ProxySettings(host="127.0.0.1", port=0, drain_timeout_s=2.0, **R1, **HERMES)
@@ -730,14 +731,6 @@ async def test_a_cut_tool_call_stream_resumes_on_its_proxy_exactly(model_dir: Pa
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-
-    async def events(resp: httpx.Response, limit: int | None = None) -> list[sse.Event]:
-        decoder, got = sse.SSEDecoder(), []
-        async for chunk in resp.aiter_raw():
-            got += decoder.feed(chunk)
-            if limit is not None and len(got) >= limit:
-                return got[:limit]
-        return got
 
     def chunks(got: list[sse.Event]) -> list[dict[str, Any]]:
         return [json.loads(e.data) for e in got if e.data != sse.DONE_DATA]

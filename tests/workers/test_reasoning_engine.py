@@ -25,7 +25,7 @@ import pytest
 import pytest_asyncio
 
 from star.model.markup import markup_model
-from workers.protocol import GenerateRequest
+from tests.workers.test_seeded import _run as generate
 
 if TYPE_CHECKING:
     from workers.engine import EngineHandle
@@ -82,15 +82,6 @@ def text_of(model_dir: Path, ids: list[int]) -> str:
     from tokenizers import Tokenizer
 
     return str(Tokenizer.from_file(str(model_dir / "tokenizer.json")).decode(ids))
-
-
-async def generate(
-    engine: EngineHandle, rid: str, prompt: list[int], sampling: dict[str, Any]
-) -> list[int]:
-    out: list[int] = []
-    async for delta in engine.generate(GenerateRequest(rid, prompt, sampling)):
-        out.extend(delta.token_ids)
-    return out
 
 
 PROMPT = [(11 * i + 5) % 800 + 40 for i in range(24)]
