@@ -25,7 +25,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
 ]
 
-ONLY = ["chat: reasoning", "chat: greedy", "chat: structured outputs: choice"]
+ONLY = ["chat: reasoning:", "chat: greedy", "chat: structured outputs: choice"]
 
 
 def test_reasoning_rows_answer_as_vllms_own_server_migrated_too(
