@@ -270,13 +270,12 @@ def engine_hints(card: ModelCard, call: ChatCall) -> dict[str, Any]:
     cls = parser_class(card)
     if cls is None or cls.reasoning_parser_cls is None:
         return {}
-    request = _vllm_request(card, call.request)
-    parser = _parser(cls, card, call, request)
-    request = parser.adjust_request(request)
+    # The request after the parser's adjust_request, as a choice's parser has it.
+    choice = ChoiceParser(card, call, call.prompt_token_ids)
     hints: dict[str, Any] = {
         "reasoning_parser_kwargs": {"chat_template_kwargs": dict(call.template_kwargs)}
     }
-    ended = request.resolve_reasoning_ended(parser, list(call.prompt_token_ids))
+    ended = choice.request.resolve_reasoning_ended(choice.parser, list(call.prompt_token_ids))
     if ended is not None:
         hints["reasoning_ended"] = bool(ended)
     return hints

@@ -126,47 +126,48 @@ def find_model(models: Mapping[str, ModelCard], name: Any) -> ModelCard:
     return card
 
 
-# Parameters vLLM 0.32's server serves and STAR does not (yet): each, set to
-# anything but its default, is refused with a 400 naming it, rather than
-# ignored (an answer that silently differs from vLLM's). What each does in vLLM.
-_UNSERVED = {
-    "use_beam_search": "beam search",
-    "watermarking": "watermarked sampling",
-    "spaces_between_special_tokens": "detokenisation without spaces between special tokens",
-    "truncate_prompt_tokens": "prompt truncation",
-    "logprob_token_ids": "logprobs of chosen token ids",
-    "return_tokens_as_token_ids": "logprob tokens as 'token_id:N'",
-    "return_token_ids": "token ids in the response",
-    "return_token_offsets": "token offsets in the response",
-    "kv_transfer_params": "a client's own KV transfer (STAR moves the KV itself)",
-    "ec_transfer_params": "encoder cache transfer",
-    "vllm_xargs": "extra arguments for custom logits processors",
-    "repetition_detection": "stopping on repetition",
-    "thinking_token_budget": "a budget of reasoning tokens",
+# Parameters vLLM 0.32's server serves and STAR does not (yet), by route: each,
+# set to anything but its default, is refused with a 400 naming it, rather than
+# ignored (an answer that silently differs from vLLM's). What each does in vLLM,
+# and its default where that is not unset (a request sending it is served).
+_UNSERVED_ANY: dict[str, tuple[str, Any]] = {
+    "use_beam_search": ("beam search", None),
+    "watermarking": ("watermarked sampling", None),
+    "spaces_between_special_tokens": (
+        "detokenisation without spaces between special tokens",
+        True,
+    ),
+    "truncate_prompt_tokens": ("prompt truncation", None),
+    "logprob_token_ids": ("logprobs of chosen token ids", None),
+    "return_tokens_as_token_ids": ("logprob tokens as 'token_id:N'", None),
+    "return_token_ids": ("token ids in the response", None),
+    "return_token_offsets": ("token offsets in the response", None),
+    "kv_transfer_params": ("a client's own KV transfer (STAR moves the KV itself)", None),
+    "ec_transfer_params": ("encoder cache transfer", None),
+    "vllm_xargs": ("extra arguments for custom logits processors", None),
+    "repetition_detection": ("stopping on repetition", None),
+    "thinking_token_budget": ("a budget of reasoning tokens", None),
 }
-_UNSERVED_BY_ROUTE = {
-    "completions": {"prompt_embeds": "prompt embeddings", "add_special_tokens": "tokenisation"},
-    "chat": {
-        "add_special_tokens": "tokenisation",
-        "return_prompt_text": "the prompt's text in the response",
-        "media_io_kwargs": "multimodal inputs",
-        "mm_processor_kwargs": "multimodal inputs",
+_UNSERVED: dict[str, dict[str, tuple[str, Any]]] = {
+    "completions": {
+        **_UNSERVED_ANY,
+        "prompt_embeds": ("prompt embeddings", None),
+        "add_special_tokens": ("tokenisation", True),
     },
-}
-# Their defaults where not unset: a request that sends the default is served.
-_UNSERVED_DEFAULTS: dict[tuple[str, str], Any] = {
-    ("completions", "add_special_tokens"): True,
-    ("chat", "add_special_tokens"): False,
-    ("completions", "spaces_between_special_tokens"): True,
-    ("chat", "spaces_between_special_tokens"): True,
+    "chat": {
+        **_UNSERVED_ANY,
+        "add_special_tokens": ("tokenisation", False),
+        "return_prompt_text": ("the prompt's text in the response", None),
+        "media_io_kwargs": ("multimodal inputs", None),
+        "mm_processor_kwargs": ("multimodal inputs", None),
+    },
 }
 
 
 def _refuse_unserved(f: Fields, route: str) -> None:
     """A 400 for a parameter of :data:`_UNSERVED` set to anything but its default."""
-    for name, what in {**_UNSERVED, **_UNSERVED_BY_ROUTE[route]}.items():
+    for name, (what, default) in _UNSERVED[route].items():
         value = f.raw(name)
-        default = _UNSERVED_DEFAULTS.get((route, name))
         if value is None or value == default or (value in (False, {}, []) and default is None):
             continue
         f.fail(
@@ -866,9 +867,8 @@ class Relay:
         self._skip_scores = [0] * count  # and the logprobs of that many tokens
         # A parser stream resumes by tokens: its parser reads every token from the
         # first, one at a time, and the deltas of the first ``_skip_parsed`` of
-        # them are the client's already (``_parsed_n``: tokens it has read).
+        # them are the client's already.
         self._skip_parsed = [0] * count
-        self._parsed_n = [0] * count
         self._open = count  # choices not yet finished
         self._started = False
         self._opened: set[int] = set()  # choices whose role chunk is out (a resumed chat)
@@ -1003,12 +1003,14 @@ class Relay:
             return b""
         delta: dict[str, Any] | None = None
         last = len(pieces) - 1
+        # Tokens the parser has read: the choice's count before these pieces, then each.
+        read = self.choices[index].num_tokens - sum(len(ids) for _, ids in pieces)
         for k, (text, token_ids) in enumerate(pieces):
             finished = finish is not None and k == last
             if not (text or token_ids or finished):
                 continue
-            self._parsed_n[index] += len(token_ids)
-            if token_ids and self._parsed_n[index] <= self._skip_parsed[index]:
+            read += len(token_ids)
+            if token_ids and read <= self._skip_parsed[index]:
                 # The client has this token's delta (a resumed stream); the finish, a
                 # chunk of its own unless it came with the client's last token, not.
                 parser.delta(text, token_ids, False)

@@ -50,6 +50,7 @@ from tests.migration.conftest import (
 from tests.migration.test_fleet import other, prompt
 from tests.migration.test_fleet import pytestmark as fleet_marks
 from tests.procs import ProxyProcess, proxy_process
+from tests.proxy.test_resume import _read
 
 pytestmark = fleet_marks
 
@@ -90,12 +91,6 @@ def usage_of(events: list[sse.Event]) -> dict[str, Any] | None:
     return next((d["usage"] for d in docs if d.get("usage")), None)
 
 
-async def read(resp: httpx.Response, got: list[sse.Event]) -> None:
-    decoder = sse.SSEDecoder()
-    async for chunk in resp.aiter_raw():
-        got += decoder.feed(chunk)
-
-
 async def source_released(bus: Bus, source: str, request: str, since: float) -> None:
     """A report of ``source`` newer than ``since`` no longer runs ``request`` (it released it)."""
     deadline = time.monotonic() + 120
@@ -115,8 +110,7 @@ async def test_a_move_under_way_when_its_proxy_dies_ends_exactly_on_another(
     n = 40 if phase == "target" else 41
     async with httpx.AsyncClient(timeout=300, headers=SSE) as client:
         async with client.stream("POST", f"{b.url}/v1/completions", json=body(n)) as resp:
-            whole: list[sse.Event] = []
-            await read(resp, whole)
+            whole = await _read(resp)
         got: list[sse.Event] = []
         first = asyncio.Event()
 
@@ -164,8 +158,7 @@ async def test_a_move_under_way_when_its_proxy_dies_ends_exactly_on_another(
         assert cut and cut[-1].data != sse.DONE_DATA, "the stream ended before its proxy died"
         async with client.stream("GET", f"{b.url}/v1/streams/{cut[-1].id}") as resp:
             assert resp.status_code == 200, (await resp.aread()).decode()
-            rest: list[sse.Event] = []
-            await read(resp, rest)
+            rest = await _read(resp)
     assert rest[-1].data == sse.DONE_DATA
     assert text_of(cut + rest) == text_of(whole)
     assert usage_of(rest) == usage_of(whole)
