@@ -26,7 +26,7 @@ from proxy.decode_run import DecodeRun, Fleet, Found
 from proxy.upstream import ConnectionLost
 from star.aio import deadline
 from star.sampling import migration_blocker
-from star.wire import Attach, Attached
+from star.wire import Abort, Attach, Attached
 
 log = structlog.get_logger(__name__)
 
@@ -92,6 +92,17 @@ async def attach(pool: Pool, members: Sequence[tuple[str, str]], request_id: str
         log.info("stream_not_held", request_id=request_id, asked=asked)
         return None
     return _adopted(released)
+
+
+async def abandon(found: Found) -> None:
+    """Give up a request taken over (no client can have its rest): it is aborted on
+    its worker, its KV freed, and its leg closed."""
+    try:
+        await found.leg.send(Abort(found.leg.id))
+    except ConnectionLost:
+        pass  # the worker is gone; it frees the KV when it notices
+    finally:
+        found.leg.close()
 
 
 def _adopted(found: Found) -> Found:

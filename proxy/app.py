@@ -44,6 +44,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 
 from proxy import chat_tools, resume
+from proxy.adopt import abandon
 from proxy.backend import Backend, BackendError, GenerationRequest, TokenBatch
 from proxy.decode_run import Found
 from proxy.fanout import FanIn, child_ids, children, drop_if_cut
@@ -428,12 +429,12 @@ class ProxyApp:
             for a in answers:
                 if isinstance(a, BaseException):
                     raise a
-            if len(founds) != count:
+            if not founds:
                 raise resume.not_found(rid, self.streams.grace_s)
-            parsed, created, firsts = _adopted(rid, founds, event.positions, self.models)
+            picked = [a if isinstance(a, Found) else None for a in answers]
+            parsed, created, firsts = _adopted(rid, picked, event.positions, self.models)
         except BaseException:
-            for found in founds:  # no client can have the rest: the requests are aborted
-                found.leg.close()
+            await asyncio.gather(*map(abandon, founds))  # no client can have the rest
             raise
         relay = Relay(parsed, created=created)
         timing = _Timing(self.metrics, parsed.gen.arrival_s)
@@ -448,12 +449,17 @@ class ProxyApp:
             self._done(relay, timing, outcome, error=None if error is None else repr(error))
 
         reader = resume.Reader(relay, event.positions, self.streams.tagger)
-        reqs = children(parsed)
-        sources = [backend.serve_attached(r, f) for r, f in zip(reqs, founds, strict=True)]
-        batches = [batch for batch, _ in firsts]
+        sources = []
+        for k, (req, found) in enumerate(zip(children(parsed), picked, strict=True)):
+            if found is None:  # its proxy died before it reached a decode worker: run it again
+                log.info("stream_choice_restarted", request_id=rid, choice=k)
+                sources.append(self.backend.generate(req))
+            else:
+                sources.append(backend.serve_attached(req, found))
+        batches = [batch for batch, _ in firsts if batch is not None]
         source = sources[0] if count == 1 else FanIn(sources, ahead=batches[1:])
         body = resume.drive(
-            held, reader, source, batches[0], timing.batch, self._error_event, on_end, count
+            held, reader, source, batches[0], timing.batch, self._error_event, on_end, len(batches)
         )
         await anext(body)
         detach = held.detach_driver if self.streams.grace_s > 0 else None
@@ -547,27 +553,33 @@ class ProxyApp:
 
 def _adopted(
     request_id: str,
-    founds: list[Found],
+    founds: Sequence[Found | None],
     since: resume.Positions,
     models: Mapping[str, ModelCard],
-) -> tuple[ParsedRequest, int, list[tuple[TokenBatch, int]]]:
-    """The request whose choices' workers answered ``founds`` (in choice order), its
-    ``created``, and each choice's first batch with the index of its first token with
+) -> tuple[ParsedRequest, int, list[tuple[TokenBatch | None, int]]]:
+    """The request whose choices' workers answered ``founds`` (in choice order; None:
+    no worker holds that choice), its ``created``, and each choice's first batch (None
+    for one no worker holds: it runs again) with the index of its first token with
     logprobs; HttpError if they do not make the stream a client at ``since`` resumes."""
-    context = founds[0].attached.context
+    context = next(f for f in founds if f is not None).attached.context
     prompts, n = resume.fan_of(context)
     resume.check_choices(request_id, len(since), prompts * n)
-    batch = [founds[p * n].attached.prompt_token_ids for p in range(prompts)]
+    known = {k // n: f.attached.prompt_token_ids for k, f in enumerate(founds) if f is not None}
+    batch = resume.prompts_of(request_id, context, known)
     parsed, created = resume.request_of(context, batch, models)
-    firsts = []
+    firsts: list[tuple[TokenBatch | None, int]] = []
     for k, (found, at) in enumerate(zip(founds, since, strict=True)):
-        first, known = resume.adopted_batch(found.attached, parsed.text.logprobs)
-        resume.check_position(request_id, known, at, k)
+        if found is None:
+            resume.check_unstarted(request_id, at, k)
+            firsts.append((None, 0))
+            continue
+        first, known_from = resume.adopted_batch(found.attached, parsed.text.logprobs)
+        resume.check_position(request_id, known_from, at, k)
         first.index = k
         if parsed.text.prompt_logprobs is not None:  # echo with logprobs
             prompt = found.attached.prompt_token_ids
             first.prompt = resume.prompt_stand_in(request_id, prompt, at, k)
-        firsts.append((first, known))
+        firsts.append((first, known_from))
     return parsed, created, firsts
 
 

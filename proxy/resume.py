@@ -175,6 +175,8 @@ def context_of(parsed: ParsedRequest, created: int) -> bytes:
             "text": {f.name: getattr(parsed.text, f.name) for f in dataclasses.fields(parsed.text)},
             "echo": list(parsed.echo),
             "prompts": len(parsed.batch),
+            # A batch's prompts, for a choice that never reached a worker (prompts_of).
+            "batch": _batch_of(parsed),
             "role": parsed.role,
             "chat_echo": parsed.chat_echo,
             # A chat's parser input (its prompt is the worker's): another proxy's
@@ -187,6 +189,46 @@ def context_of(parsed: ParsedRequest, created: int) -> bytes:
             },
         }
     )
+
+
+BATCH_CONTEXT_TOKENS = 1 << 20  # a batch's prompts in every choice's context: this many, at most
+
+
+def _batch_of(parsed: ParsedRequest) -> list[list[int]] | None:
+    """The prompts of a batched completion, for its context, if they fit the bound.
+
+    Every choice's context carries them (``prompts x n`` copies), so a choice
+    whose proxy died before it reached a decode worker can be started again
+    by another proxy even when no choice of its prompt was found
+    (:func:`prompts_of`). Past :data:`BATCH_CONTEXT_TOKENS` in all the copies
+    together they are left out (such a choice's stream is then not found).
+    """
+    batch = parsed.batch
+    if len(batch) < 2 or parsed.num_choices * sum(map(len, batch)) > BATCH_CONTEXT_TOKENS:
+        return None
+    return [list(p) for p in batch]
+
+
+def prompts_of(request_id: str, context: bytes, known: Mapping[int, list[int]]) -> list[list[int]]:
+    """Every prompt of the request :func:`context_of` described: ``known`` (by prompt
+    index, from the workers that hold its choices), the rest from the context;
+    HttpError 404 when a prompt is in neither."""
+    prompts, _ = fan_of(context)
+    if len(known) == prompts:
+        return [known[p] for p in range(prompts)]
+    batch = msgspec.msgpack.decode(context).get("batch") or []
+    if len(batch) != prompts:
+        why = "no worker holds a choice of one of its prompts, and its context lacks them"
+        raise not_found(request_id, 0, why)
+    return [known.get(p, batch[p]) for p in range(prompts)]
+
+
+def check_unstarted(request_id: str, since: Position, choice: int) -> None:
+    """HttpError 404 unless the client at ``since`` has none of ``choice``'s tokens:
+    no worker holds that choice, so only one that has sent nothing can run again."""
+    if since.tokens > 0:
+        why = "its worker no longer holds it (worker.orphan_grace_s)"
+        raise not_found(f"{request_id} (choice {choice})", 0, why)
 
 
 def fan_of(context: bytes) -> tuple[int, int]:
@@ -543,13 +585,13 @@ class Streams:
             self.forget(stream)
 
 
-def not_found(request_id: str, grace_s: float) -> HttpError:
-    return HttpError(
-        404,
-        f"no stream {request_id}: it finished more than proxy.resume_grace_s "
-        f"({grace_s:g} s) ago, was cancelled, or its worker no longer holds it",
-        code="stream_not_found",
+def not_found(request_id: str, grace_s: float, why: str = "") -> HttpError:
+    """404 for a stream no proxy or worker holds (``grace_s``: this proxy's resume grace)."""
+    why = why or (
+        f"it finished more than proxy.resume_grace_s ({grace_s:g} s) ago, was cancelled, "
+        "or its worker no longer holds it"
     )
+    return HttpError(404, f"no stream {request_id}: {why}", code="stream_not_found")
 
 
 class Reader:

@@ -201,8 +201,11 @@ def test_a_stream_resumes_on_another_proxy_after_its_proxy_is_killed(
             diffs = differences(scored, logprobs(whole), 1e-4)  # tokens exact, values within 1e-4
             assert not diffs, diffs
             assert bool(scored) == ("logprobs" in body)
-        adopted = (tmp_path / "b.log").read_text().count('"stream_adopted"')
-        assert adopted == sum(_choices(body) for _, body in cases)  # a request each choice
+        # A request each choice: taken over, or run again if it was still in prefill when
+        # its proxy died (no worker held it; CI at bcaf900 got a 404 there).
+        log_b = (tmp_path / "b.log").read_text()
+        taken = log_b.count('"stream_adopted"') + log_b.count('"stream_choice_restarted"')
+        assert taken == sum(_choices(body) for _, body in cases)
 
         # Nobody comes back: the worker holds the orphan, decoding on, then frees it (after
         # worker.orphan_grace_s, or when it finishes first: the tiny model is fast).

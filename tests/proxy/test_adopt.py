@@ -20,10 +20,11 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy import sse
+from proxy import resume, sse
 from proxy.app import ProxyApp, create_server
 from proxy.backend import TokenBatch
 from proxy.cluster import ClusterBackend, Directory
+from proxy.fanout import children
 from proxy.http import HttpServer
 from proxy.openai import ParsedRequest, Relay, parse_chat, parse_completion
 from proxy.resume import Position, Reader, Tagger, context_of, fan_of, request_of
@@ -371,3 +372,69 @@ async def test_a_stream_whose_worker_dropped_its_proxy_runs_on_there(
     # One engine request, never started again elsewhere, never an orphan aborted.
     (rid,) = set(engine.started)
     assert engine.started == [rid] and engine.finished == [rid] and engine.aborted == []
+
+
+@pytest.mark.parametrize("case", ["restarted", "context-without-prompts", "client-has-tokens"])
+async def test_a_choice_no_worker_holds_runs_again_unless_its_client_has_tokens_of_it(
+    worker: tuple[TokenServer, FakeEngine],
+    second_proxy: tuple[ProxyApp, HttpServer],
+    card: ModelCard,
+    case: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two prompts, n = 2: proxy A dies while choices 2 and 3 (prompt 1) are still in
+    prefill, so no decode worker holds them (CI at bcaf900 got 404 here). Proxy B takes
+    over choices 0 and 1 and runs 2 and 3 again, their prompt from the context: every
+    choice's text is an unbroken stream's. A 404 when the context lacks the prompts
+    (past resume.BATCH_CONTEXT_TOKENS) or the client has tokens of a choice none holds."""
+    srv, engine = worker
+    _, http = second_proxy
+    if case == "context-without-prompts":
+        monkeypatch.setattr(resume, "BATCH_CONTEXT_TOKENS", 0)
+    body = {"model": "tiny", "prompt": ["héllo", "wörld"], "n": 2, "max_tokens": TOKENS}
+    body |= {"stream": True, "stream_options": {"include_usage": True}}
+    parsed = parse_completion(json.dumps(body).encode(), {"tiny": card})
+    context = context_of(parsed, 77)
+    reqs = children(parsed)
+    first = await Client.connect(srv.address)
+    assert await first.recv() == HELLO
+    for stream, req in enumerate(reqs[:2], start=1):  # choices 0 and 1 reached decode-0
+        await first.send(
+            ResumableGenerate(
+                stream=stream,
+                request_id=req.request_id,
+                prompt_token_ids=req.prompt_token_ids,
+                sampling=dict(req.sampling),
+                context=context,
+            )
+        )
+    reader = Reader(Relay(parsed, created=77), (Position(),) * 4, Tagger(SECRET))
+    out, got = b"", 0
+    while got < 6:
+        msg = await first.recv()
+        assert isinstance(msg, Tokens)
+        got += len(msg.token_ids)
+        out += reader.feed(TokenBatch(list(msg.token_ids), index=msg.stream - 1))
+    await first.close()
+    if case == "client-has-tokens":  # as if choice 2 had sent a token before its end
+        out += reader.feed(TokenBatch([FIRST], index=2))
+    before = sse.SSEDecoder().feed(out)
+    async with httpx.AsyncClient(
+        base_url=f"http://127.0.0.1:{http.port}", timeout=30, headers=SSE
+    ) as c:
+        async with c.stream("GET", f"/v1/streams/{before[-1].id}") as resp:
+            if case != "restarted":
+                assert resp.status_code == 404, await resp.aread()
+                error = json.loads(await resp.aread())["error"]
+                assert error["code"] == "stream_not_found"
+                assert ("(choice 2)" in error["message"]) == (case == "client-has-tokens")
+                await until(lambda: len(engine.aborted) == 2, wait_s=10)  # its legs closed
+                return
+            assert resp.status_code == 200, await resp.aread()
+            decoder, after = sse.SSEDecoder(), []
+            async for chunk in resp.aiter_raw():
+                after += decoder.feed(chunk)
+    letters = "".join(card.tokenizer.decode([FIRST + i]) for i in range(TOKENS))
+    assert texts(before + after) == dict.fromkeys(range(4), letters)
+    assert _usage(after) == 4 * TOKENS and after[-1].data == sse.DONE_DATA
+    assert sorted(engine.started) == sorted(r.request_id for r in reqs) == sorted(engine.finished)
