@@ -241,11 +241,13 @@ def cases(tools: bool = True, reasoning: bool = False) -> list[Case]:
         ),
         c("best_of=2", {"best_of": 2}),
         c("suffix", {"suffix": "end"}),
+        c("return_token_ids", {"return_token_ids": True}),
+        c("return_token_ids, echo", {"return_token_ids": True, "echo": True}),
+        c("return_token_ids, 2 prompts", {"return_token_ids": True, "prompt": [P1, "crow"]}),
+        c("return_tokens_as_token_ids", {"logprobs": 1, "return_tokens_as_token_ids": True}),
         # vLLM serves these; STAR refuses them (400 unsupported_parameter), not ignores
         c("use_beam_search, n=2", {"use_beam_search": True, "n": 2}),
         c("truncate_prompt_tokens=5", {"truncate_prompt_tokens": 5}),
-        c("return_token_ids", {"return_token_ids": True}),
-        c("return_tokens_as_token_ids", {"logprobs": 1, "return_tokens_as_token_ids": True}),
         c("error: max_tokens=-1", {"max_tokens": -1}, error=True),
         c("error: unknown model", {"model": "no-such-model"}, error=True),
         c("error: logprobs=21", {"logprobs": 21}, error=True),
@@ -308,6 +310,11 @@ def cases(tools: bool = True, reasoning: bool = False) -> list[Case]:
         h("reasoning_effort=low", {"reasoning_effort": "low"}),
         h("documents", {"documents": [{"title": "owls", "text": "owls hoot"}]}),
         h("chat_template_kwargs", {"chat_template_kwargs": {"enable_thinking": False}}),
+        h("return_token_ids", {"return_token_ids": True}),
+        h(
+            "return_tokens_as_token_ids",
+            {"logprobs": True, "top_logprobs": 2, "return_tokens_as_token_ids": True},
+        ),
         h("truncate_prompt_tokens=5", {"truncate_prompt_tokens": 5}),
         h("error: a request's chat_template", {"chat_template": "{{ 'x' }}"}, error=True),
         h("error: top_logprobs=30", {"logprobs": True, "top_logprobs": 30}, error=True),
@@ -380,6 +387,8 @@ def whole(route: str, doc: dict[str, Any]) -> dict[str, Any]:
                 "stop_reason": ch.get("stop_reason"),
                 "logprobs": ch.get("logprobs"),
                 "prompt_logprobs": ch.get("prompt_logprobs"),
+                "token_ids": ch.get("token_ids"),
+                "prompt_token_ids": ch.get("prompt_token_ids"),
             }
         else:
             msg = ch.get("message") or {}
@@ -391,6 +400,7 @@ def whole(route: str, doc: dict[str, Any]) -> dict[str, Any]:
                 "finish_reason": ch.get("finish_reason"),
                 "stop_reason": ch.get("stop_reason"),
                 "logprobs": (ch.get("logprobs") or {}).get("content"),
+                "token_ids": ch.get("token_ids"),
             }
     out: dict[str, Any] = {
         "object": doc.get("object"),
@@ -399,6 +409,7 @@ def whole(route: str, doc: dict[str, Any]) -> dict[str, Any]:
     }
     if route == "chat":
         out["prompt_logprobs"] = doc.get("prompt_logprobs")
+        out["prompt_token_ids"] = doc.get("prompt_token_ids")
     return out
 
 
@@ -407,12 +418,14 @@ def assembled(route: str, chunks: list[dict[str, Any]]) -> dict[str, Any]:
     choices: dict[str, dict[str, Any]] = {}
     usage = None
     objects = sorted({str(ch.get("object")) for ch in chunks})
-    prompt_logprobs = None
+    prompt_logprobs = prompt_ids = None
     for chunk in chunks:
         if chunk.get("usage"):
             usage = chunk["usage"]
         if route == "chat" and chunk.get("prompt_logprobs") is not None:
             prompt_logprobs = chunk["prompt_logprobs"]
+        if route == "chat" and chunk.get("prompt_token_ids") is not None:
+            prompt_ids = chunk["prompt_token_ids"]  # every choice's first chunk: the one prompt
         for ch in chunk.get("choices") or []:
             key = str(ch.get("index"))
             if route == "completions":
@@ -424,9 +437,13 @@ def assembled(route: str, chunks: list[dict[str, Any]]) -> dict[str, Any]:
                         "stop_reason": None,
                         "logprobs": None,
                         "prompt_logprobs": None,
+                        "token_ids": None,
+                        "prompt_token_ids": None,
                     },
                 )
                 cur["text"] += ch.get("text") or ""
+                if ch.get("prompt_token_ids") is not None:
+                    cur["prompt_token_ids"] = ch["prompt_token_ids"]
                 lp = ch.get("logprobs")
                 if lp is not None:
                     acc = cur["logprobs"] or {
@@ -451,6 +468,7 @@ def assembled(route: str, chunks: list[dict[str, Any]]) -> dict[str, Any]:
                         "finish_reason": None,
                         "stop_reason": None,
                         "logprobs": None,
+                        "token_ids": None,
                         "_calls": {},
                     },
                 )
@@ -475,6 +493,8 @@ def assembled(route: str, chunks: list[dict[str, Any]]) -> dict[str, Any]:
                 lp = ch.get("logprobs")
                 if lp is not None and lp.get("content") is not None:
                     cur["logprobs"] = (cur["logprobs"] or []) + lp["content"]
+            if ch.get("token_ids") is not None:  # each chunk its tokens': joined
+                cur["token_ids"] = (cur["token_ids"] or []) + ch["token_ids"]
             if ch.get("finish_reason") is not None:
                 cur["finish_reason"] = ch["finish_reason"]
             if ch.get("stop_reason") is not None:
@@ -487,6 +507,7 @@ def assembled(route: str, chunks: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {"object": ",".join(objects), "choices": choices, "usage": _usage(usage)}
     if route == "chat":
         out["prompt_logprobs"] = prompt_logprobs
+        out["prompt_token_ids"] = prompt_ids
     return out
 
 

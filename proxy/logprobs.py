@@ -185,12 +185,19 @@ class ChoiceLogprobs:
     ``chat``: the chat shape, ``top`` = ``top_logprobs``; else the completion
     shape, ``top`` = ``logprobs``. The engine is asked for ``top`` per token.
     ``keep``: remember the parts for :meth:`result` (not streaming).
+    ``as_ids``: each token shown as ``token_id:N`` (vLLM's
+    ``return_tokens_as_token_ids``; a chat entry's ``bytes`` stay its text's,
+    a top entry's are the placeholder's, a completion's text offsets advance
+    by the placeholder's length, as vLLM 0.32 writes them).
     """
 
-    __slots__ = ("_chat", "_context", "_keep", "_names", "_offset", "_parts", "_top")
+    __slots__ = ("_as_ids", "_chat", "_context", "_keep", "_names", "_offset", "_parts", "_top")
 
-    def __init__(self, names: TokenNames, chat: bool, top: int, keep: bool = True) -> None:
+    def __init__(
+        self, names: TokenNames, chat: bool, top: int, keep: bool = True, as_ids: bool = False
+    ) -> None:
         self._names = names
+        self._as_ids = as_ids
         self._chat = chat
         self._top = top
         self._keep = keep  # for result(); a stream sends each part and forgets it
@@ -230,7 +237,7 @@ class ChoiceLogprobs:
             if self._chat:
                 out["content"].append(self._chat_entry(names, ids, entries))
             else:
-                self._completion_entry(out, names, ids, entries)
+                self._completion_entry(out, self._shown(names, ids), ids, entries)
             self._context = [*self._context[-(_CONTEXT - 1) :], tid]
         if self._keep:
             self._parts.append(out)
@@ -248,7 +255,7 @@ class ChoiceLogprobs:
         out = _completion_part()
         for tid, entry in zip(prompt, entries, strict=True):
             if entry is None:
-                token = self._names._decode([tid])
+                token = _placeholder(tid) if self._as_ids else self._names._decode([tid])
                 out["text_offset"].append(self._offset)
                 self._offset += len(token)
                 out["token_logprobs"].append(None)
@@ -256,7 +263,7 @@ class ChoiceLogprobs:
                 out["top_logprobs"].append(None)
                 continue
             ids = list(entry)  # the prompt token first (prompt_entries puts it there)
-            names = [entry[t][2] for t in ids]
+            names = self._shown([entry[t][2] for t in ids], ids)
             self._completion_entry(out, names, ids, {t: entry[t][0] for t in ids})
         if self._keep:
             self._parts.append(out)
@@ -265,20 +272,24 @@ class ChoiceLogprobs:
     def _chat_entry(
         self, names: list[str], ids: list[int], entries: dict[int, float]
     ) -> dict[str, Any]:
-        token = names[0]
+        shown = self._shown(names, ids)
         return {
-            "token": token,
+            "token": shown[0],
             "logprob": _floor(entries[ids[0]]),
-            "bytes": list(token.encode("utf-8", errors="replace")),
+            "bytes": list(names[0].encode("utf-8", errors="replace")),
             "top_logprobs": [
                 {
                     "token": name,
                     "logprob": _floor(entries[tid]),
                     "bytes": list(name.encode("utf-8", errors="replace")),
                 }
-                for name, tid in zip(names[: self._top], ids, strict=False)
+                for name, tid in zip(shown[: self._top], ids, strict=False)
             ],
         }
+
+    def _shown(self, names: list[str], ids: list[int]) -> list[str]:
+        """The tokens as the response shows them: their text, or ``token_id:N``."""
+        return [_placeholder(t) for t in ids] if self._as_ids else names
 
     def _completion_entry(
         self, out: dict[str, Any], names: list[str], ids: list[int], entries: dict[int, float]
@@ -314,6 +325,11 @@ def drop_first(part: dict[str, Any], count: int) -> tuple[dict[str, Any] | None,
     if dropped == held:
         return None, count - dropped
     return {key: values[dropped:] for key, values in part.items()}, count - dropped
+
+
+def _placeholder(token_id: int) -> str:
+    """vLLM's ``format_token_id_placeholder``."""
+    return f"token_id:{token_id}"
 
 
 def _chat_part() -> dict[str, Any]:

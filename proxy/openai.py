@@ -66,6 +66,10 @@ class TextOptions:
     # Top tokens per prompt position (vLLM's prompt_logprobs, also set by echo),
     # when the response shows them; None: not asked for, or not shown (streamed).
     prompt_logprobs: int | None = None
+    # vLLM's return_token_ids: each choice's prompt and generated token ids in the response.
+    token_ids: bool = False
+    # vLLM's return_tokens_as_token_ids: logprobs name their tokens "token_id:N".
+    tokens_as_ids: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,8 +143,6 @@ _UNSERVED_ANY: dict[str, tuple[str, Any]] = {
     ),
     "truncate_prompt_tokens": ("prompt truncation", None),
     "logprob_token_ids": ("logprobs of chosen token ids", None),
-    "return_tokens_as_token_ids": ("logprob tokens as 'token_id:N'", None),
-    "return_token_ids": ("token ids in the response", None),
     "return_token_offsets": ("token offsets in the response", None),
     "kv_transfer_params": ("a client's own KV transfer (STAR moves the KV itself)", None),
     "ec_transfer_params": ("encoder cache transfer", None),
@@ -206,6 +208,8 @@ def parse_completion(body: bytes, models: Mapping[str, ModelCard]) -> ParsedRequ
     _raise_in_stream(f)
     if not echoed:
         return parsed
+    if parsed.text.token_ids:  # vLLM 0.32: the ids instead of the prompt's text
+        return dataclasses.replace(parsed, echo=("",) * len(prompts))
     # vLLM echoes a text prompt as sent and a token-id prompt decoded, special
     # tokens included (its renderer's tokenizer.decode).
     raw = f.raw("prompt")
@@ -568,6 +572,8 @@ def _finish_parse(
         prompt_only=prompt_only,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        token_ids=f.bool_("return_token_ids", False),
+        tokens_as_ids=f.bool_("return_tokens_as_token_ids", False),
     )
     gen = GenerationRequest(
         request_id=id_prefix + uuid.uuid4().hex,
@@ -846,7 +852,9 @@ class Relay:
         self._chat_echo = parsed.chat_echo
         if text.logprobs is not None:
             self._scores = [
-                ChoiceLogprobs(names, gen.kind == "chat", text.logprobs, keep=not gen.stream)
+                ChoiceLogprobs(
+                    names, gen.kind == "chat", text.logprobs, not gen.stream, text.tokens_as_ids
+                )
                 for _ in range(count)
             ]
         # vLLM's reasoning / tool-call parser per choice (proxy.chat_tools), and
@@ -860,6 +868,11 @@ class Relay:
         # vLLM's usage counts reasoning tokens whenever a reasoning parser is set.
         self._reasoning = self._parsers is not None and bool(parsed.card.reasoning_parser)
         self._ids: list[list[int]] = [[] for _ in range(count)]
+        # return_token_ids: each chunk carries its tokens' ids (a resumed stream skips the
+        # client's), a completion choice's first chunk its prompt's (sent: in _ids_sent).
+        self._token_ids = text.token_ids
+        self._skip_ids = [0] * count
+        self._ids_sent: set[int] = set()
         # Characters of text each choice has released; a resumed stream starts
         # at the client's count and skips that much (proxy.resume).
         self.released = [0] * count
@@ -946,6 +959,13 @@ class Relay:
                 self._prompts[index],
                 self._prompt_lp[index],  # type: ignore[arg-type]
             )
+        ids: list[int] | None = None
+        if self._token_ids and pieces is None:
+            ids = batch.token_ids[: choice.num_tokens - before]
+            if skip_ids := self._skip_ids[index]:
+                ids, self._skip_ids[index] = ids[skip_ids:], max(0, skip_ids - len(ids))
+            if not self._stream:
+                self._ids[index].extend(ids)
         if self._scores is not None and choice.num_tokens > before and not self._prompt_only:
             # The tokens this choice took (a stop string drops those after it).
             part = self._scores[index].take(
@@ -975,9 +995,9 @@ class Relay:
             if text:
                 self._texts[index].append(text)
             return b""
-        if not text and finish is None and scores is None:
+        if not text and finish is None and scores is None and not ids:
             return b"" if self._started else self._start()
-        chunk = self._chunk(index, text, finish, scores)
+        chunk = self._chunk(index, text, finish, scores, ids)
         return chunk if self._started else self._start() + chunk
 
     def _parsed(
@@ -1002,6 +1022,7 @@ class Relay:
             self._texts[index].append("".join(t for t, _ in pieces))
             return b""
         delta: dict[str, Any] | None = None
+        shown: list[int] | None = [] if self._token_ids and not parser.hides_metadata else None
         last = len(pieces) - 1
         # Tokens the parser has read: the choice's count before these pieces, then each.
         read = self.choices[index].num_tokens - sum(len(ids) for _, ids in pieces)
@@ -1018,14 +1039,16 @@ class Relay:
                     delta = chat_tools.merge_delta(delta, parser.delta("", [], True))
                 continue
             delta = chat_tools.merge_delta(delta, parser.delta(text, token_ids, finished))
-        if delta is None and finish is None and scores is None:
+            if shown is not None:
+                shown += token_ids
+        if delta is None and finish is None and scores is None and not shown:
             return b"" if self._started else self._start()
         if finish is not None:
             finish = parser.stream_finish(finish)
         head = b"data: " + self._head + str(index).encode() + b',"delta":' + _j(delta or {})
         tail = b',"logprobs":' + (b"null" if scores is None else _j(scores))
         reason = b"null" if finish is None else _j(finish)
-        chunk = head + tail + b',"finish_reason":' + reason + self._stop_field(index, finish)
+        chunk = head + tail + b',"finish_reason":' + reason + self._stop_field(index, finish, shown)
         chunk += self._end_of(finish) + b"\n\n"
         return chunk if self._started else self._start() + chunk
 
@@ -1058,8 +1081,10 @@ class Relay:
             else:
                 self._skip[i] = c - echo if echoed else c
                 self._skip_scores[i], self.released[i] = t, c
+            self._skip_ids[i] = t
             if o:
                 self._opened.add(i)
+                self._ids_sent.add(i)  # a completion's first chunk had its prompt's ids
                 if self._echo_scores:
                     self._skip_scores[i] += len(self._prompts[i])
         count = len(self.choices)
@@ -1141,14 +1166,14 @@ class Relay:
             item["logprobs"] = self._scores[i].result() if scored else None  # type: ignore[index]
             item["finish_reason"] = finish
             item["stop_reason"] = choice.stop_reason  # vLLM: the stop string or stop token id
-            item["token_ids"] = None
+            item["token_ids"] = self._ids[i] if self._token_ids and not hidden else None
             if not chat:
                 want = self._want_prompt
                 item["prompt_logprobs"] = self._prompt_json(i) if want else None
-                item["prompt_token_ids"] = None
+                item["prompt_token_ids"] = self._prompts[i] if self._token_ids else None
             item["routed_experts"] = None
             choices.append(item)
-        out = {
+        out: dict[str, Any] = {
             "id": self.req.request_id,
             "object": "chat.completion" if chat else "text_completion",
             "created": self.created,
@@ -1160,7 +1185,8 @@ class Relay:
         }
         if chat:  # one prompt: every choice's
             out["prompt_logprobs"] = self._prompt_json(0) if self._want_prompt else None
-            out["prompt_token_ids"] = out["prompt_text"] = None
+            out["prompt_token_ids"] = self._prompts[0] if self._token_ids else None
+            out["prompt_text"] = None
         return out | RESPONSE_TAIL_NULL
 
     def error_event(self, error: HttpError) -> bytes:
@@ -1176,7 +1202,8 @@ class Relay:
             return b""
         role = b',"delta":{"role":' + _j(self._role) + b',"content":""}'
         # vLLM's first chunk of a choice names the prompt (null unless asked for).
-        prompt = b'}],"prompt_token_ids":null,"prompt_text":null}'
+        ids = _j(self._prompts[0]) if self._token_ids else b"null"
+        prompt = b'}],"prompt_token_ids":' + ids + b',"prompt_text":null}'
         out = b"".join(
             sse.event(self._head + str(i).encode() + role + self._tail + b"null" + prompt)
             for i in opening
@@ -1192,9 +1219,14 @@ class Relay:
         return out
 
     def _chunk(
-        self, index: int, text: str, finish: str | None, scores: dict[str, Any] | None = None
+        self,
+        index: int,
+        text: str,
+        finish: str | None,
+        scores: dict[str, Any] | None = None,
+        ids: list[int] | None = None,
     ) -> bytes:
-        if finish is None and scores is None:  # the per-token case: one encode, three joins
+        if finish is None and scores is None and ids is None:  # per token: one encode, 3 joins
             return self._pre[index] + encode_basestring(text).encode() + self._post
         if self.req.kind == "chat" and not text and finish is not None:
             body = b',"delta":{}'  # the closing chunk of a choice carries an empty delta
@@ -1208,7 +1240,7 @@ class Relay:
             + body
             + tail
             + reason
-            + self._stop_field(index, finish)
+            + self._stop_field(index, finish, ids)
             + self._end_of(finish)
             + b"\n\n"
         )
@@ -1220,8 +1252,21 @@ class Relay:
             return self._end
         return b"}]" + _FINGERPRINT_FIELD + b"}"
 
-    def _stop_field(self, index: int, finish: str | None) -> bytes:
-        """A chunk's ``stop_reason`` (the matched stop string or stop token id), as vLLM sends it."""
-        if finish is None:
-            return self._stop_null
-        return b',"stop_reason":' + _j(self.choices[index].stop_reason) + self._ids_null
+    def _stop_field(self, index: int, finish: str | None, ids: list[int] | None = None) -> bytes:
+        """A chunk's ``stop_reason`` (the matched stop string or stop token id) and token
+        ids (``ids``: the chunk's, when the request asked for them), as vLLM sends them."""
+        if ids is None:
+            if finish is None:
+                return self._stop_null
+            return b',"stop_reason":' + _j(self.choices[index].stop_reason) + self._ids_null
+        chat = self.req.kind == "chat"
+        if finish is not None:
+            stop = b',"stop_reason":' + _j(self.choices[index].stop_reason)
+        else:
+            stop = b"" if chat else b',"stop_reason":null'
+        out = b',"token_ids":' + _j(ids)
+        if not chat:  # a choice's first chunk names its prompt's ids, later ones null
+            first = index not in self._ids_sent
+            self._ids_sent.add(index)
+            out = b',"prompt_token_ids":' + (_j(self._prompts[index]) if first else b"null") + out
+        return stop + out

@@ -67,6 +67,12 @@ SUBSET = {
     "chat: logprobs, top_logprobs=2",
     "chat: min_tokens",
     "chat: structured outputs: choice",
+    "completions: return_token_ids",
+    "completions: return_token_ids, echo",
+    "completions: return_token_ids, 2 prompts",
+    "completions: return_tokens_as_token_ids",
+    "chat: return_token_ids",
+    "chat: return_tokens_as_token_ids",
 }
 
 # Rows vLLM 0.32 answers 400 though they are not error rows: (route, parameter, streamed).

@@ -760,3 +760,57 @@ async def test_a_cut_tool_call_stream_resumes_on_its_proxy_exactly(model_dir: Pa
     assert call["name"] == "get_weather" and json.loads(call["arguments"]) == {"city": "Lima"}
     # One generation: the resume read what the held stream decoded.
     assert [call.outcome for call in backend.calls] == ["finished", "finished"]
+
+
+def _ids_of(doc: dict[str, Any] | list[dict[str, Any]]) -> tuple[Any, list[Any]]:
+    """A response's prompt token ids and each choice's token ids (a stream's joined,
+    and each chunk's, in order)."""
+    if isinstance(doc, dict):
+        return doc["prompt_token_ids"], [doc["choices"][0]["token_ids"]]
+    prompts = [c["prompt_token_ids"] for c in doc if c.get("prompt_token_ids") is not None]
+    chunks = [ch.get("token_ids") for c in doc for ch in c["choices"]]
+    return prompts, chunks
+
+
+@pytest.mark.parametrize("per", [1, 3])
+@pytest.mark.parametrize("stream", [False, True], ids=["full", "stream"])
+@pytest.mark.parametrize(
+    ("parsers", "fields", "text"),
+    [
+        pytest.param({}, {}, "plain text, no parser", id="plain"),
+        pytest.param(R1, {}, "<think>a plan, then</think>The answer is 4.", id="r1"),
+        pytest.param(R1, {"include_reasoning": False}, "<think>hidden</think>shown", id="hidden"),
+        pytest.param(
+            HERMES,
+            {"tools": [WEATHER]},
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+            id="hermes",
+        ),
+    ],
+)
+def test_return_token_ids_as_vllms_server(
+    model_dir: Path,
+    parsers: dict[str, Any],
+    fields: dict[str, Any],
+    text: str,
+    stream: bool,
+    per: int,
+) -> None:
+    """``return_token_ids`` (issue 28): the prompt's ids on the first chunk (the response),
+    each chunk's tokens' ids, none where vLLM hides a parser's metadata; one engine step a
+    batch gives vLLM's chunks, larger batches the same ids joined."""
+    card = card_for(model_dir, **parsers)
+    body: dict[str, Any] = {**fields, "stream": stream, "return_token_ids": True}
+    parsed = parse(card, **body)
+    got = star_run(parsed, steps_of(card, text, per), "stop")
+    want = vllm_run(card, body, parsed.gen.prompt_token_ids, steps_of(card, text), "stop")
+    (got_prompt, got_ids), (want_prompt, want_ids) = _ids_of(got), _ids_of(want)
+    assert got_prompt == want_prompt and want_prompt
+    if per == 1 or not stream:
+        assert got_ids == want_ids
+    else:
+        joined = [t for ids in got_ids if ids for t in ids]
+        assert joined == [t for ids in want_ids if ids for t in ids]
+        assert (None in got_ids) == (None in want_ids)
+    if stream:
+        assert assembled("chat", got) == assembled("chat", want)  # type: ignore[arg-type]

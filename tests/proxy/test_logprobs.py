@@ -707,18 +707,20 @@ def _rows(draw: st.DrawFn) -> tuple[int, list[tuple[int, float, list[tuple[int, 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(case=_rows(), chat=st.booleans(), split=st.integers(1, 8))
+@given(case=_rows(), chat=st.booleans(), split=st.integers(1, 8), as_ids=st.booleans())
 def test_same_objects_as_vllm(
     tiny: ModelCard,
     vllm_render: Render,
     case: tuple[int, list[tuple[int, float, list[tuple[int, float]]]]],
     chat: bool,
     split: int,
+    as_ids: bool,
 ) -> None:
+    """``as_ids``: return_tokens_as_token_ids."""
     top, rows = case
     # The sampled token's own logprob in the top list is the same number (one tensor).
     rows = [(tid, lp, [(t, lp if t == tid else v) for t, v in tops]) for tid, lp, tops in rows]
-    ours = ChoiceLogprobs(TokenNames(tiny.tokenizer), chat=chat, top=top)
+    ours = ChoiceLogprobs(TokenNames(tiny.tokenizer), chat=chat, top=top, as_ids=as_ids)
     for start in range(0, len(rows), split):  # in batches, as the worker's deltas come
         part = rows[start : start + split]
         ours.take(
@@ -727,7 +729,7 @@ def test_same_objects_as_vllm(
             [t for _, _, tops in part for t, _ in tops],
             [v for _, _, tops in part for _, v in tops],
         )
-    expected = vllm_render(chat, top, rows)
+    expected = vllm_render(chat, top, rows, as_ids)
     assert json.loads(json.dumps(ours.result())) == expected
 
 
@@ -758,12 +760,13 @@ def _prompt_rows(
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(case=_prompt_rows(), out=_rows())
+@given(case=_prompt_rows(), out=_rows(), as_ids=st.booleans())
 def test_prompt_logprobs_same_objects_as_vllm(
     tiny: ModelCard,
     vllm_prompt_render: PromptRender,
     case: tuple[list[int], int, list[tuple[int, float, int, list[tuple[int, float]]]]],
     out: tuple[int, list[tuple[int, float, list[tuple[int, float]]]]],
+    as_ids: bool,
 ) -> None:
     prompt, k, rows = case
     top, out_rows = out
@@ -778,10 +781,10 @@ def test_prompt_logprobs_same_objects_as_vllm(
     names = TokenNames(tiny.tokenizer)
     entries = prompt_entries(names, prompt, scores)
     # vLLM's engine writes float32: the wire carries them as doubles of the same value.
-    expected = vllm_prompt_render(prompt, k, rows, out_rows, top)
+    expected = vllm_prompt_render(prompt, k, rows, out_rows, top, as_ids)
     assert json.loads(json.dumps(prompt_logprobs_json(entries))) == expected["prompt_logprobs"]
     # echo: the prompt's logprobs then the output's, in one completion logprobs object.
-    ours = ChoiceLogprobs(names, chat=False, top=top)
+    ours = ChoiceLogprobs(names, chat=False, top=top, as_ids=as_ids)
     ours.take_prompt(prompt, entries)
     ours.take(
         [t for t, _, _ in out_rows],

@@ -587,8 +587,6 @@ UNSERVED = [
     ("spaces_between_special_tokens", False),
     ("truncate_prompt_tokens", 5),
     ("logprob_token_ids", [3]),
-    ("return_tokens_as_token_ids", True),
-    ("return_token_ids", True),
     ("return_token_offsets", True),
     ("kv_transfer_params", {"do_remote_prefill": True}),
     ("vllm_xargs", {"a": 1}),
@@ -653,3 +651,64 @@ def test_documents_and_reasoning_effort_reach_the_template_as_vllms(card: ModelC
     assert info.value.param == "reasoning_effort"
     with pytest.raises(HttpError):
         chat(card, documents=[{"title": 1}])
+
+
+def _sse_docs(out: bytes) -> list[dict[str, Any]]:
+    return [json.loads(e.data) for e in sse.SSEDecoder().feed(out) if e.data != sse.DONE_DATA]
+
+
+@pytest.mark.parametrize("echo", [False, True])
+def test_return_token_ids_in_a_completion_as_vllm_writes_them(card: ModelCard, echo: bool) -> None:
+    """vLLM 0.32's completion server (``return_token_ids``): each choice names its prompt's
+    ids (a stream: on the choice's first chunk only) and its generated ids (a stream: each
+    chunk its own); with ``echo`` the prompt's text is not echoed (``prompt_text = ""``)."""
+    prompts = ["hello", "wörld"]
+    outs = [ids(card, " one two"), ids(card, " three")]
+    fields = {"prompt": prompts, "n": 1, "max_tokens": 8, "return_token_ids": True, "echo": echo}
+    full = Relay(completion(card, **fields))
+    for i, tokens in enumerate(outs):
+        full.feed(TokenBatch(tokens, "length", index=i))
+    for i, choice in enumerate(full.response()["choices"]):
+        assert choice["prompt_token_ids"] == ids(card, prompts[i])
+        assert choice["token_ids"] == outs[i]
+        assert choice["text"] == card.tokenizer.decode(outs[i])  # no echoed prompt
+    relay = Relay(completion(card, **fields, stream=True))
+    out = b""
+    for i, tokens in enumerate(outs):
+        for k, t in enumerate(tokens):
+            out += relay.feed(TokenBatch([t], "length" if k == len(tokens) - 1 else None, index=i))
+    chunks = [c for doc in _sse_docs(out + relay.end()) for c in doc["choices"]]
+    for i, tokens in enumerate(outs):
+        mine = [c for c in chunks if c["index"] == i]
+        assert [c["token_ids"] for c in mine] == [[t] for t in tokens]
+        assert [c["prompt_token_ids"] for c in mine] == [ids(card, prompts[i])] + [None] * (
+            len(tokens) - 1
+        )
+        assert "".join(c["text"] for c in mine) == card.tokenizer.decode(tokens)
+    # Without it, null as vLLM writes them; and the prompt echoed.
+    plain = Relay(completion(card, prompt="hello", max_tokens=8, echo=True))
+    plain.feed(TokenBatch(outs[0], "length"))
+    (choice,) = plain.response()["choices"]
+    assert (choice["prompt_token_ids"], choice["token_ids"]) == (None, None)
+    assert choice["text"].startswith("hello")
+
+
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(card: ModelCard) -> None:
+    relay = Relay(completion(card, logprobs=1, max_tokens=8, return_tokens_as_token_ids=True))
+    tokens = ids(card, " one two")
+    relay.feed(
+        TokenBatch(
+            tokens,
+            "length",
+            logprobs=[-0.5] * len(tokens),
+            top_ids=tokens,
+            top_logprobs=[-0.5] * len(tokens),
+        )
+    )
+    lp = relay.response()["choices"][0]["logprobs"]
+    assert lp["tokens"] == [f"token_id:{t}" for t in tokens]
+    assert [list(top) for top in lp["top_logprobs"]] == [[f"token_id:{t}"] for t in tokens]
+    # vLLM advances the offsets by the placeholders' lengths
+    assert lp["text_offset"] == [
+        sum(len(f"token_id:{t}") for t in tokens[:k]) for k in range(len(tokens))
+    ]

@@ -117,8 +117,11 @@ def test_ids_round_trip(request_id: str, tokens: int, chars: int, stage: int) ->
 # -- exactness over any batching (sans-IO) --------------------------------------------------
 
 
-def _parsed(card: ModelCard, chat: bool, stop: list[str], usage: bool, echo: bool) -> ParsedRequest:
+def _parsed(
+    card: ModelCard, chat: bool, stop: list[str], usage: bool, echo: bool, ids: bool = False
+) -> ParsedRequest:
     body: dict[str, Any] = {"model": "tiny", "stream": True, "max_tokens": 400, "stop": stop}
+    body["return_token_ids"] = ids
     if usage:
         body["stream_options"] = {"include_usage": True}
     if chat:
@@ -160,6 +163,21 @@ def _text(events: list[sse.Event]) -> str:
     return "".join(out)
 
 
+def _token_ids(events: list[sse.Event]) -> tuple[list[int], int]:
+    """The token ids the events carry, joined, and how many carry the prompt's."""
+    joined: list[int] = []
+    prompts = 0
+    for ev in events:
+        if ev.data == sse.DONE_DATA:
+            continue
+        doc = json.loads(ev.data)
+        prompts += doc.get("prompt_token_ids") is not None
+        for choice in doc["choices"]:
+            joined += choice.get("token_ids") or []
+            prompts += choice.get("prompt_token_ids") is not None
+    return joined, prompts
+
+
 def _completion_tokens(events: list[sse.Event]) -> int | None:
     usage = [json.loads(e.data)["usage"] for e in events if '"usage":{' in e.data]
     return usage[0]["completion_tokens"] if usage else None
@@ -173,14 +191,16 @@ def _completion_tokens(events: list[sse.Event]) -> int | None:
     echo=st.booleans(),
     stop=st.sampled_from([[], ["STOP"], ["42", "wörld"], ["e", "ö"], ["😀!"]]),
     garbage=st.booleans(),
+    with_ids=st.booleans(),
 )
 def test_a_resume_from_any_event_joins_exactly_whatever_the_batching(
     card: ModelCard, tokenizer: Tokenizer, data: Any, chat: bool, usage: bool, echo: bool,
-    stop: list[str], garbage: bool,
+    stop: list[str], garbage: bool, with_ids: bool,
 ) -> None:  # fmt: skip
     """The client's text and count before the cut plus the resumed events equal an unbroken
     stream's, however the tokens were batched on either side (the resuming proxy feeds them
-    from the first, as another proxy would)."""
+    from the first, as another proxy would). ``with_ids``: return_token_ids, whose ids join
+    exactly too, the prompt's sent once."""
     if garbage:  # any ids: byte fragments that do not form characters, special tokens
         vocab = tokenizer.get_vocab_size(with_added_tokens=True)
         tokens = data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=40))
@@ -189,9 +209,16 @@ def test_a_resume_from_any_event_joins_exactly_whatever_the_batching(
             st.text(alphabet=st.sampled_from(sorted(set("".join(CORPUS)))), min_size=1, max_size=60)
         )
         tokens = tokenizer.encode(text, add_special_tokens=False).ids or [5]
-    parsed = _parsed(card, chat, stop, usage, echo)
+    parsed = _parsed(card, chat, stop, usage, echo, with_ids)
     tagger = Tagger("k")
     whole = _events(Reader(Relay(parsed, created=1), Position(), tagger), [tokens])
+    joined, prompts = _token_ids(whole)
+    # the tokens the choice took (a stop string drops those after it), the prompt's once
+    if with_ids:
+        assert joined == tokens[: len(joined)] and prompts == 1
+        assert not usage or len(joined) == _completion_tokens(whole)
+    else:
+        assert (joined, prompts) == ([], 0)
     a = _events(
         Reader(Relay(parsed, created=1), Position(), tagger),
         _chunks(tokens, data.draw(st.lists(st.integers(0, 50), max_size=12))),
@@ -209,6 +236,9 @@ def test_a_resume_from_any_event_joins_exactly_whatever_the_batching(
     assert [e.data for e in b][-1] == sse.DONE_DATA
     assert _text(a[: cut + 1]) + _text(b) == _text(whole)
     assert (_completion_tokens(a[: cut + 1]) or _completion_tokens(b)) == _completion_tokens(whole)
+    before, after = _token_ids(a[: cut + 1]), _token_ids(b)
+    assert (before[0] + after[0], before[1] + after[1]) == _token_ids(whole)
+    assert _token_ids(a) == _token_ids(whole)
     # The events after the cut are those of an unbroken stream after it (one finish, role once).
     rest = [json.loads(e.data) for e in a[: cut + 1] + b if e.data != sse.DONE_DATA]
     finishes = [c["finish_reason"] for r in rest for c in r["choices"] if c["finish_reason"]]
@@ -253,10 +283,11 @@ def _interleaved(data: Any, per_choice: list[list[int]]) -> list[TokenBatch]:
     n=st.integers(1, 3),
     prompts=st.integers(1, 2),
     stop=st.sampled_from([[], ["STOP"], ["e", "ö"]]),
+    with_ids=st.booleans(),
 )
 def test_a_fanned_out_stream_resumes_from_any_event_exactly(
     card: ModelCard, tokenizer: Tokenizer, data: Any, chat: bool, usage: bool, n: int,
-    prompts: int, stop: list[str],
+    prompts: int, stop: list[str], with_ids: bool,
 ) -> None:  # fmt: skip
     """n > 1 and batched prompts (issue 26): every event's id names each choice's position;
     resumed from any event, each choice's text, its one finish, its role chunk and the usage
@@ -265,6 +296,7 @@ def test_a_fanned_out_stream_resumes_from_any_event_exactly(
         prompts = 1  # chat has one prompt
     body: dict[str, Any] = {"model": "tiny", "stream": True, "max_tokens": 400, "stop": stop}
     body |= {"n": n} | ({"stream_options": {"include_usage": True}} if usage else {})
+    body["return_token_ids"] = with_ids
     if chat:
         parsed = parse_chat(
             json.dumps(body | {"messages": [{"role": "user", "content": "hi"}]}).encode(),
@@ -307,6 +339,30 @@ def test_a_fanned_out_stream_resumes_from_any_event_exactly(
     roles = [c["index"] for r in rest for c in r["choices"] if "role" in c.get("delta", {})]
     assert sorted(finishes) == list(range(count))  # one finish a choice
     assert sorted(roles) == (list(range(count)) if chat else [])  # one role chunk a choice
+    # return_token_ids: each choice's ids joined exactly, its prompt's ids sent once
+    got_ids = _choice_ids(a[: cut + 1] + b)
+    assert got_ids == _choice_ids(whole) == _choice_ids(a)
+    if with_ids:
+        assert {i: (p, len(t) > 0) for i, (t, p) in got_ids.items()} == {
+            i: (parsed.batch[i // n], True) for i in range(count)
+        }
+
+
+def _choice_ids(events: list[sse.Event]) -> dict[int, tuple[list[int], list[int] | None]]:
+    """Each choice's token ids joined, and the prompt ids its chunks carried (one chunk)."""
+    out: dict[int, tuple[list[int], list[int] | None]] = {}
+    for ev in events:
+        if ev.data == sse.DONE_DATA:
+            continue
+        doc = json.loads(ev.data)
+        for choice in doc["choices"]:
+            ids, prompt = out.get(choice["index"], ([], None))
+            for sent in (doc.get("prompt_token_ids"), choice.get("prompt_token_ids")):
+                if sent is not None:
+                    assert prompt is None, "the prompt's ids twice"
+                    prompt = sent
+            out[choice["index"]] = (ids + (choice.get("token_ids") or []), prompt)
+    return {i: v for i, v in out.items() if v != ([], None)}
 
 
 def _scored(tokens: list[int], start: int = 0) -> dict[str, Any]:

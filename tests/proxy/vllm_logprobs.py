@@ -17,8 +17,9 @@ from typing import Any
 
 Row = tuple[int, float, Sequence[tuple[int, float]]]
 """One generated position: the sampled id, its logprob, the top k (id, logprob) in rank order."""
-Render = Callable[[bool, int, Sequence[Row]], Any]
-"""``render(chat, top, rows)``: the logprobs object vLLM's server writes, as JSON values."""
+Render = Callable[[bool, int, Sequence[Row], bool], Any]
+"""``render(chat, top, rows, as_ids)``: the logprobs object vLLM's server writes, as JSON
+values (``as_ids``: the request's ``return_tokens_as_token_ids``)."""
 
 
 def vllm_renderer(model_dir: Path) -> Render:
@@ -42,7 +43,7 @@ def vllm_renderer(model_dir: Path) -> Render:
         server, *a, **kw
     )
 
-    def render(chat: bool, top: int, rows: Sequence[Row]) -> Any:
+    def render(chat: bool, top: int, rows: Sequence[Row], as_ids: bool = False) -> Any:
         proc = LogprobsProcessor(
             tokenizer=hf,
             logprobs=create_sample_logprobs(False),
@@ -64,11 +65,11 @@ def vllm_renderer(model_dir: Path) -> Render:
         out: Any
         if chat:
             out = OpenAIServingChat._create_chat_logprobs(
-                server, ids, logprobs, hf, num_output_top_logprobs=top
+                server, ids, logprobs, hf, num_output_top_logprobs=top, return_as_token_id=as_ids
             )
         else:
             out = OpenAIServingCompletion._create_completion_logprobs(
-                server, ids, logprobs, top, hf
+                server, ids, logprobs, top, hf, return_as_token_id=as_ids
             )
         return json.loads(out.model_dump_json())
 
@@ -77,8 +78,8 @@ def vllm_renderer(model_dir: Path) -> Render:
 
 PromptRow = tuple[int, float, int, Sequence[tuple[int, float]]]
 """One scored prompt position: the prompt token, its logprob and rank, the top k (id, logprob)."""
-PromptRender = Callable[[Sequence[int], int, Sequence[PromptRow], Sequence[Row], int], Any]
-"""``render(prompt, k, prompt_rows, output_rows, logprobs)``: what vLLM's server writes for a
+PromptRender = Callable[[Sequence[int], int, Sequence[PromptRow], Sequence[Row], int, bool], Any]
+"""``render(prompt, k, prompt_rows, output_rows, logprobs, as_ids)``: what vLLM's server writes for a
 request with ``prompt_logprobs: k`` whose output rows were scored with ``logprobs`` top tokens:
 ``{"prompt_logprobs": <the response field>, "echo": <completions' echo logprobs object>}``."""
 
@@ -115,6 +116,7 @@ def vllm_prompt_renderer(model_dir: Path) -> PromptRender:
         prompt_rows: Sequence[PromptRow],
         output_rows: Sequence[Row],
         logprobs: int,
+        as_ids: bool = False,
     ) -> Any:
         proc = LogprobsProcessor(
             tokenizer=hf,
@@ -146,7 +148,12 @@ def vllm_prompt_renderer(model_dir: Path) -> PromptRender:
         field = json.loads(json.dumps(choice.model_dump()["prompt_logprobs"], allow_nan=False))
         out_ids = [tid for tid, _, _ in output_rows]
         echo = OpenAIServingCompletion._create_completion_logprobs(
-            server, [*prompt, *out_ids], [*prompt_lps, *proc.logprobs], logprobs, hf
+            server,
+            [*prompt, *out_ids],
+            [*prompt_lps, *proc.logprobs],
+            logprobs,
+            hf,
+            return_as_token_id=as_ids,
         )
         return {"prompt_logprobs": field, "echo": json.loads(echo.model_dump_json())}
 
