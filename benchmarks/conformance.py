@@ -245,9 +245,22 @@ def cases(tools: bool = True, reasoning: bool = False) -> list[Case]:
         c("return_token_ids, echo", {"return_token_ids": True, "echo": True}),
         c("return_token_ids, 2 prompts", {"return_token_ids": True, "prompt": [P1, "crow"]}),
         c("return_tokens_as_token_ids", {"logprobs": 1, "return_tokens_as_token_ids": True}),
+        c("truncate_prompt_tokens=5", {"truncate_prompt_tokens": 5}),
+        c(
+            "truncate_prompt_tokens=3, right",
+            {"truncate_prompt_tokens": 3, "truncation_side": "right"},
+        ),
+        c(
+            "truncate_prompt_tokens=-1, a prompt past the context",
+            {
+                "prompt": "owl " * 5000,
+                "truncate_prompt_tokens": -1,
+                "max_tokens": 1,
+            },
+        ),
+        c("max_tokens past the context (clamped)", {"max_tokens": 4090}),
         # vLLM serves these; STAR refuses them (400 unsupported_parameter), not ignores
         c("use_beam_search, n=2", {"use_beam_search": True, "n": 2}),
-        c("truncate_prompt_tokens=5", {"truncate_prompt_tokens": 5}),
         c("error: max_tokens=-1", {"max_tokens": -1}, error=True),
         c("error: unknown model", {"model": "no-such-model"}, error=True),
         c("error: logprobs=21", {"logprobs": 21}, error=True),
@@ -255,6 +268,7 @@ def cases(tools: bool = True, reasoning: bool = False) -> list[Case]:
         c("error: temperature=-1", {"temperature": -1.0}, error=True),
         c("error: no prompt", {"prompt": None}, error=True),
         c("error: prompt too long", {"prompt": "owl " * 5000}, error=True),
+        c("error: max_tokens past max_model_len", {"max_tokens": 5000}, error=True),
         # -- chat
         h("greedy", {}),
         h("max_completion_tokens", {"max_tokens": None, "max_completion_tokens": 12}),

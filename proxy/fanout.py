@@ -46,12 +46,16 @@ def children(parsed: ParsedRequest) -> list[GenerationRequest]:
     seed = base.get("seed")
     out = []
     for k, request_id in enumerate(child_ids(gen.request_id, parsed.num_choices)):
+        prompt = parsed.batch[k // n]
         sampling = base if seed is None else {**base, "seed": seed + k % n}
+        if parsed.asked_max_tokens:  # the budget the prompt's context leaves (vLLM's clamp)
+            room = parsed.card.max_model_len - len(prompt)
+            sampling = {**sampling, "max_tokens": min(parsed.asked_max_tokens, room)}
         out.append(
             replace(
                 gen,
                 request_id=request_id,
-                prompt_token_ids=parsed.batch[k // n],
+                prompt_token_ids=prompt,
                 sampling=sampling,
                 migratable=is_migratable(sampling),
             )

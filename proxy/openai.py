@@ -35,7 +35,7 @@ from proxy.logprobs import (
     prompt_entries,
     prompt_logprobs_json,
 )
-from proxy.tokenizer import ChatTemplateError, ModelCard, PromptTooLong
+from proxy.tokenizer import ChatTemplateError, ModelCard, PromptTooLong, Truncation
 from proxy.validate import Fields, parse_object
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -94,6 +94,9 @@ class ParsedRequest:
     # prompt) and, with echo, the last message's content it starts with.
     role: str = "assistant"
     chat_echo: str | None = None  # None: no echo
+    # max_tokens as asked (or defaulted); each prompt's is clamped to the context it
+    # leaves (vLLM's get_max_tokens), so a batch's prompts differ (proxy.fanout.children).
+    asked_max_tokens: int = 0
 
     @property
     def batch(self) -> tuple[list[int], ...]:
@@ -141,7 +144,6 @@ _UNSERVED_ANY: dict[str, tuple[str, Any]] = {
         "detokenisation without spaces between special tokens",
         True,
     ),
-    "truncate_prompt_tokens": ("prompt truncation", None),
     "logprob_token_ids": ("logprobs of chosen token ids", None),
     "return_token_offsets": ("token offsets in the response", None),
     "kv_transfer_params": ("a client's own KV transfer (STAR moves the KV itself)", None),
@@ -278,10 +280,10 @@ def parse_chat(body: bytes, models: Mapping[str, ModelCard]) -> ParsedRequest:
     if tooling is not None and tooling.tools is not None:
         # vLLM gives the tools to the template (a request's own kwargs win)
         template_kwargs = {"tools": tooling.tools, **template_kwargs}
+    truncate = _truncation(f, card)
     try:
-        prompt = card.encode_chat(
-            messages, add_generation_prompt, continue_final, **template_kwargs
-        )
+        text = card.render_chat(messages, add_generation_prompt, continue_final, **template_kwargs)
+        prompt = card.encode_rendered(text, truncate)
     except ChatTemplateError as exc:
         raise HttpError(400, str(exc), param="messages") from exc
     except PromptTooLong as exc:
@@ -440,11 +442,12 @@ def _completion_prompts(f: Fields, card: ModelCard) -> list[list[int]]:
             code="invalid_value",
         )
     vocab = card.tokenizer.get_vocab_size(with_added_tokens=True)
+    truncate = _truncation(f, card)
     out = []
     for p in batch:
         if isinstance(p, str):
             try:
-                ids = card.encode(p)
+                ids = card.encode(p, truncate)
             except PromptTooLong as exc:
                 raise _size_error(card, exc, "completion") from None
         else:
@@ -457,10 +460,32 @@ def _completion_prompts(f: Fields, card: ModelCard) -> list[list[int]]:
                     param="prompt",
                     code="invalid_value",
                 )
+            if truncate is not None:
+                ids = truncate.ids(ids)
         if not ids:
             raise HttpError(400, "'prompt' is empty", param="prompt", code="invalid_value")
         out.append(ids)
     return out
+
+
+def _truncation(f: Fields, card: ModelCard) -> Truncation | None:
+    """vLLM's ``truncate_prompt_tokens`` (-1: the context less one token) and
+    ``truncation_side``; None: the prompt is not truncated."""
+    side = f.raw("truncation_side")
+    if side is not None and side not in ("left", "right"):
+        f.fail("truncation_side", "'{param}' must be either 'left' or 'right'")
+    keep = f.opt_int("truncate_prompt_tokens", lo=-1)
+    if keep is None:
+        return None
+    if keep > card.max_model_len:
+        f.fail(
+            "truncate_prompt_tokens",
+            f"truncate_prompt_tokens={keep} cannot be greater than max_model_len = "
+            f"{card.max_model_len}. Please request a smaller truncation size.",
+        )
+    if keep < 0:  # vLLM's max_truncation_tokens: a token of the context held for the output
+        keep = max(0, card.max_model_len - 1)
+    return Truncation(keep, side)
 
 
 def _is_token_ids(value: Any) -> bool:
@@ -550,15 +575,21 @@ def _finish_parse(
             code="invalid_value",
         )
     include_usage = bool(options and options.get("include_usage"))
-    longest = max(len(p) for p in prompts)  # every prompt gets the same budget
-    room = card.max_model_len - longest
-    if room <= 0:
+    asked = f.int_("max_tokens", default_max_tokens or card.max_model_len, lo=0 if echoed else 1)
+    if asked > card.max_model_len:  # vLLM's TokenizeParams check, before the prompt's
+        f.fail(
+            "max_tokens",
+            f"{{param}}={asked} cannot be greater than max_model_len={card.max_model_len}. "
+            "Please request fewer output tokens.",
+        )
+    longest = max(len(p) for p in prompts)
+    if longest >= card.max_model_len:  # no room for one output token
         raise _context_error(card, longest, 0, kind)
-    max_tokens = f.int_("max_tokens", default_max_tokens or room, lo=0 if echoed else 1)
-    prompt_only = max_tokens == 0
-    max_tokens = max(max_tokens, 1)
-    if max_tokens > room:
-        raise _context_error(card, longest, max_tokens, kind)
+    prompt_only = asked == 0
+    asked = max(asked, 1)
+    # vLLM's get_max_tokens: the budget of each prompt clamped to the context it leaves
+    # (fanout.children clamps each batched prompt's to its own).
+    max_tokens = min(asked, card.max_model_len - len(prompts[0]))
     sampling = _sampling(f, card, max_tokens)
     if logprobs is not None:
         sampling["logprobs"] = logprobs
@@ -588,7 +619,8 @@ def _finish_parse(
         migratable=is_migratable({k: v for k, v in sampling.items() if k != "n"}),
         arrival_s=time.monotonic(),
     )
-    return ParsedRequest(gen, text, card, tuple(prompts) if len(prompts) > 1 else ())
+    batch = tuple(prompts) if len(prompts) > 1 else ()
+    return ParsedRequest(gen, text, card, batch, asked_max_tokens=asked)
 
 
 def _context_error(

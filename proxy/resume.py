@@ -179,6 +179,7 @@ def context_of(parsed: ParsedRequest, created: int) -> bytes:
             "batch": _batch_of(parsed),
             "role": parsed.role,
             "chat_echo": parsed.chat_echo,
+            "asked_max_tokens": parsed.asked_max_tokens,
             # A chat's parser input (its prompt is the worker's): another proxy's
             # parsers read the tokens from the first (Relay.resume_at).
             "chat": None
@@ -270,6 +271,7 @@ def request_of(
         echo = tuple(ctx["echo"])
         role = str(ctx.get("role", "assistant"))
         chat_echo = ctx.get("chat_echo")
+        asked = int(ctx.get("asked_max_tokens", 0))
         chat = None
         if ctx.get("chat") is not None:
             chat = ChatCall(
@@ -286,7 +288,10 @@ def request_of(
             404, f"the stream's model {ctx['model']!r} is not served here", code="stream_not_found"
         )
     batch = tuple(prompts) if len(prompts) > 1 else ()
-    parsed = ParsedRequest(gen, text, card, batch, echo, chat=chat, role=role, chat_echo=chat_echo)
+    parsed = ParsedRequest(
+        gen, text, card, batch, echo, chat=chat, role=role, chat_echo=chat_echo,
+        asked_max_tokens=asked,
+    )  # fmt: skip
     return parsed, created
 
 

@@ -125,6 +125,29 @@ class PromptTooLong(ValueError):
         self.size_bytes = size_bytes
 
 
+@dataclass(frozen=True, slots=True)
+class Truncation:
+    """vLLM's ``truncate_prompt_tokens`` / ``truncation_side``: a prompt keeps ``keep`` tokens.
+
+    ``side`` None is the tokenizer's, which vLLM sets to ``"left"`` for
+    generation (the last tokens kept); vLLM then truncates a text prompt in
+    the tokenizer (special tokens kept, the text's tokens cut), and with an
+    explicit side the whole encoding (``TokenizeParams`` in
+    ``vllm/renderers/params.py``).
+    """
+
+    keep: int
+    side: str | None = None
+
+    def ids(self, ids: list[int]) -> list[int]:
+        """``ids`` truncated (vLLM's ``_token_truncation``)."""
+        if self.keep >= len(ids):
+            return ids
+        if self.keep == 0:
+            return []
+        return ids[-self.keep :] if (self.side or "left") == "left" else ids[: self.keep]
+
+
 @dataclass(frozen=True, eq=False)
 class ModelCard:
     """One served model: the name clients use plus everything needed to (de)tokenise."""
@@ -194,14 +217,36 @@ class ModelCard:
             tokenizer_file=str(tok_file.resolve()),
         )
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, truncate: Truncation | None = None) -> list[int]:
         """Token ids of a completion prompt (with the tokenizer's BOS etc., like vLLM).
 
         Raises :class:`PromptTooLong`, without tokenising, for a text too long
-        in bytes to fit the context whatever its tokens.
+        in bytes to fit the context whatever its tokens (unless ``truncate``).
         """
+        if truncate is not None:
+            return self._truncated(text, truncate, add_special_tokens=True)
         self.check_size(text)
         return list(self.tokenizer.encode(text, add_special_tokens=True).ids)
+
+    def _truncated(self, text: str, truncate: Truncation, add_special_tokens: bool) -> list[int]:
+        """The ids of ``text`` truncated as vLLM truncates a text prompt.
+
+        A text longer than any ``max_model_len`` tokens can be is cut to that
+        many characters first, on the side truncation cuts (vLLM does so with
+        an explicit side; here always, so that tokenising stays bounded).
+        """
+        side = truncate.side or "left"
+        if self.max_bytes_per_token is not None:
+            bound = self.max_model_len * self.max_bytes_per_token
+            if len(text) > bound:
+                text = text[-bound:] if side == "left" else text[:bound]
+        tok = self.tokenizer
+        specials = tok.num_special_tokens_to_add(False) if add_special_tokens else 0
+        if truncate.side is not None:
+            return truncate.ids(list(tok.encode(text, add_special_tokens=add_special_tokens).ids))
+        enc = tok.encode(text, add_special_tokens=False)
+        enc.truncate(max(truncate.keep - specials, 0), direction="left")  # the specials stay
+        return truncate.ids(list(tok.post_process(enc, add_special_tokens=add_special_tokens).ids))
 
     def check_size(self, text: str) -> None:
         """Raise :class:`PromptTooLong` if ``text`` has more than ``max_model_len`` tokens for sure.
@@ -274,6 +319,14 @@ class ModelCard:
         Raises :class:`PromptTooLong` as :meth:`encode` does, on the rendered text.
         """
         text = self.render_chat(messages, add_generation_prompt, continue_final_message, **kwargs)
+        return self.encode_rendered(text)
+
+    def encode_rendered(self, text: str, truncate: Truncation | None = None) -> list[int]:
+        """Token ids of a rendered conversation (:meth:`render_chat`), no special tokens
+        added; truncated as vLLM truncates a chat's prompt, else :class:`PromptTooLong` as
+        :meth:`encode` raises it."""
+        if truncate is not None:
+            return self._truncated(text, truncate, add_special_tokens=False)
         self.check_size(text)
         return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
 

@@ -73,6 +73,12 @@ SUBSET = {
     "completions: return_tokens_as_token_ids",
     "chat: return_token_ids",
     "chat: return_tokens_as_token_ids",
+    "completions: truncate_prompt_tokens=5",
+    "completions: truncate_prompt_tokens=3, right",
+    "completions: truncate_prompt_tokens=-1, a prompt past the context",
+    "completions: max_tokens past the context (clamped)",
+    "completions: error: max_tokens past max_model_len",
+    "chat: truncate_prompt_tokens=5",
 }
 
 # Rows vLLM 0.32 answers 400 though they are not error rows: (route, parameter, streamed).

@@ -9,6 +9,7 @@ import pytest
 
 from proxy import sse
 from proxy.backend import TokenBatch
+from proxy.fanout import children
 from proxy.http import HttpError
 from proxy.openai import (
     FINGERPRINT,
@@ -18,6 +19,7 @@ from proxy.openai import (
     parse_chat,
     parse_completion,
 )
+from proxy.resume import context_of, request_of
 from proxy.tokenizer import ModelCard, compile_template
 
 MODEL = "tiny"
@@ -74,7 +76,7 @@ def chat(card: ModelCard, **kw: Any) -> ParsedRequest:
         ({"n": 129}, "n", "invalid_value"),
         ({"prompt": [10**9]}, "prompt", "invalid_value"),
         ({"prompt": None}, "prompt", "missing_required_parameter"),
-        ({"max_tokens": 100_000}, "prompt", "context_length_exceeded"),
+        ({"max_tokens": 100_000}, "max_tokens", "invalid_value"),  # past max_model_len
         ({"response_format": {"type": "xml"}}, "response_format", "invalid_value"),
     ],
 )
@@ -585,7 +587,6 @@ UNSERVED = [
     ("use_beam_search", True),
     ("watermarking", True),
     ("spaces_between_special_tokens", False),
-    ("truncate_prompt_tokens", 5),
     ("logprob_token_ids", [3]),
     ("return_token_offsets", True),
     ("kv_transfer_params", {"do_remote_prefill": True}),
@@ -712,3 +713,18 @@ def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(card: ModelCard) 
     assert lp["text_offset"] == [
         sum(len(f"token_id:{t}") for t in tokens[:k]) for k in range(len(tokens))
     ]
+
+
+def test_max_tokens_past_the_context_is_clamped_to_it_as_vllm_does(card: ModelCard) -> None:
+    """vLLM 0.32's ``get_max_tokens``: each prompt's budget is what the context leaves of
+    it (a batch's prompts each their own); only past ``max_model_len`` itself is a 400."""
+    room = card.max_model_len
+    (parsed,) = children(completion(card, prompt="hello", max_tokens=room))
+    assert parsed.sampling["max_tokens"] == room - len(ids(card, "hello"))
+    short, long = [1, 2], [5] * (room - 10)
+    batch = completion(card, prompt=[short, long], max_tokens=room - 5, n=2)
+    assert [c.sampling["max_tokens"] for c in children(batch)] == [room - 5] * 2 + [10] * 2
+    default = children(completion(card, prompt=[short, long]))  # the completions default, 16
+    assert [c.sampling["max_tokens"] for c in default] == [16, 10]
+    again, _ = request_of(context_of(batch, 1), list(batch.batch), {MODEL: card})
+    assert [c.sampling for c in children(again)] == [c.sampling for c in children(batch)]
