@@ -258,7 +258,8 @@ def cases(tools: bool = True, reasoning: bool = False) -> list[Case]:
                 "max_tokens": 1,
             },
         ),
-        c("max_tokens past the context (clamped)", {"max_tokens": 4090}),
+        # a 3,992-token prompt: 104 tokens of the context left, 200 asked for
+        c("max_tokens past the context (clamped)", {"prompt": "owl " * 3990, "max_tokens": 200}),
         # vLLM serves these; STAR refuses them (400 unsupported_parameter), not ignores
         c("use_beam_search, n=2", {"use_beam_search": True, "n": 2}),
         c("error: max_tokens=-1", {"max_tokens": -1}, error=True),
