@@ -259,6 +259,7 @@ def cases(tools: bool = True, reasoning: bool = False) -> list[Case]:
             },
         ),
         # a 3,992-token prompt: 104 tokens of the context left, 200 asked for
+        c("add_special_tokens=false", {"add_special_tokens": False}),
         c("max_tokens past the context (clamped)", {"prompt": "owl " * 3990, "max_tokens": 200}),
         # vLLM serves these; STAR refuses them (400 unsupported_parameter), not ignores
         c("use_beam_search, n=2", {"use_beam_search": True, "n": 2}),
@@ -325,6 +326,7 @@ def cases(tools: bool = True, reasoning: bool = False) -> list[Case]:
         h("reasoning_effort=low", {"reasoning_effort": "low"}),
         h("documents", {"documents": [{"title": "owls", "text": "owls hoot"}]}),
         h("chat_template_kwargs", {"chat_template_kwargs": {"enable_thinking": False}}),
+        h("add_special_tokens=true", {"add_special_tokens": True}),
         h("return_token_ids", {"return_token_ids": True}),
         h(
             "return_tokens_as_token_ids",

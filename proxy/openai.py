@@ -156,11 +156,9 @@ _UNSERVED: dict[str, dict[str, tuple[str, Any]]] = {
     "completions": {
         **_UNSERVED_ANY,
         "prompt_embeds": ("prompt embeddings", None),
-        "add_special_tokens": ("tokenisation", True),
     },
     "chat": {
         **_UNSERVED_ANY,
-        "add_special_tokens": ("tokenisation", False),
         "return_prompt_text": ("the prompt's text in the response", None),
         "media_io_kwargs": ("multimodal inputs", None),
         "mm_processor_kwargs": ("multimodal inputs", None),
@@ -283,7 +281,7 @@ def parse_chat(body: bytes, models: Mapping[str, ModelCard]) -> ParsedRequest:
     truncate = _truncation(f, card)
     try:
         text = card.render_chat(messages, add_generation_prompt, continue_final, **template_kwargs)
-        prompt = card.encode_rendered(text, truncate)
+        prompt = card.encode_rendered(text, truncate, f.bool_("add_special_tokens", False))
     except ChatTemplateError as exc:
         raise HttpError(400, str(exc), param="messages") from exc
     except PromptTooLong as exc:
@@ -443,11 +441,12 @@ def _completion_prompts(f: Fields, card: ModelCard) -> list[list[int]]:
         )
     vocab = card.tokenizer.get_vocab_size(with_added_tokens=True)
     truncate = _truncation(f, card)
+    special = f.bool_("add_special_tokens", True)
     out = []
     for p in batch:
         if isinstance(p, str):
             try:
-                ids = card.encode(p, truncate)
+                ids = card.encode(p, truncate, special)
             except PromptTooLong as exc:
                 raise _size_error(card, exc, "completion") from None
         else:

@@ -217,16 +217,19 @@ class ModelCard:
             tokenizer_file=str(tok_file.resolve()),
         )
 
-    def encode(self, text: str, truncate: Truncation | None = None) -> list[int]:
-        """Token ids of a completion prompt (with the tokenizer's BOS etc., like vLLM).
+    def encode(
+        self, text: str, truncate: Truncation | None = None, add_special_tokens: bool = True
+    ) -> list[int]:
+        """Token ids of a completion prompt (with the tokenizer's BOS etc., like vLLM,
+        unless ``add_special_tokens`` is off).
 
         Raises :class:`PromptTooLong`, without tokenising, for a text too long
         in bytes to fit the context whatever its tokens (unless ``truncate``).
         """
         if truncate is not None:
-            return self._truncated(text, truncate, add_special_tokens=True)
+            return self._truncated(text, truncate, add_special_tokens)
         self.check_size(text)
-        return list(self.tokenizer.encode(text, add_special_tokens=True).ids)
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def _truncated(self, text: str, truncate: Truncation, add_special_tokens: bool) -> list[int]:
         """The ids of ``text`` truncated as vLLM truncates a text prompt.
@@ -321,14 +324,12 @@ class ModelCard:
         text = self.render_chat(messages, add_generation_prompt, continue_final_message, **kwargs)
         return self.encode_rendered(text)
 
-    def encode_rendered(self, text: str, truncate: Truncation | None = None) -> list[int]:
-        """Token ids of a rendered conversation (:meth:`render_chat`), no special tokens
-        added; truncated as vLLM truncates a chat's prompt, else :class:`PromptTooLong` as
-        :meth:`encode` raises it."""
-        if truncate is not None:
-            return self._truncated(text, truncate, add_special_tokens=False)
-        self.check_size(text)
-        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+    def encode_rendered(
+        self, text: str, truncate: Truncation | None = None, add_special_tokens: bool = False
+    ) -> list[int]:
+        """Token ids of a rendered conversation (:meth:`render_chat`; the template has
+        the special tokens, so none is added unless asked); as :meth:`encode` otherwise."""
+        return self.encode(text, truncate, add_special_tokens)
 
     @cached_property
     def _compiled(self) -> jinja2.Template | None:

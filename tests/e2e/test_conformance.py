@@ -79,6 +79,8 @@ SUBSET = {
     "completions: max_tokens past the context (clamped)",
     "completions: error: max_tokens past max_model_len",
     "chat: truncate_prompt_tokens=5",
+    "completions: add_special_tokens=false",
+    "chat: add_special_tokens=true",
 }
 
 # Rows vLLM 0.32 answers 400 though they are not error rows: (route, parameter, streamed).

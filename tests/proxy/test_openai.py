@@ -614,13 +614,14 @@ def test_a_parameter_vllm_serves_and_star_does_not_is_refused_not_ignored(
         parse(card, **{name: default if not isinstance(value, list) else []})
 
 
-def test_add_special_tokens_is_served_at_each_routes_default(card: ModelCard) -> None:
-    completion(card, add_special_tokens=True)
-    chat(card, add_special_tokens=False)
-    for parse, value in ((completion, False), (chat, True)):
-        with pytest.raises(HttpError) as info:
+def test_add_special_tokens_is_served_either_way(card: ModelCard) -> None:
+    """Each route's default and its opposite (tests/proxy/test_truncation.py: the ids)."""
+    for parse in (completion, chat):
+        for value in (True, False):
             parse(card, add_special_tokens=value)
-        assert info.value.param == "add_special_tokens"
+    with pytest.raises(HttpError) as info:
+        completion(card, add_special_tokens="yes")
+    assert info.value.param == "add_special_tokens"
 
 
 def test_a_request_chat_template_is_refused_as_vllm_does(card: ModelCard) -> None:

@@ -1,4 +1,5 @@
-"""``truncate_prompt_tokens`` / ``truncation_side`` (issue 28): the prompt vLLM's renderer keeps.
+"""``truncate_prompt_tokens`` / ``truncation_side`` / ``add_special_tokens`` (issue 28): the
+prompt vLLM's renderer makes.
 
 The reference is vLLM 0.32's own pipeline run in process on the same
 tokenizer: ``TokenizeParams.apply_pre_tokenization``, the Hugging Face
@@ -69,7 +70,12 @@ def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 
 
 def vllm_prompt(
-    tok: Any, card: ModelCard, prompt: str | list[int], keep: int, side: str | None, special: bool
+    tok: Any,
+    card: ModelCard,
+    prompt: str | list[int],
+    keep: int | None,
+    side: str | None,
+    special: bool,
 ) -> list[int]:
     """The prompt ids vLLM 0.32's renderer gives (its ``TokenizeParams`` pipeline)."""
     from vllm.renderers.params import TokenizeParams
@@ -106,18 +112,19 @@ _SIDE = st.sampled_from([None, "left", "right"])
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
-@given(text=_TEXT, keep=_KEEP, side=_SIDE, as_ids=st.booleans())
+@given(text=_TEXT, keep=_KEEP | st.none(), side=_SIDE, as_ids=st.booleans(), special=st.booleans())
 def test_a_completion_prompt_is_truncated_as_vllm_truncates_it(
-    model: Any, text: str, keep: int, side: str | None, as_ids: bool
+    model: Any, text: str, keep: int | None, side: str | None, as_ids: bool, special: bool
 ) -> None:
+    """``special``: add_special_tokens (completions: true by default); ``keep`` None: no
+    truncation."""
     card, tok = model
     prompt: str | list[int] = card.encode(text) if as_ids else text
     fields: dict[str, Any] = {"prompt": prompt, "truncate_prompt_tokens": keep}
-    if side is not None:
-        fields["truncation_side"] = side
+    fields |= {"add_special_tokens": special} | ({"truncation_side": side} if side else {})
     got = _completion(card, **fields).gen.prompt_token_ids
-    assert list(got) == vllm_prompt(tok, card, prompt, keep, side, special=True)
-    assert keep < 0 or len(got) <= keep
+    assert list(got) == vllm_prompt(tok, card, prompt, keep, side, special)
+    assert keep is None or keep < 0 or len(got) <= keep
 
 
 @settings(
@@ -125,19 +132,19 @@ def test_a_completion_prompt_is_truncated_as_vllm_truncates_it(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
-@given(text=_TEXT, keep=_KEEP, side=_SIDE)
+@given(text=_TEXT, keep=_KEEP | st.none(), side=_SIDE, special=st.booleans())
 def test_a_chat_prompt_is_truncated_as_vllm_truncates_it(
-    model: Any, text: str, keep: int, side: str | None
+    model: Any, text: str, keep: int | None, side: str | None, special: bool
 ) -> None:
+    """``special``: add_special_tokens (chat: false by default, the template has them)."""
     card, tok = model
     messages = [{"role": "user", "content": text}]
     fields: dict[str, Any] = {"messages": messages, "truncate_prompt_tokens": keep}
-    if side is not None:
-        fields["truncation_side"] = side
+    fields |= {"add_special_tokens": special} | ({"truncation_side": side} if side else {})
     body = json.dumps({"model": MODEL, "max_tokens": 16, **fields}).encode()
     got = parse_chat(body, {MODEL: card}).gen.prompt_token_ids
     rendered = card.render_chat(messages)  # the chat's rendering is tested on its own
-    assert list(got) == vllm_prompt(tok, card, rendered, keep, side, special=False)
+    assert list(got) == vllm_prompt(tok, card, rendered, keep, side, special)
 
 
 def test_truncation_keeps_a_long_prompt_in_the_context(model: Any) -> None:
