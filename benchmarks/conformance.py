@@ -260,6 +260,17 @@ def cases(tools: bool = True, reasoning: bool = False) -> list[Case]:
         ),
         # a 3,992-token prompt: 104 tokens of the context left, 200 asked for
         c("add_special_tokens=false", {"add_special_tokens": False}),
+        c(
+            "repetition_detection",
+            {"repetition_detection": {"max_pattern_size": 4, "min_count": 3}},
+        ),
+        c("vllm_xargs", {"vllm_xargs": {"unused_by_any_processor": 1}}),
+        c("thinking_token_budget=5 (no reasoning parser)", {"thinking_token_budget": 5}),
+        c(
+            "error: repetition_detection min_count=1",
+            {"repetition_detection": {"max_pattern_size": 4, "min_count": 1}},
+            error=True,
+        ),
         c("max_tokens past the context (clamped)", {"prompt": "owl " * 3990, "max_tokens": 200}),
         # vLLM serves these; STAR refuses them (400 unsupported_parameter), not ignores
         c("use_beam_search, n=2", {"use_beam_search": True, "n": 2}),

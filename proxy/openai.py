@@ -148,9 +148,6 @@ _UNSERVED_ANY: dict[str, tuple[str, Any]] = {
     "return_token_offsets": ("token offsets in the response", None),
     "kv_transfer_params": ("a client's own KV transfer (STAR moves the KV itself)", None),
     "ec_transfer_params": ("encoder cache transfer", None),
-    "vllm_xargs": ("extra arguments for custom logits processors", None),
-    "repetition_detection": ("stopping on repetition", None),
-    "thinking_token_budget": ("a budget of reasoning tokens", None),
 }
 _UNSERVED: dict[str, dict[str, tuple[str, Any]]] = {
     "completions": {
@@ -698,7 +695,68 @@ def _sampling(f: Fields, card: ModelCard, max_tokens: int) -> dict[str, Any]:
     structured = _structured_outputs(f)
     if structured is not None:
         s["structured_outputs"] = structured
-    return s
+    return s | _engine_extras(f)
+
+
+def _engine_extras(f: Fields) -> dict[str, Any]:
+    """vLLM's engine-side extras, checked as its request models check them and passed on
+    (none of them migrates: ``star.sampling`` does not know them)."""
+    out: dict[str, Any] = {}
+    budget = f.raw("thinking_token_budget")
+    if budget is not None:
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < -1:
+            f.fail(
+                "thinking_token_budget",
+                "`thinking_token_budget` must be a non-negative integer or -1 for unlimited.",
+            )
+        if budget != -1:  # -1: unlimited, unset
+            out["thinking_token_budget"] = budget
+    detection = f.dict_("repetition_detection")
+    if detection is not None:
+        out["repetition_detection"] = _repetition_detection(f, detection)
+    xargs = f.dict_("vllm_xargs")
+    if xargs:
+        scalar = (str, int, float)
+        for key, value in xargs.items():
+            ok = isinstance(value, scalar) or (
+                isinstance(value, list) and all(isinstance(v, scalar) for v in value)
+            )
+            if not ok or isinstance(value, bool):
+                f.fail("vllm_xargs", f"'{{param}}' value of {key!r} must be a string, a number "
+                       "or a list of them")  # fmt: skip
+        out["vllm_xargs"] = dict(xargs)
+    return out
+
+
+def _repetition_detection(f: Fields, given: dict[str, Any]) -> dict[str, int]:
+    """``RepetitionDetectionParams`` kwargs (vLLM's checks and messages)."""
+    fields = ("max_pattern_size", "min_pattern_size", "min_count")
+    unknown = sorted(set(given) - set(fields))
+    if unknown:
+        f.fail("repetition_detection", f"'{{param}}' has unknown fields: {', '.join(unknown)}")
+    out = {}
+    for name in fields:
+        value = given.get(name, 0)
+        if isinstance(value, bool) or not isinstance(value, int):
+            f.fail("repetition_detection", f"'{{param}}.{name}' must be an integer")
+        out[name] = value
+    if (
+        out["max_pattern_size"] < 0
+        or out["min_pattern_size"] < 0
+        or (out["min_pattern_size"] > out["max_pattern_size"])
+    ):
+        f.fail(
+            "repetition_detection",
+            "max_pattern_size, min_pattern_size must be >=0, with min_pattern_size <= "
+            "max_pattern_size. Set both to 0 to disable repetitive pattern detection.",
+        )
+    if out["max_pattern_size"] > 0 and out["min_count"] < 2:
+        f.fail(
+            "repetition_detection",
+            "min_count must be >= 2 to detect repetitive patterns in engine output. If you do "
+            "not wish to detect repetitive patterns, set max_pattern_size to 0.",
+        )
+    return out
 
 
 def _structured_outputs(f: Fields) -> dict[str, Any] | None:

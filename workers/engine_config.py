@@ -18,7 +18,11 @@ import structlog
 from vllm import SamplingParams
 from vllm.config import KVTransferConfig, VllmConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
-from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+from vllm.sampling_params import (
+    RepetitionDetectionParams,
+    RequestOutputKind,
+    StructuredOutputsParams,
+)
 from vllm.utils.torch_utils import get_dtype_size, kv_cache_dtype_str_to_dtype
 
 from star.settings import WorkerSettings
@@ -42,6 +46,11 @@ RELEASE_TTL_S = 30
 # Keys of ``Generate.sampling`` the worker owns: the output is streamed as deltas
 # of token ids (the proxy detokenises), and the KV handoff is set by role.
 _RESERVED_SAMPLING = ("output_kind", "extra_args")
+# extra_args keys STAR's own (the connector's, the continuation's, the tap's): a
+# client's vllm_xargs may not set them.
+_OWN_EXTRA_ARGS = frozenset(
+    {"kv_transfer_params", "ec_transfer_params", RESUME_KEY, CONTINUED_KEY, FUSION_KEY}
+)
 # Keys of ``Generate.sampling`` that are not ``SamplingParams`` fields but
 # arguments of the engine's ``generate()`` (vLLM's OpenAI server passes them
 # there): see :func:`reasoning_hints`.
@@ -335,6 +344,16 @@ def sampling_params(request: GenerateRequest, role: str) -> SamplingParams:
         raise BadRequest(f"sampling may not set {', '.join(reserved)}")
     if kwargs.get("n", 1) != 1:
         raise BadRequest("n must be 1 on the token protocol (the proxy fans out choices)")
+    xargs = kwargs.pop("vllm_xargs", None) or {}
+    taken = sorted(set(xargs) & _OWN_EXTRA_ARGS)
+    if taken:
+        raise BadRequest(f"vllm_xargs may not set {', '.join(taken)}")
+    detection = kwargs.get("repetition_detection")
+    if isinstance(detection, Mapping):
+        try:
+            kwargs["repetition_detection"] = RepetitionDetectionParams(**detection)
+        except Exception as exc:  # as for SamplingParams below
+            raise BadRequest(f"bad repetition_detection: {type(exc).__name__}: {exc}") from None
     structured = kwargs.get("structured_outputs")
     if isinstance(structured, Mapping):
         try:
@@ -357,7 +376,9 @@ def sampling_params(request: GenerateRequest, role: str) -> SamplingParams:
         # on as they are (star.wire.LogprobTokens, PromptLogprobs): no Logprob
         # object per entry.
         kwargs["flat_logprobs"] = True
-    extra: dict[str, Any] = {"kv_transfer_params": kv} if kv else {}
+    extra: dict[str, Any] = dict(xargs)  # custom extensions' arguments (vLLM's vllm_xargs)
+    if kv:
+        extra["kv_transfer_params"] = kv
     if request.resume and request.continued > 0:
         # A true continuation: these become its output tokens (workers.vllm_ext.StarScheduler).
         extra[RESUME_KEY] = [int(t) for t in request.prompt_token_ids[-request.continued :]]

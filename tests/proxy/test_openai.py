@@ -590,9 +590,6 @@ UNSERVED = [
     ("logprob_token_ids", [3]),
     ("return_token_offsets", True),
     ("kv_transfer_params", {"do_remote_prefill": True}),
-    ("vllm_xargs", {"a": 1}),
-    ("repetition_detection", {"max_pattern_size": 4}),
-    ("thinking_token_budget", 10),
 ]
 
 
@@ -729,3 +726,29 @@ def test_max_tokens_past_the_context_is_clamped_to_it_as_vllm_does(card: ModelCa
     assert [c.sampling["max_tokens"] for c in default] == [16, 10]
     again, _ = request_of(context_of(batch, 1), list(batch.batch), {MODEL: card})
     assert [c.sampling for c in children(again)] == [c.sampling for c in children(batch)]
+
+
+def test_engine_extras_are_checked_as_vllm_checks_them_and_never_migrate(card: ModelCard) -> None:
+    """thinking_token_budget, repetition_detection and vllm_xargs (issue 28): passed on to the
+    engine (workers.engine_config), refused with vLLM's checks, the request not migratable."""
+    extras = {
+        "thinking_token_budget": 5,
+        "repetition_detection": {"max_pattern_size": 4, "min_count": 2},
+        "vllm_xargs": {"k": [1, "x"]},
+    }
+    for name, value in extras.items():
+        gen = completion(card, **{name: value}).gen
+        assert name in gen.sampling and not gen.migratable, name
+    unlimited = completion(card, thinking_token_budget=-1).gen
+    assert "thinking_token_budget" not in unlimited.sampling and unlimited.migratable
+    for name, value in (
+        ("thinking_token_budget", -2),
+        ("thinking_token_budget", 1.5),
+        ("repetition_detection", {"max_pattern_size": 4, "min_count": 1}),
+        ("repetition_detection", {"max_pattern_size": 2, "min_pattern_size": 3, "min_count": 2}),
+        ("repetition_detection", {"nope": 1}),
+        ("vllm_xargs", {"k": {"nested": 1}}),
+    ):
+        with pytest.raises(HttpError) as info:
+            chat(card, **{name: value})
+        assert (info.value.status, info.value.param) == (400, name), (name, value)

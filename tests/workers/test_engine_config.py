@@ -296,10 +296,37 @@ def test_sampling_structured_outputs_from_a_map(eng: ModuleType) -> None:
     assert params.structured_outputs.regex == "a+"
 
 
+def test_engine_extras_reach_the_engine_as_vllms_server_passes_them(eng: ModuleType) -> None:
+    """vllm_xargs become extra_args (beside the worker's own keys, which they may not set),
+    repetition_detection its params object, thinking_token_budget a field (issue 28)."""
+    kv = {"do_remote_prefill": True}
+    sampling = {
+        "max_tokens": 5,
+        "vllm_xargs": {"my_processor": [1, "a"]},
+        "repetition_detection": {"max_pattern_size": 4, "min_pattern_size": 2, "min_count": 3},
+        "thinking_token_budget": 7,
+    }
+    params = eng.sampling_params(req(sampling, kv), "decode")
+    assert params.extra_args == {"my_processor": [1, "a"], "kv_transfer_params": kv}
+    assert (
+        params.repetition_detection.max_pattern_size,
+        params.repetition_detection.min_count,
+    ) == (
+        4,
+        3,
+    )
+    assert params.thinking_token_budget == 7
+    with pytest.raises(BadRequest, match="kv_transfer_params"):
+        eng.sampling_params(
+            req({"max_tokens": 5, "vllm_xargs": {"kv_transfer_params": {}}}), "decode"
+        )
+
+
 @pytest.mark.parametrize(
     ("sampling", "match"),
     [
         ({"max_tokens": 0}, "max_tokens"),
+        ({"repetition_detection": {"max_pattern_size": 2, "min_count": 1}}, "min_count"),
         ({"bogus": 1}, "bogus"),
         ({"temperature": -1.0}, "temperature"),
         ({"n": 2}, "n must be 1"),
