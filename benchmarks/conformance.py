@@ -338,6 +338,7 @@ def cases(tools: bool = True, reasoning: bool = False) -> list[Case]:
         h("documents", {"documents": [{"title": "owls", "text": "owls hoot"}]}),
         h("chat_template_kwargs", {"chat_template_kwargs": {"enable_thinking": False}}),
         h("add_special_tokens=true", {"add_special_tokens": True}),
+        h("return_prompt_text", {"return_prompt_text": True}),
         h("return_token_ids", {"return_token_ids": True}),
         h(
             "return_tokens_as_token_ids",
@@ -438,6 +439,7 @@ def whole(route: str, doc: dict[str, Any]) -> dict[str, Any]:
     if route == "chat":
         out["prompt_logprobs"] = doc.get("prompt_logprobs")
         out["prompt_token_ids"] = doc.get("prompt_token_ids")
+        out["prompt_text"] = doc.get("prompt_text")
     return out
 
 
@@ -446,7 +448,7 @@ def assembled(route: str, chunks: list[dict[str, Any]]) -> dict[str, Any]:
     choices: dict[str, dict[str, Any]] = {}
     usage = None
     objects = sorted({str(ch.get("object")) for ch in chunks})
-    prompt_logprobs = prompt_ids = None
+    prompt_logprobs = prompt_ids = prompt_text = None
     for chunk in chunks:
         if chunk.get("usage"):
             usage = chunk["usage"]
@@ -454,6 +456,8 @@ def assembled(route: str, chunks: list[dict[str, Any]]) -> dict[str, Any]:
             prompt_logprobs = chunk["prompt_logprobs"]
         if route == "chat" and chunk.get("prompt_token_ids") is not None:
             prompt_ids = chunk["prompt_token_ids"]  # every choice's first chunk: the one prompt
+        if route == "chat" and chunk.get("prompt_text") is not None:
+            prompt_text = chunk["prompt_text"]
         for ch in chunk.get("choices") or []:
             key = str(ch.get("index"))
             if route == "completions":
@@ -536,6 +540,7 @@ def assembled(route: str, chunks: list[dict[str, Any]]) -> dict[str, Any]:
     if route == "chat":
         out["prompt_logprobs"] = prompt_logprobs
         out["prompt_token_ids"] = prompt_ids
+        out["prompt_text"] = prompt_text
     return out
 
 

@@ -97,6 +97,8 @@ class ParsedRequest:
     # max_tokens as asked (or defaulted); each prompt's is clamped to the context it
     # leaves (vLLM's get_max_tokens), so a batch's prompts differ (proxy.fanout.children).
     asked_max_tokens: int = 0
+    # vLLM's return_prompt_text (chat): the rendered prompt, on the response; None: not asked.
+    prompt_text: str | None = None
 
     @property
     def batch(self) -> tuple[list[int], ...]:
@@ -156,7 +158,6 @@ _UNSERVED: dict[str, dict[str, tuple[str, Any]]] = {
     },
     "chat": {
         **_UNSERVED_ANY,
-        "return_prompt_text": ("the prompt's text in the response", None),
         "media_io_kwargs": ("multimodal inputs", None),
         "mm_processor_kwargs": ("multimodal inputs", None),
     },
@@ -297,7 +298,8 @@ def parse_chat(body: bytes, models: Mapping[str, ModelCard]) -> ParsedRequest:
         prompt_logprobs=prompt_logprobs,  # shown only in a whole response
     )
     _raise_in_stream(f)
-    parsed = dataclasses.replace(parsed, role=role, chat_echo=chat_echo)
+    prompt_text = text if f.bool_("return_prompt_text", False) else None
+    parsed = dataclasses.replace(parsed, role=role, chat_echo=chat_echo, prompt_text=prompt_text)
     if tooling is None:
         return parsed
     call = dataclasses.replace(
@@ -960,6 +962,7 @@ class Relay:
         # return_token_ids: each chunk carries its tokens' ids (a resumed stream skips the
         # client's), a completion choice's first chunk its prompt's (sent: in _ids_sent).
         self._token_ids = text.token_ids
+        self._prompt_text = parsed.prompt_text  # return_prompt_text (chat)
         self._skip_ids = [0] * count
         self._ids_sent: set[int] = set()
         # Characters of text each choice has released; a resumed stream starts
@@ -1275,7 +1278,7 @@ class Relay:
         if chat:  # one prompt: every choice's
             out["prompt_logprobs"] = self._prompt_json(0) if self._want_prompt else None
             out["prompt_token_ids"] = self._prompts[0] if self._token_ids else None
-            out["prompt_text"] = None
+            out["prompt_text"] = self._prompt_text
         return out | RESPONSE_TAIL_NULL
 
     def error_event(self, error: HttpError) -> bytes:
@@ -1292,7 +1295,8 @@ class Relay:
         role = b',"delta":{"role":' + _j(self._role) + b',"content":""}'
         # vLLM's first chunk of a choice names the prompt (null unless asked for).
         ids = _j(self._prompts[0]) if self._token_ids else b"null"
-        prompt = b'}],"prompt_token_ids":' + ids + b',"prompt_text":null}'
+        text = b"null" if self._prompt_text is None else _j(self._prompt_text)
+        prompt = b'}],"prompt_token_ids":' + ids + b',"prompt_text":' + text + b"}"
         out = b"".join(
             sse.event(self._head + str(i).encode() + role + self._tail + b"null" + prompt)
             for i in opening

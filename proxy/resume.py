@@ -180,6 +180,7 @@ def context_of(parsed: ParsedRequest, created: int) -> bytes:
             "role": parsed.role,
             "chat_echo": parsed.chat_echo,
             "asked_max_tokens": parsed.asked_max_tokens,
+            "prompt_text": parsed.prompt_text,
             # A chat's parser input (its prompt is the worker's): another proxy's
             # parsers read the tokens from the first (Relay.resume_at).
             "chat": None
@@ -272,6 +273,7 @@ def request_of(
         role = str(ctx.get("role", "assistant"))
         chat_echo = ctx.get("chat_echo")
         asked = int(ctx.get("asked_max_tokens", 0))
+        prompt_text = ctx.get("prompt_text")
         chat = None
         if ctx.get("chat") is not None:
             chat = ChatCall(
@@ -290,7 +292,7 @@ def request_of(
     batch = tuple(prompts) if len(prompts) > 1 else ()
     parsed = ParsedRequest(
         gen, text, card, batch, echo, chat=chat, role=role, chat_echo=chat_echo,
-        asked_max_tokens=asked,
+        asked_max_tokens=asked, prompt_text=prompt_text,
     )  # fmt: skip
     return parsed, created
 

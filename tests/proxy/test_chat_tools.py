@@ -167,7 +167,10 @@ def vllm_run(
     prompt: list[int],
     steps: Sequence[list[int]],
     finish: str,
+    prompt_text: str | None = None,
 ) -> dict[str, Any] | list[dict[str, Any]]:
+    """vLLM's chat server generators over engine outputs of ``steps`` (``prompt_text``:
+    the engine's rendered prompt, ``RequestOutput.prompt``)."""
     from vllm.entrypoints.generate.base.protocol import RequestResponseMetadata
     from vllm.outputs import CompletionOutput, RequestOutput
 
@@ -197,7 +200,7 @@ def vllm_run(
         )
         return RequestOutput(
             request_id="x",
-            prompt=None,
+            prompt=prompt_text,
             prompt_token_ids=prompt,
             prompt_logprobs=None,
             outputs=[out],
@@ -814,3 +817,21 @@ def test_return_token_ids_as_vllms_server(
         assert (None in got_ids) == (None in want_ids)
     if stream:
         assert assembled("chat", got) == assembled("chat", want)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["full", "stream"])
+def test_return_prompt_text_as_vllms_server(model_dir: Path, stream: bool) -> None:
+    """``return_prompt_text`` (issue 28): the rendered prompt on the response (streamed: on
+    the role chunk), null without it."""
+    card = card_for(model_dir)
+    for asked in (True, False):
+        body: dict[str, Any] = {"stream": stream, "return_prompt_text": asked}
+        parsed = parse(card, **body)
+        rendered = card.render_chat([{"role": "user", "content": "hi"}])
+        got = star_run(parsed, steps_of(card, "plain"), "stop")
+        want = vllm_run(
+            card, body, parsed.gen.prompt_token_ids, steps_of(card, "plain"), "stop", rendered
+        )
+        texts = [d.get("prompt_text") for d in (got if isinstance(got, list) else [got])]
+        assert texts == [d.get("prompt_text") for d in (want if isinstance(want, list) else [want])]
+        assert (rendered in texts) == asked
