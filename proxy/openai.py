@@ -1089,7 +1089,9 @@ class Relay:
             return b""
         if not text and finish is None and scores is None and not ids:
             return b"" if self._started else self._start()
-        chunk = self._chunk(index, text, finish, scores, ids)
+        # vLLM's streamed echo names the prompt's ids on its first chunk, asked for or not
+        shown = ids if ids is not None or echo is None or self.req.kind == "chat" else []
+        chunk = self._chunk(index, text, finish, scores, shown)
         return chunk if self._started else self._start() + chunk
 
     def _parsed(
@@ -1357,7 +1359,7 @@ class Relay:
             stop = b',"stop_reason":' + _j(self.choices[index].stop_reason)
         else:
             stop = b"" if chat else b',"stop_reason":null'
-        out = b',"token_ids":' + _j(ids)
+        out = b',"token_ids":' + (_j(ids) if self._token_ids else b"null")
         if not chat:  # a choice's first chunk names its prompt's ids, later ones null
             first = index not in self._ids_sent
             self._ids_sent.add(index)

@@ -684,12 +684,23 @@ def test_return_token_ids_in_a_completion_as_vllm_writes_them(card: ModelCard, e
             len(tokens) - 1
         )
         assert "".join(c["text"] for c in mine) == card.tokenizer.decode(tokens)
-    # Without it, null as vLLM writes them; and the prompt echoed.
+    # Without it, null as vLLM writes them; and the prompt echoed. A streamed echo names
+    # the prompt's ids on its first chunk all the same (vLLM's echo branch; the
+    # conformance run found it).
     plain = Relay(completion(card, prompt="hello", max_tokens=8, echo=True))
     plain.feed(TokenBatch(outs[0], "length"))
     (choice,) = plain.response()["choices"]
     assert (choice["prompt_token_ids"], choice["token_ids"]) == (None, None)
     assert choice["text"].startswith("hello")
+    for echo in (True, False):
+        streamed = Relay(completion(card, prompt="hello", max_tokens=8, echo=echo, stream=True))
+        out = b"".join(streamed.feed(TokenBatch([t])) for t in outs[0][:-1])
+        out += streamed.feed(TokenBatch(outs[0][-1:], "length")) + streamed.end()
+        chunks = [c for doc in _sse_docs(out) for c in doc["choices"]]
+        assert [c["prompt_token_ids"] for c in chunks] == [ids(card, "hello") if echo else None] + [
+            None
+        ] * (len(chunks) - 1)
+        assert {str(c["token_ids"]) for c in chunks} == {"None"}
 
 
 def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(card: ModelCard) -> None:
