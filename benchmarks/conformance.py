@@ -260,6 +260,11 @@ def cases(tools: bool = True, reasoning: bool = False) -> list[Case]:
         ),
         # a 3,992-token prompt: 104 tokens of the context left, 200 asked for
         c("add_special_tokens=false", {"add_special_tokens": False}),
+        c("return_token_offsets (ignored)", {"return_token_offsets": True}),
+        c(
+            "spaces_between_special_tokens=false",
+            {"spaces_between_special_tokens": False, "skip_special_tokens": False},
+        ),
         c(
             "repetition_detection",
             {"repetition_detection": {"max_pattern_size": 4, "min_count": 3}},

@@ -30,13 +30,14 @@ _MIN_PRIME, _MAX_PRIME = 4, 24
 class IncrementalDetokenizer:
     """Turns a stream of token ids into text chunks that never split a character."""
 
-    __slots__ = ("_context", "_pending", "_skip", "_stream", "_tok")
+    __slots__ = ("_added", "_context", "_last_added", "_pending", "_skip", "_stream", "_tok")
 
     def __init__(
         self,
         tokenizer: Tokenizer,
         prompt_token_ids: Sequence[int] = (),
         skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
     ) -> None:
         self._tok = tokenizer
         self._skip = skip_special_tokens
@@ -44,9 +45,30 @@ class IncrementalDetokenizer:
         self._stream = DecodeStream(ids=prime or None, skip_special_tokens=skip_special_tokens)
         self._context: list[int] = prime  # ids behind the last emitted text
         self._pending: list[int] = []  # ids fed since the last emitted text
+        # vLLM's FastIncrementalDetokenizer without spaces between special tokens
+        # (which only matters while they are shown): an added token right after
+        # another is its raw content, whatever the decoder puts before it.
+        self._added: dict[int, str] | None = None
+        if not skip_special_tokens and not spaces_between_special_tokens:
+            added = {t: a.content for t, a in tokenizer.get_added_tokens_decoder().items()}
+            self._added = added or None
+        self._last_added = False
 
     def step(self, token_ids: Sequence[int]) -> str:
         """Feed new ids; return the text they complete ("" while a character is partial)."""
+        if self._added is None:
+            return self._step(token_ids)
+        out = []
+        for tid in token_ids:  # one at a time, as vLLM's decode_next
+            text = self._step((tid,))
+            content = self._added.get(tid)
+            if content is not None and self._last_added:
+                text = content
+            self._last_added = content is not None
+            out.append(text)
+        return "".join(out)
+
+    def _step(self, token_ids: Sequence[int]) -> str:
         if not token_ids:
             return ""
         ids = list(token_ids)
@@ -184,8 +206,11 @@ class TextStream:
         include_stop_str_in_output: bool = False,
         skip_special_tokens: bool = True,
         min_tokens: int = 0,
+        spaces_between_special_tokens: bool = True,
     ) -> None:
-        self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
+        self._detok = IncrementalDetokenizer(
+            tokenizer, prompt_token_ids, skip_special_tokens, spaces_between_special_tokens
+        )
         self._stop = StopMatcher(stop, include_stop_str_in_output) if any(stop) else None
         self._min_tokens = min_tokens
         self._include = include_stop_str_in_output

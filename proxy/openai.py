@@ -57,6 +57,7 @@ class TextOptions:
 
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     min_tokens: int = 0
     # echo with max_tokens 0: the prompt alone (vLLM runs one token it does not show)
     prompt_only: bool = False
@@ -142,12 +143,7 @@ def find_model(models: Mapping[str, ModelCard], name: Any) -> ModelCard:
 _UNSERVED_ANY: dict[str, tuple[str, Any]] = {
     "use_beam_search": ("beam search", None),
     "watermarking": ("watermarked sampling", None),
-    "spaces_between_special_tokens": (
-        "detokenisation without spaces between special tokens",
-        True,
-    ),
     "logprob_token_ids": ("logprobs of chosen token ids", None),
-    "return_token_offsets": ("token offsets in the response", None),
     "kv_transfer_params": ("a client's own KV transfer (STAR moves the KV itself)", None),
     "ec_transfer_params": ("encoder cache transfer", None),
 }
@@ -597,6 +593,7 @@ def _finish_parse(
     text = TextOptions(
         include_stop_str_in_output=f.bool_("include_stop_str_in_output", False),
         skip_special_tokens=f.bool_("skip_special_tokens", True),
+        spaces_between_special_tokens=f.bool_("spaces_between_special_tokens", True),
         min_tokens=int(sampling.get("min_tokens", 0)),
         prompt_only=prompt_only,
         logprobs=logprobs,
@@ -920,6 +917,7 @@ class Relay:
                 text.include_stop_str_in_output,
                 text.skip_special_tokens,
                 text.min_tokens,
+                text.spaces_between_special_tokens,
             )
             for k in range(count)
         ]

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from proxy.detok import IncrementalDetokenizer, StopMatcher, TextStream
 from tests.proxy.fakes import SPECIALS, build_tokenizer
@@ -188,3 +191,52 @@ def test_stop_string_include_in_output(include: bool) -> None:
     stream = TextStream(TOK, stop=["42"], include_stop_str_in_output=include)
     out = stream.feed(TOK.encode("The answer is 42. Done").ids)
     assert out == ("The answer is 42" if include else "The answer is ")
+
+
+def _wordpiece() -> Tokenizer:
+    """A tokenizer whose decoder puts a space before every token, special ones too
+    (BERT's WordPiece): where ``spaces_between_special_tokens`` shows."""
+    vocab = {"[UNK]": 0, "hello": 1, "world": 2, "##s": 3, "owl": 4}
+    tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece()
+    tok.add_special_tokens([AddedToken(t, special=True) for t in ("[CLS]", "[SEP]", "[X]")])
+    return tok
+
+
+def _vllm_text(tok: Tokenizer, prompt: list[int], ids: list[int], spaces: bool) -> str:
+    """vLLM 0.32's FastIncrementalDetokenizer, special tokens shown, one token a step."""
+    from types import SimpleNamespace
+
+    from vllm import SamplingParams
+    from vllm.v1.engine.detokenizer import FastIncrementalDetokenizer
+
+    params = SamplingParams(skip_special_tokens=False, spaces_between_special_tokens=spaces)
+    request = SimpleNamespace(sampling_params=params, prompt_token_ids=prompt, request_id="x")
+    detok = FastIncrementalDetokenizer(SimpleNamespace(_tokenizer=tok), request)  # type: ignore[arg-type]
+    out = ""
+    for tid in ids:
+        detok.update([tid], False)
+        out += detok.get_next_output_text(False, True)
+    return out + detok.get_next_output_text(True, True)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    ids=st.lists(st.integers(1, 7), min_size=1, max_size=16),
+    cuts=st.lists(st.integers(1, 16), max_size=6),
+    spaces=st.booleans(),
+)
+def test_spaces_between_special_tokens_as_vllms_detokenizer(
+    ids: list[int], cuts: list[int], spaces: bool
+) -> None:
+    """``spaces_between_special_tokens: false`` (issue 28): an added token right after
+    another is its raw content; the same text as vLLM's, however the ids are batched."""
+    tok = _wordpiece()
+    stream = TextStream(tok, [1], skip_special_tokens=False, spaces_between_special_tokens=spaces)
+    bounds = sorted({c % (len(ids) + 1) for c in cuts} | {0, len(ids)})
+    text = "".join(stream.feed(ids[a:b]) for a, b in itertools.pairwise(bounds))
+    text += stream.finish("length")
+    assert text == _vllm_text(tok, [1], ids, spaces)

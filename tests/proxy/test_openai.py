@@ -586,9 +586,7 @@ def test_a_stop_token_is_counted_and_its_text_left_out_as_vllm_does(
 UNSERVED = [
     ("use_beam_search", True),
     ("watermarking", True),
-    ("spaces_between_special_tokens", False),
     ("logprob_token_ids", [3]),
-    ("return_token_offsets", True),
     ("kv_transfer_params", {"do_remote_prefill": True}),
 ]
 
@@ -606,7 +604,7 @@ def test_a_parameter_vllm_serves_and_star_does_not_is_refused_not_ignored(
     assert "not supported by STAR" in err.message
     # Unset, null or the default: served.
     parse(card, **{name: None})
-    default = {"spaces_between_special_tokens": True}.get(name, False)
+    default = False
     if not isinstance(value, (dict, list)) or name == "logprob_token_ids":
         parse(card, **{name: default if not isinstance(value, list) else []})
 
