@@ -154,8 +154,6 @@ _UNSERVED: dict[str, dict[str, tuple[str, Any]]] = {
     },
     "chat": {
         **_UNSERVED_ANY,
-        "media_io_kwargs": ("multimodal inputs", None),
-        "mm_processor_kwargs": ("multimodal inputs", None),
     },
 }
 
@@ -294,6 +292,8 @@ def parse_chat(body: bytes, models: Mapping[str, ModelCard]) -> ParsedRequest:
         prompt_logprobs=prompt_logprobs,  # shown only in a whole response
     )
     _raise_in_stream(f)
+    for name in ("media_io_kwargs", "mm_processor_kwargs"):
+        f.dict_(name)  # checked, unused: vLLM passes them on only with multimodal data
     prompt_text = text if f.bool_("return_prompt_text", False) else None
     parsed = dataclasses.replace(parsed, role=role, chat_echo=chat_echo, prompt_text=prompt_text)
     if tooling is None:

@@ -761,3 +761,15 @@ def test_engine_extras_are_checked_as_vllm_checks_them_and_never_migrate(card: M
         with pytest.raises(HttpError) as info:
             chat(card, **{name: value})
         assert (info.value.status, info.value.param) == (400, name), (name, value)
+
+
+def test_multimodal_kwargs_are_checked_and_unused_on_text(card: ModelCard) -> None:
+    """vLLM hands media_io_kwargs / mm_processor_kwargs only to multimodal processing."""
+    plain = chat(card).gen
+    for name in ("media_io_kwargs", "mm_processor_kwargs"):
+        assert (
+            chat(card, **{name: {"image": {"x": 1}}}).gen.prompt_token_ids == plain.prompt_token_ids
+        )
+        with pytest.raises(HttpError) as info:
+            chat(card, **{name: "not an object"})
+        assert info.value.param == name
