@@ -261,6 +261,8 @@ def cases(tools: bool = True, reasoning: bool = False) -> list[Case]:
         # a 3,992-token prompt: 104 tokens of the context left, 200 asked for
         c("add_special_tokens=false", {"add_special_tokens": False}),
         c("return_token_offsets (ignored)", {"return_token_offsets": True}),
+        c("watermarking=false", {"watermarking": False}),
+        c("error: prompt_embeds (not enabled)", {"prompt_embeds": "AAAA"}, error=True),
         c(
             "spaces_between_special_tokens=false",
             {"spaces_between_special_tokens": False, "skip_special_tokens": False},

@@ -142,7 +142,6 @@ def find_model(models: Mapping[str, ModelCard], name: Any) -> ModelCard:
 # and its default where that is not unset (a request sending it is served).
 _UNSERVED_ANY: dict[str, tuple[str, Any]] = {
     "use_beam_search": ("beam search", None),
-    "watermarking": ("watermarked sampling", None),
     "logprob_token_ids": ("logprobs of chosen token ids", None),
     "kv_transfer_params": ("a client's own KV transfer (STAR moves the KV itself)", None),
     "ec_transfer_params": ("encoder cache transfer", None),
@@ -150,7 +149,6 @@ _UNSERVED_ANY: dict[str, tuple[str, Any]] = {
 _UNSERVED: dict[str, dict[str, tuple[str, Any]]] = {
     "completions": {
         **_UNSERVED_ANY,
-        "prompt_embeds": ("prompt embeddings", None),
     },
     "chat": {
         **_UNSERVED_ANY,
@@ -177,6 +175,8 @@ def parse_completion(body: bytes, models: Mapping[str, ModelCard]) -> ParsedRequ
     f = Fields(parse_object(body))
     card = find_model(models, f.raw("model"))
     _refuse_unserved(f, "completions")
+    if f.raw("prompt_embeds") is not None:  # vLLM's answer: STAR's engines do not enable them
+        f.fail("prompt_embeds", "You must set `--enable-prompt-embeds` to input `prompt_embeds`.")
     prompts = _completion_prompts(f, card)
     f.reject_truthy("suffix", "'suffix' is not supported")
     logprobs = _logprobs_count(f, "logprobs")
@@ -713,6 +713,9 @@ def _engine_extras(f: Fields) -> dict[str, Any]:
     detection = f.dict_("repetition_detection")
     if detection is not None:
         out["repetition_detection"] = _repetition_detection(f, detection)
+    watermarking = f.raw("watermarking")
+    if watermarking is not None:  # the engine's configured watermark (none configured: a no-op)
+        out["watermarking"] = f.bool_("watermarking", True)
     xargs = f.dict_("vllm_xargs")
     if xargs:
         scalar = (str, int, float)

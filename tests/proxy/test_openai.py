@@ -585,7 +585,6 @@ def test_a_stop_token_is_counted_and_its_text_left_out_as_vllm_does(
 
 UNSERVED = [
     ("use_beam_search", True),
-    ("watermarking", True),
     ("logprob_token_ids", [3]),
     ("kv_transfer_params", {"do_remote_prefill": True}),
 ]
@@ -741,6 +740,7 @@ def test_engine_extras_are_checked_as_vllm_checks_them_and_never_migrate(card: M
     """thinking_token_budget, repetition_detection and vllm_xargs (issue 28): passed on to the
     engine (workers.engine_config), refused with vLLM's checks, the request not migratable."""
     extras = {
+        "watermarking": False,
         "thinking_token_budget": 5,
         "repetition_detection": {"max_pattern_size": 4, "min_count": 2},
         "vllm_xargs": {"k": [1, "x"]},
@@ -773,3 +773,12 @@ def test_multimodal_kwargs_are_checked_and_unused_on_text(card: ModelCard) -> No
         with pytest.raises(HttpError) as info:
             chat(card, **{name: "not an object"})
         assert info.value.param == name
+
+
+def test_prompt_embeds_are_refused_as_vllm_refuses_them_without_the_engine_flag(
+    card: ModelCard,
+) -> None:
+    with pytest.raises(HttpError) as info:
+        completion(card, prompt_embeds="AAAA")
+    assert (info.value.status, info.value.param) == (400, "prompt_embeds")
+    assert "--enable-prompt-embeds" in info.value.message
