@@ -142,7 +142,14 @@ def find_model(models: Mapping[str, ModelCard], name: Any) -> ModelCard:
 # and its default where that is not unset (a request sending it is served).
 _UNSERVED_ANY: dict[str, tuple[str, Any]] = {
     "use_beam_search": ("beam search", None),
-    "logprob_token_ids": ("logprobs of chosen token ids", None),
+    # vLLM 0.32's sampler gives every request of a step the logprob_token_ids shape when
+    # one asks for it (Sampler.sample: "prefer logprob_token_ids"): on a shared decode
+    # instance one request would take its neighbours' top logprobs away.
+    "logprob_token_ids": (
+        "logprobs of chosen token ids, which in its sampler replace the top logprobs of "
+        "every request decoded in the same step",
+        None,
+    ),
     "kv_transfer_params": ("a client's own KV transfer (STAR moves the KV itself)", None),
     "ec_transfer_params": ("encoder cache transfer", None),
 }
