@@ -46,6 +46,11 @@ RELEASE_TTL_S = 30
 # Keys of ``Generate.sampling`` the worker owns: the output is streamed as deltas
 # of token ids (the proxy detokenises), and the KV handoff is set by role.
 _RESERVED_SAMPLING = ("output_kind", "extra_args")
+# SamplingParams fields that are objects of their own, sent as maps.
+_PARAMS_FROM_MAPS: dict[str, Any] = {
+    "structured_outputs": StructuredOutputsParams,
+    "repetition_detection": RepetitionDetectionParams,
+}
 # extra_args keys STAR's own (the connector's, the continuation's, the tap's): a
 # client's vllm_xargs may not set them.
 _OWN_EXTRA_ARGS = frozenset(
@@ -348,18 +353,13 @@ def sampling_params(request: GenerateRequest, role: str) -> SamplingParams:
     taken = sorted(set(xargs) & _OWN_EXTRA_ARGS)
     if taken:
         raise BadRequest(f"vllm_xargs may not set {', '.join(taken)}")
-    detection = kwargs.get("repetition_detection")
-    if isinstance(detection, Mapping):
-        try:
-            kwargs["repetition_detection"] = RepetitionDetectionParams(**detection)
-        except Exception as exc:  # as for SamplingParams below
-            raise BadRequest(f"bad repetition_detection: {type(exc).__name__}: {exc}") from None
-    structured = kwargs.get("structured_outputs")
-    if isinstance(structured, Mapping):
-        try:
-            kwargs["structured_outputs"] = StructuredOutputsParams(**structured)
-        except Exception as exc:  # as for SamplingParams below
-            raise BadRequest(f"bad structured_outputs: {type(exc).__name__}: {exc}") from None
+    for name, params_class in _PARAMS_FROM_MAPS.items():  # a map on the wire: its class here
+        given = kwargs.get(name)
+        if isinstance(given, Mapping):
+            try:
+                kwargs[name] = params_class(**given)
+            except Exception as exc:  # as for SamplingParams below
+                raise BadRequest(f"bad {name}: {type(exc).__name__}: {exc}") from None
     kwargs.setdefault("detokenize", bool(kwargs.get("stop")))
     kv = dict(request.kv_transfer_params) if request.kv_transfer_params else {}
     if role == "prefill":
