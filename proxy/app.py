@@ -577,8 +577,9 @@ def _adopted(
         resume.check_position(request_id, known_from, at, k)
         first.index = k
         if parsed.text.prompt_logprobs is not None:  # echo with logprobs
+            real = resume.prompt_logprobs_of(found.attached.context)
             prompt = found.attached.prompt_token_ids
-            first.prompt = resume.prompt_stand_in(request_id, prompt, at, k)
+            first.prompt = real or resume.prompt_stand_in(request_id, prompt, at, k)
         firsts.append((first, known_from))
     return parsed, created, firsts
 

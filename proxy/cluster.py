@@ -23,6 +23,7 @@ prefill included (``proxy.prefill_fallback``; off: 503 as before).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -335,6 +336,8 @@ class ClusterBackend:
         sampling = dict(req.sampling)
         sampling.pop("n", None)
         kv_params, prompt = await self._prefill_or_local(req, sampling)
+        if prompt is not None and req.context:  # for a proxy that takes the stream over
+            req = dataclasses.replace(req, context=adopt.with_prompt_logprobs(req.context, prompt))
         async for batch in self._decode(req, sampling, kv_params):
             if prompt is not None and batch.prompt is None:
                 # The prefill's prompt logprobs go out with the first batch.

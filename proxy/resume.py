@@ -377,19 +377,30 @@ def prompt_stand_in(
     request_id: str, prompt: list[int], since: Position, choice: int
 ) -> PromptLogprobs:
     """Prompt logprobs standing in for an echoed prompt's in a stream taken over from a
-    worker, which keeps none (they were computed with the prompt, once): a client that
-    has the choice's first chunk has the real ones, which a resumed relay skips (of the
-    prompt only its tokens count there, for the text offsets). HttpError 409 for a
-    client that lacks them."""
+    worker whose context lacks them (the decode instance prefilled the request itself,
+    and sent them to the proxy that ran it alone): a client that has the choice's first
+    chunk has the real ones, which a resumed relay skips (of the prompt only its tokens
+    count there, for the text offsets). HttpError 409 for a client that lacks them."""
     if since.stage < TEXT:
         raise HttpError(
             409,
             f"{_stream(request_id, choice)} echoes its prompt with logprobs, which only the proxy "
-            "that ran it held: resume from an event after the first chunk",
+            "that ran it held (its decode instance prefilled it): resume from an event after "
+            "the first chunk",
             code="stream_logprobs_gone",
         )
     n = max(len(prompt) - 1, 0)
     return PromptLogprobs(stream=0, logprobs=[0.0] * n, ranks=[1] * n)
+
+
+def prompt_logprobs_of(context: bytes) -> PromptLogprobs | None:
+    """The prompt's logprobs a decode leg's context carries (:func:`proxy.adopt.with_prompt_logprobs`;
+    None: not there, as when the decode instance prefilled the request itself)."""
+    try:
+        given = msgspec.msgpack.decode(context).get("prompt_logprobs")
+        return None if given is None else PromptLogprobs(stream=0, **given)
+    except (msgspec.DecodeError, TypeError, AttributeError):
+        return None
 
 
 def check_choices(request_id: str, given: int, has: int) -> None:

@@ -21,17 +21,19 @@ import httpx
 import pytest
 
 from proxy import resume, sse
-from proxy.app import ProxyApp, create_server
+from proxy.adopt import with_prompt_logprobs
+from proxy.app import ProxyApp, _adopted, create_server
 from proxy.backend import TokenBatch
 from proxy.cluster import ClusterBackend, Directory
+from proxy.decode_run import Found
 from proxy.fanout import children
-from proxy.http import HttpServer
+from proxy.http import HttpError, HttpServer
 from proxy.openai import ParsedRequest, Relay, parse_chat, parse_completion
 from proxy.resume import Position, Reader, Tagger, context_of, fan_of, request_of
 from proxy.tokenizer import ModelCard
 from proxy.upstream import WorkerPool
 from star.settings import ProxySettings
-from star.wire import Hello, ResumableGenerate, Tokens
+from star.wire import Attached, Hello, PromptLogprobs, ResumableGenerate, Tokens
 from tests.e2e.streams import SSE, texts
 from tests.proxy.rawhttp import until
 from tests.reports import report
@@ -438,3 +440,36 @@ async def test_a_choice_no_worker_holds_runs_again_unless_its_client_has_tokens_
     assert texts(before + after) == dict.fromkeys(range(4), letters)
     assert _usage(after) == 4 * TOKENS and after[-1].data == sse.DONE_DATA
     assert sorted(engine.started) == sorted(r.request_id for r in reqs) == sorted(engine.finished)
+
+
+def test_a_take_over_before_the_first_chunk_echoes_the_prompts_real_logprobs(
+    card: ModelCard,
+) -> None:
+    """An echo with logprobs taken over before its client had a chunk (issue 26): the
+    prefill's prompt logprobs reach the decode leg's context (adopt.with_prompt_logprobs),
+    so the taking-over proxy sends what an unbroken stream sends; without them in the
+    context (the decode instance prefilled it) a 409 as before."""
+    body = {"model": "tiny", "prompt": "héllo", "echo": True, "logprobs": 1, "max_tokens": 4}
+    parsed = parse_completion(json.dumps(body | {"stream": True}).encode(), {"tiny": card})
+    rid, prompt = parsed.gen.request_id, parsed.gen.prompt_token_ids
+    n = len(prompt) - 1
+    scores = PromptLogprobs(0, [-0.5] * n, [2] * n, [FIRST] * n, [-0.25] * n)
+    out = {"logprobs": [-1.0, -1.5], "top_ids": [FIRST, FIRST], "top_logprobs": [-1.0, -1.5]}
+    tagger = Tagger(SECRET)
+    unbroken = Reader(Relay(parsed, created=1), Position(), tagger)
+    want = unbroken.feed(TokenBatch([FIRST, FIRST + 1], prompt=scores, **out))  # type: ignore[arg-type]
+    for context, ok in (
+        (with_prompt_logprobs(context_of(parsed, 1), scores), True),
+        (context_of(parsed, 1), False),
+    ):
+        done = Attached(1, rid, prompt, [FIRST, FIRST + 1], context, **out)
+        found = Found(done, "decode-0", "127.0.0.1:1", None)  # type: ignore[arg-type]
+        if not ok:
+            with pytest.raises(HttpError) as info:
+                _adopted(rid, [found], (Position(),), {"tiny": card})
+            assert (info.value.status, info.value.code) == (409, "stream_logprobs_gone")
+            continue
+        again, _, ((first, known),) = _adopted(rid, [found], (Position(),), {"tiny": card})
+        assert first is not None and first.prompt == scores and known == 0
+        taken = Reader(Relay(again, created=1), Position(), tagger)
+        assert taken.feed(first) == want  # the echo, its logprobs and the ids: byte for byte
