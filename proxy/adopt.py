@@ -19,7 +19,6 @@ import functools
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
-import msgspec
 import structlog
 
 from proxy.backend import BackendError, GenerationRequest, TokenBatch
@@ -27,7 +26,7 @@ from proxy.decode_run import DecodeRun, Fleet, Found
 from proxy.upstream import ConnectionLost
 from star.aio import deadline
 from star.sampling import migration_blocker
-from star.wire import Abort, Attach, Attached, PromptLogprobs
+from star.wire import Abort, Attach, Attached
 
 log = structlog.get_logger(__name__)
 
@@ -93,25 +92,6 @@ async def attach(pool: Pool, members: Sequence[tuple[str, str]], request_id: str
         log.info("stream_not_held", request_id=request_id, asked=asked)
         return None
     return _adopted(released)
-
-
-def with_prompt_logprobs(context: bytes, prompt: PromptLogprobs) -> bytes:
-    """``context`` (:func:`proxy.resume.context_of`) holding the prompt's logprobs too.
-
-    The prefill worker computed them and sent them to this proxy alone; a
-    decode worker keeps the context of its legs, so a proxy that takes the
-    stream over before the client has its first chunk (an echo with
-    logprobs: the prompt's come first) has the real ones
-    (:func:`proxy.resume.prompt_logprobs_of`).
-    """
-    doc = msgspec.msgpack.decode(context)
-    doc["prompt_logprobs"] = {
-        "logprobs": list(prompt.logprobs),
-        "ranks": list(prompt.ranks),
-        "top_ids": list(prompt.top_ids),
-        "top_logprobs": list(prompt.top_logprobs),
-    }
-    return msgspec.msgpack.encode(doc)
 
 
 async def abandon(found: Found) -> None:

@@ -69,6 +69,7 @@ from proxy.openai import (
     parse_completion,
 )
 from proxy.parsing import Parsing
+from proxy.stream_context import prompt_logprobs_of
 from proxy.tokenizer import ModelCard
 from star.settings import ProxySettings
 
@@ -577,7 +578,7 @@ def _adopted(
         resume.check_position(request_id, known_from, at, k)
         first.index = k
         if parsed.text.prompt_logprobs is not None:  # echo with logprobs
-            real = resume.prompt_logprobs_of(found.attached.context)
+            real = prompt_logprobs_of(found.attached.context) or found.attached.prompt or None
             prompt = found.attached.prompt_token_ids
             first.prompt = real or resume.prompt_stand_in(request_id, prompt, at, k)
         firsts.append((first, known_from))

@@ -44,6 +44,7 @@ from proxy.backend import (
     error_from,
 )
 from proxy.decode_run import DecodeRun, Found, Migrator
+from proxy.stream_context import with_prompt_logprobs
 from proxy.upstream import ConnectionLost, Stream, WorkerClient, WorkerPool
 from star.bus import Bus, BusUnavailable, Outage, Subscriber
 from star.planner.dispatch import OutputMean, booking, choose_on_view
@@ -337,7 +338,7 @@ class ClusterBackend:
         sampling.pop("n", None)
         kv_params, prompt = await self._prefill_or_local(req, sampling)
         if prompt is not None and req.context:  # for a proxy that takes the stream over
-            req = dataclasses.replace(req, context=adopt.with_prompt_logprobs(req.context, prompt))
+            req = dataclasses.replace(req, context=with_prompt_logprobs(req.context, prompt))
         async for batch in self._decode(req, sampling, kv_params):
             if prompt is not None and batch.prompt is None:
                 # The prefill's prompt logprobs go out with the first batch.

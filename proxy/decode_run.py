@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -46,6 +47,7 @@ from proxy.migration import (
     Warn,
     refused,
 )
+from proxy.stream_context import with_prompt_logprobs
 from proxy.upstream import ConnectionLost, Stream
 from star.aio import deadline
 from star.bus import Bus, Subscriber
@@ -267,6 +269,10 @@ class DecodeRun:
                 return rejoined
             finally:
                 self._waiting = None
+            if isinstance(msg, PromptLogprobs) and self.req.context:
+                # computed by this leg (it prefilled the request): the later legs carry them
+                context = with_prompt_logprobs(self.req.context, msg)
+                self.req = dataclasses.replace(self.req, context=context)
             if isinstance(msg, Tokens | Handoff | Error | PromptLogprobs):
                 return Received(msg, time.monotonic())
             # nothing else belongs to a request's stream

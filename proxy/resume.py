@@ -393,16 +393,6 @@ def prompt_stand_in(
     return PromptLogprobs(stream=0, logprobs=[0.0] * n, ranks=[1] * n)
 
 
-def prompt_logprobs_of(context: bytes) -> PromptLogprobs | None:
-    """The prompt's logprobs a decode leg's context carries (:func:`proxy.adopt.with_prompt_logprobs`;
-    None: not there, as when the decode instance prefilled the request itself)."""
-    try:
-        given = msgspec.msgpack.decode(context).get("prompt_logprobs")
-        return None if given is None else PromptLogprobs(stream=0, **given)
-    except (msgspec.DecodeError, TypeError, AttributeError):
-        return None
-
-
 def check_choices(request_id: str, given: int, has: int) -> None:
     """HttpError 400 when a stream id gives ``given`` choices' positions for a stream of ``has``."""
     if given != has:

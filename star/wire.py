@@ -415,7 +415,10 @@ class Attached(Message, frozen=True, tag="attached"):
     as :class:`LogprobTokens` does: ``output_token_ids[scored_from:]``'s,
     parallel arrays (``logprobs``: None, the request asked for none). The
     tokens before ``scored_from`` came with a continuation; their logprobs
-    were computed on the instance it moved from.
+    were computed on the instance it moved from. ``prompt``: the prompt's
+    logprobs, when this worker computed them (it prefilled the request
+    itself); UNSET (not written, so a frame without them keeps its bytes)
+    otherwise.
     """
 
     stream: int
@@ -430,6 +433,7 @@ class Attached(Message, frozen=True, tag="attached"):
     top_ids: list[int] = []
     top_logprobs: list[float] = []
     scored_from: int = 0
+    prompt: PromptLogprobs | msgspec.UnsetType = msgspec.UNSET
 
     @property
     def top_k(self) -> int:

@@ -16,8 +16,10 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import msgspec
+
 from star.wire import Attached, Generate, ResumableGenerate
-from workers.protocol import TokenDelta
+from workers.protocol import PromptScores, TokenDelta
 
 
 @dataclass(slots=True)
@@ -37,6 +39,7 @@ class Record:
     top_ids: list[int] = field(default_factory=list)
     top_logprobs: list[float] = field(default_factory=list)
     scored_from: int = 0
+    prompt_scores: PromptScores | None = None  # computed here (this worker prefilled it)
 
     @classmethod
     def of(cls, msg: Generate) -> Record | None:
@@ -53,6 +56,8 @@ class Record:
         )
 
     def add(self, delta: TokenDelta) -> None:
+        if delta.prompt is not None:
+            self.prompt_scores = delta.prompt
         self.outputs.extend(delta.token_ids)
         if self.logprobs is not None and delta.token_ids:
             if delta.logprobs is None:  # cannot happen with a request that asked for them
@@ -82,6 +87,7 @@ class Record:
             top_ids=list(self.top_ids),
             top_logprobs=list(self.top_logprobs),
             scored_from=self.scored_from,
+            prompt=msgspec.UNSET if self.prompt_scores is None else self.prompt_scores.to_frame(0),
         )
 
 

@@ -21,7 +21,6 @@ import httpx
 import pytest
 
 from proxy import resume, sse
-from proxy.adopt import with_prompt_logprobs
 from proxy.app import ProxyApp, _adopted, create_server
 from proxy.backend import TokenBatch
 from proxy.cluster import ClusterBackend, Directory
@@ -30,6 +29,7 @@ from proxy.fanout import children
 from proxy.http import HttpError, HttpServer
 from proxy.openai import ParsedRequest, Relay, parse_chat, parse_completion
 from proxy.resume import Position, Reader, Tagger, context_of, fan_of, request_of
+from proxy.stream_context import with_prompt_logprobs
 from proxy.tokenizer import ModelCard
 from proxy.upstream import WorkerPool
 from star.settings import ProxySettings
@@ -447,8 +447,8 @@ def test_a_take_over_before_the_first_chunk_echoes_the_prompts_real_logprobs(
 ) -> None:
     """An echo with logprobs taken over before its client had a chunk (issue 26): the
     prefill's prompt logprobs reach the decode leg's context (adopt.with_prompt_logprobs),
-    so the taking-over proxy sends what an unbroken stream sends; without them in the
-    context (the decode instance prefilled it) a 409 as before."""
+    or the worker that prefilled it keeps them (Attached.prompt), so the taking-over proxy
+    sends what an unbroken stream sends; with neither, a 409 as before."""
     body = {"model": "tiny", "prompt": "héllo", "echo": True, "logprobs": 1, "max_tokens": 4}
     parsed = parse_completion(json.dumps(body | {"stream": True}).encode(), {"tiny": card})
     rid, prompt = parsed.gen.request_id, parsed.gen.prompt_token_ids
@@ -458,11 +458,14 @@ def test_a_take_over_before_the_first_chunk_echoes_the_prompts_real_logprobs(
     tagger = Tagger(SECRET)
     unbroken = Reader(Relay(parsed, created=1), Position(), tagger)
     want = unbroken.feed(TokenBatch([FIRST, FIRST + 1], prompt=scores, **out))  # type: ignore[arg-type]
-    for context, ok in (
-        (with_prompt_logprobs(context_of(parsed, 1), scores), True),
-        (context_of(parsed, 1), False),
+    for context, held, ok in (
+        (with_prompt_logprobs(context_of(parsed, 1), scores), None, True),
+        (context_of(parsed, 1), scores, True),  # the worker prefilled it: its Record has them
+        (context_of(parsed, 1), None, False),
     ):
         done = Attached(1, rid, prompt, [FIRST, FIRST + 1], context, **out)
+        if held is not None:
+            done = Attached(1, rid, prompt, [FIRST, FIRST + 1], context, **out, prompt=held)
         found = Found(done, "decode-0", "127.0.0.1:1", None)  # type: ignore[arg-type]
         if not ok:
             with pytest.raises(HttpError) as info:

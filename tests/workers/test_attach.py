@@ -22,10 +22,11 @@ from star.wire import (
     Release,
     ResumableGenerate,
     Tokens,
+    frame,
 )
 from tests.proxy.rawhttp import until
 from tests.workers.fakes import Client, FakeEngine
-from workers.protocol import TokenDelta
+from workers.protocol import PromptScores, TokenDelta
 from workers.resumable import Record
 from workers.server import TokenServer
 
@@ -295,6 +296,29 @@ def test_a_record_keeps_the_logprobs_of_the_tokens_generated_here() -> None:
     assert plain.attached(1).logprobs is None  # none asked for: none kept
     with pytest.raises(ValueError, match="without logprobs"):
         record.add(TokenDelta([63]))  # a broken engine path says so
+
+
+def test_a_record_keeps_the_prompt_logprobs_its_worker_computed() -> None:
+    """A decode worker that prefilled the request itself computed the prompt's logprobs:
+    its Attached carries them (a proxy taking the stream over echoes the real ones);
+    none computed here: the field is not written (the frame keeps its bytes)."""
+    leg = ResumableGenerate(
+        stream=1,
+        request_id="r11",
+        prompt_token_ids=[1, 2, 3],
+        sampling={"max_tokens": 30, "prompt_logprobs": 1},
+        context=b"c",
+    )
+    scores = PromptScores([-0.5, -0.7], [1, 3], [2, 4], [-0.5, -0.1])
+    record = Record.of(leg)
+    assert record is not None
+    record.add(TokenDelta([60], prompt=scores))
+    record.add(TokenDelta([61]))
+    assert record.attached(4).prompt == scores.to_frame(0)
+    plain = Record.of(resumable(2, "r12", 5))
+    assert plain is not None
+    plain.add(TokenDelta([60]))
+    assert b"\xa6prompt" not in frame(plain.attached(1))  # the key, as msgpack writes it
 
 
 async def test_a_request_released_for_a_move_its_proxy_never_finished_is_still_found(
