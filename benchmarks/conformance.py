@@ -279,8 +279,12 @@ def cases(tools: bool = True, reasoning: bool = False) -> list[Case]:
             error=True,
         ),
         c("max_tokens past the context (clamped)", {"prompt": "owl " * 3990, "max_tokens": 200}),
-        # vLLM serves these; STAR refuses them (400 unsupported_parameter), not ignores
         c("use_beam_search, n=2", {"use_beam_search": True, "n": 2}),
+        c(
+            "use_beam_search, n=3, length_penalty=0.5, 2 prompts",
+            {"use_beam_search": True, "n": 3, "length_penalty": 0.5, "prompt": [P1, "crow"]},
+            streams=(False,),
+        ),
         c("error: max_tokens=-1", {"max_tokens": -1}, error=True),
         c("error: unknown model", {"model": "no-such-model"}, error=True),
         c("error: logprobs=21", {"logprobs": 21}, error=True),

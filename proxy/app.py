@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
+import secrets
 import time
 from bisect import bisect_left
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
@@ -43,7 +44,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 
-from proxy import chat_tools, resume
+from proxy import beam, chat_tools, resume
 from proxy.adopt import abandon
 from proxy.backend import Backend, BackendError, GenerationRequest, TokenBatch
 from proxy.decode_run import Found
@@ -290,6 +291,11 @@ class ProxyApp:
         except InStreamError as exc:  # as vLLM's server: 200, the error as the one event
             log.info("request_failed_in_stream", error=exc.message, param=exc.param)
             return StreamingResponse(_one(error_stream(exc)))
+        if parsed.beam is not None:
+            try:
+                return Response.json(await self._beam(parsed))
+            except BackendError as exc:
+                raise _http_error(exc, parsed.gen.request_id) from None
         gen = parsed.gen
         relay = Relay(parsed)
         timing = _Timing(self.metrics, gen.arrival_s)
@@ -476,6 +482,67 @@ class ProxyApp:
     def close(self) -> None:
         """Abort every held stream (after the server has drained)."""
         self.streams.close()
+
+    async def _beam(self, parsed: ParsedRequest) -> dict[str, Any]:
+        """A beam search's response (proxy.beam): one-token requests through the fleet,
+        each prompt's own search, the beams its choices (as vLLM 0.32's server)."""
+        gen, params = parsed.gen, parsed.beam
+        assert params is not None
+        card = parsed.card
+        eos = card.tokenizer.token_to_id(card.special_tokens.get("eos_token") or "")
+
+        async def step(tokens: list[int]) -> TokenBatch:
+            req = dataclasses.replace(
+                gen,
+                request_id=f"{gen.request_id}-beam-{secrets.token_hex(6)}",
+                prompt_token_ids=tokens,
+                sampling=params.sampling(),
+                stop=(),
+                stream=False,
+                include_usage=False,
+                migratable=False,
+                context=b"",
+            )
+            return merged([b async for b in self.backend.generate(req)])
+
+        prompts = parsed.batch
+        room = [card.max_model_len - len(p) for p in prompts]
+        found = await asyncio.gather(
+            *(
+                beam.search(
+                    p, dataclasses.replace(params, max_tokens=min(params.max_tokens, r)), eos, step
+                )
+                for p, r in zip(prompts, room, strict=True)
+            )
+        )
+        # The response as the relay writes a completion's, with vLLM's beam texts (each
+        # beam decoded alone, its end token left out) and no stop strings or logprobs.
+        shown = dataclasses.replace(
+            parsed,
+            gen=dataclasses.replace(gen, stop=()),
+            text=dataclasses.replace(
+                parsed.text, min_tokens=0, logprobs=None, prompt_logprobs=None
+            ),
+        )
+        relay = Relay(shown)
+        texts = []
+        for p, beams in enumerate(found):
+            for i, b in enumerate(beams):
+                index, tokens = p * params.width + i, beam.generated(b, len(prompts[p]))
+                relay.feed(TokenBatch(tokens, index=index))
+                relay.feed(TokenBatch([], b.finish_reason or "length", b.stop_reason, index=index))  # type: ignore[arg-type]
+                shown_ids = (
+                    tokens[:-1]
+                    if tokens and tokens[-1] == eos and not params.ignore_eos
+                    else tokens
+                )
+                skip = parsed.text.skip_special_tokens
+                texts.append(card.tokenizer.decode(shown_ids, skip_special_tokens=skip))
+        out = relay.response()
+        for choice, text in zip(out["choices"], texts, strict=True):
+            choice["text"] = text
+        log.info("request_finished", request_id=gen.request_id, beam_width=params.width)
+        return out
 
     def _open(self, parsed: ParsedRequest) -> AsyncIterator[TokenBatch]:
         """The backend's stream for the request: one upstream request per choice."""
@@ -668,3 +735,15 @@ def wants_event_ids(request: Request) -> bool:
     takes every event for ``data: <json>`` and fails on an ``id:`` line."""
     accept = (request.header("accept") or "").lower()
     return "text/event-stream" in accept or request.header("last-event-id") is not None
+
+
+def merged(batches: list[TokenBatch]) -> TokenBatch:
+    """One request's batches as one (a beam search step's token and its logprobs)."""
+    out = TokenBatch([], logprobs=[], top_ids=[], top_logprobs=[])
+    for b in batches:
+        out.token_ids += b.token_ids
+        out.logprobs += b.logprobs or []  # type: ignore[operator]
+        out.top_ids += b.top_ids or []  # type: ignore[operator]
+        out.top_logprobs += b.top_logprobs or []  # type: ignore[operator]
+        out.finish_reason, out.stop_reason = b.finish_reason, b.stop_reason
+    return out

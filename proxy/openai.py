@@ -24,6 +24,7 @@ from typing import Any
 import star
 from proxy import chat_tools, sse
 from proxy.backend import GenerationRequest, RequestKind, TokenBatch, is_migratable
+from proxy.beam import BeamParams
 from proxy.detok import TextStream
 from proxy.http import HttpError, InStreamError
 from proxy.logprobs import (
@@ -100,6 +101,8 @@ class ParsedRequest:
     asked_max_tokens: int = 0
     # vLLM's return_prompt_text (chat): the rendered prompt, on the response; None: not asked.
     prompt_text: str | None = None
+    # use_beam_search (completions): run by proxy.beam, not as choices fanned out.
+    beam: BeamParams | None = None
 
     @property
     def batch(self) -> tuple[list[int], ...]:
@@ -141,7 +144,6 @@ def find_model(models: Mapping[str, ModelCard], name: Any) -> ModelCard:
 # ignored (an answer that silently differs from vLLM's). What each does in vLLM,
 # and its default where that is not unset (a request sending it is served).
 _UNSERVED_ANY: dict[str, tuple[str, Any]] = {
-    "use_beam_search": ("beam search", None),
     # vLLM 0.32's sampler gives every request of a step the logprob_token_ids shape when
     # one asks for it (Sampler.sample: "prefer logprob_token_ids"): on a shared decode
     # instance one request would take its neighbours' top logprobs away.
@@ -159,6 +161,7 @@ _UNSERVED: dict[str, dict[str, tuple[str, Any]]] = {
     },
     "chat": {
         **_UNSERVED_ANY,
+        "use_beam_search": ("beam search on chat (served on completions)", None),
     },
 }
 
@@ -182,6 +185,7 @@ def parse_completion(body: bytes, models: Mapping[str, ModelCard]) -> ParsedRequ
     f = Fields(parse_object(body))
     card = find_model(models, f.raw("model"))
     _refuse_unserved(f, "completions")
+    beam = f.bool_("use_beam_search", False)
     if f.raw("prompt_embeds") is not None:  # vLLM's answer: STAR's engines do not enable them
         f.fail("prompt_embeds", "You must set `--enable-prompt-embeds` to input `prompt_embeds`.")
     prompts = _completion_prompts(f, card)
@@ -203,8 +207,11 @@ def parse_completion(body: bytes, models: Mapping[str, ModelCard]) -> ParsedRequ
         # streamed, only echo's logprobs show them
         prompt_logprobs,
         shown_streamed=echoed and logprobs is not None,
+        beam=beam,
     )
     _raise_in_stream(f)
+    if beam:
+        parsed = _beam_search(f, parsed)
     if not echoed:
         return parsed
     if parsed.text.token_ids:  # vLLM 0.32: the ids instead of the prompt's text
@@ -469,6 +476,38 @@ def _completion_prompts(f: Fields, card: ModelCard) -> list[list[int]]:
     return out
 
 
+def _beam_search(f: Fields, parsed: ParsedRequest) -> ParsedRequest:
+    """A completion with ``use_beam_search`` (vLLM's checks; :mod:`proxy.beam` runs it).
+
+    As vLLM 0.32's server: not streamed; the width is ``n``; of the sampling
+    only the temperature (default 1.0), ``length_penalty``, ``ignore_eos``,
+    ``include_stop_str_in_output`` and ``skip_special_tokens`` apply. STAR
+    does not run it with ``echo`` or ``logprobs`` (a 400 naming them).
+    """
+    if parsed.gen.stream:
+        raise HttpError(400, "Streaming is not currently supported with beam search")
+    for name in ("echo", "logprobs"):
+        if f.raw(name) not in (None, False):
+            f.fail(
+                name,
+                "'{param}' with beam search is not supported by STAR yet; leave it out",
+                "unsupported_parameter",
+            )
+    gen = parsed.gen
+    temperature = f.opt_float("temperature", lo=0.0, hi=2.0)
+    if temperature is None:
+        temperature = float(parsed.card.generation_defaults.get("temperature", 1.0))
+    beam = BeamParams(
+        width=gen.n,
+        max_tokens=parsed.asked_max_tokens,  # each prompt's clamped (proxy.app)
+        ignore_eos=f.bool_("ignore_eos", False),
+        temperature=temperature,
+        length_penalty=f.opt_float("length_penalty") or 1.0,
+        include_stop_str_in_output=parsed.text.include_stop_str_in_output,
+    )
+    return dataclasses.replace(parsed, beam=beam)
+
+
 def _truncation(f: Fields, card: ModelCard) -> Truncation | None:
     """vLLM's ``truncate_prompt_tokens`` (-1: the context less one token) and
     ``truncation_side``; None: the prompt is not truncated."""
@@ -563,6 +602,7 @@ def _finish_parse(
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
     shown_streamed: bool = False,
+    beam: bool = False,
 ) -> ParsedRequest:
     stream = f.bool_("stream", False)
     if stream and not shown_streamed:
@@ -591,7 +631,7 @@ def _finish_parse(
     # vLLM's get_max_tokens: the budget of each prompt clamped to the context it leaves
     # (fanout.children clamps each batched prompt's to its own).
     max_tokens = min(asked, card.max_model_len - len(prompts[0]))
-    sampling = _sampling(f, card, max_tokens)
+    sampling = _sampling(f, card, max_tokens, beam)
     if logprobs is not None:
         sampling["logprobs"] = logprobs
     if prompt_logprobs is not None:
@@ -652,8 +692,9 @@ def _size_error(card: ModelCard, exc: PromptTooLong, kind: RequestKind) -> HttpE
     )
 
 
-def _sampling(f: Fields, card: ModelCard, max_tokens: int) -> dict[str, Any]:
-    """vLLM SamplingParams kwargs: only what the request (or the model's defaults) set."""
+def _sampling(f: Fields, card: ModelCard, max_tokens: int, beam: bool = False) -> dict[str, Any]:
+    """vLLM SamplingParams kwargs: only what the request (or the model's defaults) set
+    (``beam``: a beam search's, whose ``n`` is its width)."""
     vocab = card.tokenizer.get_vocab_size(with_added_tokens=True)
     s: dict[str, Any] = {"max_tokens": max_tokens}
     n = f.int_("n", 1, lo=1, hi=MAX_N)
@@ -675,7 +716,7 @@ def _sampling(f: Fields, card: ModelCard, max_tokens: int) -> dict[str, Any]:
             value = card.generation_defaults.get(name)
         if value is not None:
             s[name] = float(value)
-    if n > 1 and s.get("temperature", 1.0) < _GREEDY_EPS:
+    if n > 1 and not beam and s.get("temperature", 1.0) < _GREEDY_EPS:
         # vLLM's SamplingParams._verify_greedy_sampling (its default temperature is 1.0)
         raise HttpError(400, f"n must be 1 when using greedy sampling, got {n}.")
     top_k = f.opt_int("top_k", lo=-1)

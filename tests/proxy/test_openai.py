@@ -584,7 +584,6 @@ def test_a_stop_token_is_counted_and_its_text_left_out_as_vllm_does(
 
 
 UNSERVED = [
-    ("use_beam_search", True),
     ("logprob_token_ids", [3]),
     ("kv_transfer_params", {"do_remote_prefill": True}),
 ]
@@ -782,3 +781,21 @@ def test_prompt_embeds_are_refused_as_vllm_refuses_them_without_the_engine_flag(
         completion(card, prompt_embeds="AAAA")
     assert (info.value.status, info.value.param) == (400, "prompt_embeds")
     assert "--enable-prompt-embeds" in info.value.message
+
+
+def test_beam_search_is_served_on_completions_as_vllm_checks_it(card: ModelCard) -> None:
+    """tests/proxy/test_beam.py runs it; here what is refused: a stream (vLLM's answer),
+    echo or logprobs with it (not yet in STAR), and beam search on chat (not yet)."""
+    parsed = completion(card, use_beam_search=True, n=3, temperature=0, length_penalty=0.5)
+    assert parsed.beam is not None and (parsed.beam.width, parsed.beam.length_penalty) == (3, 0.5)
+    assert parsed.beam.temperature == 0.0 and completion(card).beam is None
+    with pytest.raises(HttpError) as info:
+        completion(card, use_beam_search=True, stream=True)
+    assert "Streaming is not currently supported with beam search" in info.value.message
+    for fields in ({"echo": True}, {"logprobs": 2}):
+        with pytest.raises(HttpError) as info:
+            completion(card, use_beam_search=True, **fields)
+        assert info.value.code == "unsupported_parameter"
+    with pytest.raises(HttpError) as info:
+        chat(card, use_beam_search=True)
+    assert (info.value.param, info.value.code) == ("use_beam_search", "unsupported_parameter")
