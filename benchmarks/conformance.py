@@ -350,6 +350,7 @@ def cases(tools: bool = True, reasoning: bool = False) -> list[Case]:
         h("chat_template_kwargs", {"chat_template_kwargs": {"enable_thinking": False}}),
         h("add_special_tokens=true", {"add_special_tokens": True}),
         h("return_prompt_text", {"return_prompt_text": True}),
+        h("use_beam_search, n=2", {"use_beam_search": True, "n": 2}),
         h("mm_processor_kwargs (text only: unused)", {"mm_processor_kwargs": {"a": 1}}),
         h("return_token_ids", {"return_token_ids": True}),
         h(

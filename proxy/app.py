@@ -293,9 +293,12 @@ class ProxyApp:
             return StreamingResponse(_one(error_stream(exc)))
         if parsed.beam is not None:
             try:
-                return Response.json(await self._beam(parsed))
+                streamed, whole = await self._beam(parsed)
             except BackendError as exc:
                 raise _http_error(exc, parsed.gen.request_id) from None
+            if whole is None:
+                return StreamingResponse(_one(streamed))
+            return Response.json(whole)
         gen = parsed.gen
         relay = Relay(parsed)
         timing = _Timing(self.metrics, gen.arrival_s)
@@ -483,9 +486,11 @@ class ProxyApp:
         """Abort every held stream (after the server has drained)."""
         self.streams.close()
 
-    async def _beam(self, parsed: ParsedRequest) -> dict[str, Any]:
-        """A beam search's response (proxy.beam): one-token requests through the fleet,
-        each prompt's own search, the beams its choices (as vLLM 0.32's server)."""
+    async def _beam(self, parsed: ParsedRequest) -> tuple[bytes, dict[str, Any] | None]:
+        """A beam search (proxy.beam): one-token requests through the fleet, each prompt's
+        own search, its beams the choices, as vLLM 0.32's server answers it: a stream's
+        whole SSE body (each beam's text at once, as vLLM streams a chat's), or the
+        response (None, b"" the other)."""
         gen, params = parsed.gen, parsed.beam
         assert params is not None
         card = parsed.card
@@ -506,17 +511,14 @@ class ProxyApp:
             return merged([b async for b in self.backend.generate(req)])
 
         prompts = parsed.batch
-        room = [card.max_model_len - len(p) for p in prompts]
         found = await asyncio.gather(
             *(
-                beam.search(
-                    p, dataclasses.replace(params, max_tokens=min(params.max_tokens, r)), eos, step
-                )
-                for p, r in zip(prompts, room, strict=True)
+                beam.search(p, params.within(card.max_model_len - len(p)), eos, step)
+                for p in prompts
             )
         )
-        # The response as the relay writes a completion's, with vLLM's beam texts (each
-        # beam decoded alone, its end token left out) and no stop strings or logprobs.
+        # As the relay writes a response, with vLLM's beam texts (each beam decoded
+        # alone, its end token left out) and no stop strings or logprobs.
         shown = dataclasses.replace(
             parsed,
             gen=dataclasses.replace(gen, stop=()),
@@ -525,24 +527,30 @@ class ProxyApp:
             ),
         )
         relay = Relay(shown)
-        texts = []
+        streamed, texts = b"", []
         for p, beams in enumerate(found):
             for i, b in enumerate(beams):
                 index, tokens = p * params.width + i, beam.generated(b, len(prompts[p]))
-                relay.feed(TokenBatch(tokens, index=index))
-                relay.feed(TokenBatch([], b.finish_reason or "length", b.stop_reason, index=index))  # type: ignore[arg-type]
-                shown_ids = (
+                streamed += relay.feed(TokenBatch(tokens, index=index))
+                finish = TokenBatch([], b.finish_reason or "length", b.stop_reason, index=index)  # type: ignore[arg-type]
+                streamed += relay.feed(finish)
+                text_ids = (
                     tokens[:-1]
                     if tokens and tokens[-1] == eos and not params.ignore_eos
                     else tokens
                 )
                 skip = parsed.text.skip_special_tokens
-                texts.append(card.tokenizer.decode(shown_ids, skip_special_tokens=skip))
+                texts.append(card.tokenizer.decode(text_ids, skip_special_tokens=skip))
+        log.info("request_finished", request_id=gen.request_id, beam_width=params.width)
+        if gen.stream:
+            return streamed + relay.end(), None
         out = relay.response()
         for choice, text in zip(out["choices"], texts, strict=True):
-            choice["text"] = text
-        log.info("request_finished", request_id=gen.request_id, beam_width=params.width)
-        return out
+            if "message" in choice:
+                choice["message"]["content"] = text
+            else:
+                choice["text"] = text
+        return b"", out
 
     def _open(self, parsed: ParsedRequest) -> AsyncIterator[TokenBatch]:
         """The backend's stream for the request: one upstream request per choice."""

@@ -14,6 +14,7 @@ break them, so the same logprobs give the same beams.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -35,6 +36,10 @@ class BeamParams:
     temperature: float = 1.0
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
+
+    def within(self, room: int) -> BeamParams:
+        """These, ``max_tokens`` clamped to the ``room`` a prompt leaves of the context."""
+        return dataclasses.replace(self, max_tokens=min(self.max_tokens, room))
 
     def sampling(self) -> dict[str, float | int]:
         """The one-token request of a step (vLLM's ``SamplingParams`` there)."""

@@ -161,7 +161,6 @@ _UNSERVED: dict[str, dict[str, tuple[str, Any]]] = {
     },
     "chat": {
         **_UNSERVED_ANY,
-        "use_beam_search": ("beam search on chat (served on completions)", None),
     },
 }
 
@@ -232,8 +231,15 @@ def parse_chat(body: bytes, models: Mapping[str, ModelCard]) -> ParsedRequest:
     f = Fields(parse_object(body))
     card = find_model(models, f.raw("model"))
     _refuse_unserved(f, "chat")
+    beam = f.bool_("use_beam_search", False)
     messages = _messages(f)
     tooling = chat_tools.prepare(f.data, card)
+    if beam and tooling is not None:  # vLLM parses a beam's text; STAR does not yet
+        f.fail(
+            "use_beam_search",
+            "'{param}' with tools or a reasoning parser is not supported by STAR yet; leave it out",
+            "unsupported_parameter",
+        )
     logprobs = _chat_logprobs(f)
     prompt_logprobs = _prompt_logprobs(f)
     echoed = f.bool_("echo", False)
@@ -304,8 +310,11 @@ def parse_chat(body: bytes, models: Mapping[str, ModelCard]) -> ParsedRequest:
         None,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,  # shown only in a whole response
+        beam=beam,
     )
     _raise_in_stream(f)
+    if beam:
+        parsed = _beam_search(f, parsed)
     for name in ("media_io_kwargs", "mm_processor_kwargs"):
         f.dict_(name)  # checked, unused: vLLM passes them on only with multimodal data
     prompt_text = text if f.bool_("return_prompt_text", False) else None
@@ -477,14 +486,15 @@ def _completion_prompts(f: Fields, card: ModelCard) -> list[list[int]]:
 
 
 def _beam_search(f: Fields, parsed: ParsedRequest) -> ParsedRequest:
-    """A completion with ``use_beam_search`` (vLLM's checks; :mod:`proxy.beam` runs it).
+    """A request with ``use_beam_search`` (vLLM's checks; :mod:`proxy.beam` runs it).
 
-    As vLLM 0.32's server: not streamed; the width is ``n``; of the sampling
+    As vLLM 0.32's server: a completion not streamed (a chat's beams are, all
+    at once when the search is done); the width is ``n``; of the sampling
     only the temperature (default 1.0), ``length_penalty``, ``ignore_eos``,
     ``include_stop_str_in_output`` and ``skip_special_tokens`` apply. STAR
     does not run it with ``echo`` or ``logprobs`` (a 400 naming them).
     """
-    if parsed.gen.stream:
+    if parsed.gen.stream and parsed.gen.kind != "chat":  # vLLM streams a chat's beams
         raise HttpError(400, "Streaming is not currently supported with beam search")
     for name in ("echo", "logprobs"):
         if f.raw(name) not in (None, False):

@@ -173,7 +173,8 @@ def test_a_beam_search_completion_answers_as_vllms_server(card: Any, salt: int) 
     app = ProxyApp(model, [card], ProxySettings(host="127.0.0.1", port=0))  # type: ignore[arg-type]
     eos = card.tokenizer.token_to_id(card.special_tokens["eos_token"])
     assert eos == EOS  # the made-up model's end token is the tiny tokenizer's
-    out = asyncio.run(app._beam(parsed))
+    streamed, out = asyncio.run(app._beam(parsed))
+    assert streamed == b"" and out is not None
     params = BeamParams(2, 4, temperature=0.0)
     want = [star_beams([5, 6], params, salt), star_beams([7], params, salt)]
     assert [vllm_beams([5, 6], params, salt), vllm_beams([7], params, salt)] == want
@@ -190,3 +191,35 @@ def test_a_beam_search_completion_answers_as_vllms_server(card: Any, salt: int) 
     } | {k: out["usage"][k] for k in out["usage"] if k.endswith("_details")}
     assert {r.sampling["logprobs"] for r in model.requests} == {4}
     assert all(r.sampling["max_tokens"] == 1 for r in model.requests)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_chat_beam_search_answers_each_beam_as_a_choice(card: Any, stream: bool) -> None:
+    """use_beam_search on chat (vLLM serves it streamed too: each beam's text in one chunk
+    when the search is done): the messages are the beams' texts, in the beams' order."""
+    import json
+
+    from proxy import sse
+    from proxy.app import ProxyApp
+    from proxy.openai import parse_chat
+    from star.settings import ProxySettings
+    from tests.e2e.streams import texts
+
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 3}
+    body |= {"use_beam_search": True, "temperature": 0, "max_tokens": 5, "stream": stream}
+    parsed = parse_chat(json.dumps(body).encode(), {"tiny": card})
+    app = ProxyApp(_Model(7), [card], ProxySettings(host="127.0.0.1", port=0))  # type: ignore[arg-type]
+    streamed, whole = asyncio.run(app._beam(parsed))
+    prompt = list(parsed.gen.prompt_token_ids)
+    want = star_beams(prompt, BeamParams(3, 5, temperature=0.0), 7)
+    assert want == vllm_beams(prompt, BeamParams(3, 5, temperature=0.0), 7)
+    shown = {i: card.tokenizer.decode(tokens) for i, (tokens, *_) in enumerate(want)}
+    if not stream:
+        assert whole is not None and streamed == b""
+        assert {c["index"]: c["message"]["content"] for c in whole["choices"]} == shown
+        assert [c["finish_reason"] for c in whole["choices"]] == [w[2] for w in want]
+        return
+    assert whole is None
+    events = sse.SSEDecoder().feed(streamed)
+    assert events[-1].data == sse.DONE_DATA
+    assert texts(events) == shown
