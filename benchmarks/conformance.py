@@ -351,7 +351,7 @@ def cases(tools: bool = True, reasoning: bool = False) -> list[Case]:
         h("add_special_tokens=true", {"add_special_tokens": True}),
         h("return_prompt_text", {"return_prompt_text": True}),
         h("use_beam_search, n=2", {"use_beam_search": True, "n": 2}),
-        h("mm_processor_kwargs (text only: unused)", {"mm_processor_kwargs": {"a": 1}}),
+        h("error: mm_processor_kwargs (untrusted)", {"mm_processor_kwargs": {"a": 1}}, error=True),
         h("return_token_ids", {"return_token_ids": True}),
         h(
             "return_tokens_as_token_ids",

@@ -315,8 +315,17 @@ def parse_chat(body: bytes, models: Mapping[str, ModelCard]) -> ParsedRequest:
     _raise_in_stream(f)
     if beam:
         parsed = _beam_search(f, parsed)
-    for name in ("media_io_kwargs", "mm_processor_kwargs"):
-        f.dict_(name)  # checked, unused: vLLM passes them on only with multimodal data
+    for name, what in (
+        ("mm_processor_kwargs", "preprocessing"),
+        ("media_io_kwargs", "media loading"),
+    ):
+        if f.dict_(name):  # vLLM's validate_request_mm_kwargs, without --trust-request-mm-kwargs
+            f.fail(
+                name,
+                f"Per-request {name} are disabled by default because they can change "
+                f"multimodal {what} resource usage. Start the server with "
+                "--trust-request-mm-kwargs only when clients are trusted.",
+            )
     prompt_text = text if f.bool_("return_prompt_text", False) else None
     parsed = dataclasses.replace(parsed, role=role, chat_echo=chat_echo, prompt_text=prompt_text)
     if tooling is None:
@@ -752,10 +761,10 @@ def _sampling(f: Fields, card: ModelCard, max_tokens: int, beam: bool = False) -
     structured = _structured_outputs(f)
     if structured is not None:
         s["structured_outputs"] = structured
-    return s | _engine_extras(f)
+    return s | _engine_extras(f, card)
 
 
-def _engine_extras(f: Fields) -> dict[str, Any]:
+def _engine_extras(f: Fields, card: ModelCard) -> dict[str, Any]:
     """vLLM's engine-side extras, checked as its request models check them and passed on
     (none of them migrates: ``star.sampling`` does not know them)."""
     out: dict[str, Any] = {}
@@ -768,6 +777,15 @@ def _engine_extras(f: Fields) -> dict[str, Any]:
             )
         if budget != -1:  # -1: unlimited, unset
             out["thinking_token_budget"] = budget
+        if budget != -1 and not card.reasoning_parser:  # vLLM's engine input check
+            message = (
+                "thinking_token_budget is set but reasoning_config is not configured. Please "
+                "set --reasoning-parser and/or --reasoning-config to use thinking_token_budget."
+            )
+            if not f.bool_("stream", False):
+                f.fail("thinking_token_budget", message)
+            # vLLM's engine checks it after its server started the stream.
+            f.in_stream = InStreamError(400, message, param="thinking_token_budget")
     detection = f.dict_("repetition_detection")
     if detection is not None:
         out["repetition_detection"] = _repetition_detection(f, detection)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -10,7 +11,7 @@ import pytest
 from proxy import sse
 from proxy.backend import TokenBatch
 from proxy.fanout import children
-from proxy.http import HttpError
+from proxy.http import HttpError, InStreamError
 from proxy.openai import (
     FINGERPRINT,
     ParsedRequest,
@@ -744,9 +745,16 @@ def test_engine_extras_are_checked_as_vllm_checks_them_and_never_migrate(card: M
         "repetition_detection": {"max_pattern_size": 4, "min_count": 2},
         "vllm_xargs": {"k": [1, "x"]},
     }
+    reasoning = dataclasses.replace(card, reasoning_parser="deepseek_r1")
     for name, value in extras.items():
-        gen = completion(card, **{name: value}).gen
+        gen = completion(reasoning, **{name: value}).gen
         assert name in gen.sampling and not gen.migratable, name
+    # Without a reasoning parser vLLM's engine refuses a budget: 400, or in a stream's event.
+    with pytest.raises(HttpError) as refused:
+        completion(card, thinking_token_budget=5)
+    assert "reasoning_config is not configured" in refused.value.message
+    with pytest.raises(InStreamError):
+        completion(card, thinking_token_budget=5, stream=True)
     unlimited = completion(card, thinking_token_budget=-1).gen
     assert "thinking_token_budget" not in unlimited.sampling and unlimited.migratable
     for name, value in (
@@ -762,16 +770,16 @@ def test_engine_extras_are_checked_as_vllm_checks_them_and_never_migrate(card: M
         assert (info.value.status, info.value.param) == (400, name), (name, value)
 
 
-def test_multimodal_kwargs_are_checked_and_unused_on_text(card: ModelCard) -> None:
-    """vLLM hands media_io_kwargs / mm_processor_kwargs only to multimodal processing."""
+def test_multimodal_kwargs_are_refused_as_vllm_refuses_them_untrusted(card: ModelCard) -> None:
+    """vLLM without --trust-request-mm-kwargs refuses a request's own media_io_kwargs /
+    mm_processor_kwargs (the conformance run found it); empty ones change nothing."""
     plain = chat(card).gen
     for name in ("media_io_kwargs", "mm_processor_kwargs"):
-        assert (
-            chat(card, **{name: {"image": {"x": 1}}}).gen.prompt_token_ids == plain.prompt_token_ids
-        )
-        with pytest.raises(HttpError) as info:
-            chat(card, **{name: "not an object"})
-        assert info.value.param == name
+        assert chat(card, **{name: {}}).gen.prompt_token_ids == plain.prompt_token_ids
+        for value in ({"image": {"x": 1}}, "not an object"):
+            with pytest.raises(HttpError) as info:
+                chat(card, **{name: value})
+            assert info.value.param == name
 
 
 def test_prompt_embeds_are_refused_as_vllm_refuses_them_without_the_engine_flag(
