@@ -1075,7 +1075,8 @@ class Relay:
         self._ids_null = (
             b',"token_ids":null' if chat else b',"prompt_token_ids":null,"token_ids":null'
         )
-        self._stop_null = (b"" if chat else b',"stop_reason":null') + self._ids_null
+        self._stop_unset = b"" if chat else b',"stop_reason":null'
+        self._stop_null = self._stop_unset + self._ids_null
         self._post = self._text_end + self._tail + b"null" + self._stop_null + self._end + b"\n\n"
 
     @property
@@ -1427,17 +1428,14 @@ class Relay:
     def _stop_field(self, index: int, finish: str | None, ids: list[int] | None = None) -> bytes:
         """A chunk's ``stop_reason`` (the matched stop string or stop token id) and token
         ids (``ids``: the chunk's, when the request asked for them), as vLLM sends them."""
-        if ids is None:
-            if finish is None:
-                return self._stop_null
-            return b',"stop_reason":' + _j(self.choices[index].stop_reason) + self._ids_null
-        chat = self.req.kind == "chat"
-        if finish is not None:
-            stop = b',"stop_reason":' + _j(self.choices[index].stop_reason)
+        if finish is None:
+            stop = self._stop_unset
         else:
-            stop = b"" if chat else b',"stop_reason":null'
+            stop = b',"stop_reason":' + _j(self.choices[index].stop_reason)
+        if ids is None:
+            return stop + self._ids_null
         out = b',"token_ids":' + (_j(ids) if self._token_ids else b"null")
-        if not chat:  # a choice's first chunk names its prompt's ids, later ones null
+        if self.req.kind != "chat":  # a choice's first chunk names its prompt's ids, later null
             first = index not in self._ids_sent
             self._ids_sent.add(index)
             out = b',"prompt_token_ids":' + (_j(self._prompts[index]) if first else b"null") + out
